@@ -1,0 +1,15 @@
+//! closbox's fabric model: topology files, generators, routing, and a deterministic,
+//! sans-IO packet-level model of switches, queues and links.
+//!
+//! Nothing in this crate does I/O or reads a clock: time and packets come in, scheduled
+//! deliveries and the next deadline go out. The daemon (`switchd`) drives it in real time;
+//! tests drive it with a virtual clock.
+
+pub mod config;
+pub mod generate;
+pub mod topology;
+pub mod units;
+
+pub use config::{load, parse, ConfigError};
+pub use topology::Topology;
+pub use units::{Bandwidth, Bytes, Duration, Instant};

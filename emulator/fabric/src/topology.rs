@@ -1,0 +1,367 @@
+//! The validated fabric graph: GPUs (hosts), switches and links with dense ids.
+//!
+//! A `Topology` is what a topology file means once parsed and checked (see `config`), or
+//! what a generator builds. It holds no runtime state: the model (`model`) and the planner
+//! (`plan`) read it. Every link is full duplex: it gives one egress port to each end.
+
+use std::fmt;
+use std::net::Ipv4Addr;
+
+use crate::units::{Bandwidth, Bytes, Duration};
+
+/// Index of a GPU in `Topology::hosts`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HostId(pub u32);
+
+/// Index of a switch in `Topology::switches`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SwitchId(pub u32);
+
+/// One end of a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Vertex {
+    Host(HostId),
+    Switch(SwitchId),
+}
+
+/// Switch tiers, bottom up. A `Node` switch is a scale-up (NVSwitch-like) domain that only
+/// carries traffic between the GPUs of its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    Node,
+    Leaf,
+    Spine,
+    Core,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Node, Tier::Leaf, Tier::Spine, Tier::Core];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Node => "node",
+            Tier::Leaf => "leaf",
+            Tier::Spine => "spine",
+            Tier::Core => "core",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|t| t.name() == s)
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Link classes, each configured once in a topology file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LinkClass {
+    /// GPU to its node's scale-up switch.
+    Nvlink,
+    /// GPU NIC to its first scale-out switch (or to another GPU in a full mesh).
+    Nic,
+    LeafSpine,
+    SpineCore,
+}
+
+impl LinkClass {
+    pub const ALL: [LinkClass; 4] = [
+        LinkClass::Nvlink,
+        LinkClass::Nic,
+        LinkClass::LeafSpine,
+        LinkClass::SpineCore,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkClass::Nvlink => "nvlink",
+            LinkClass::Nic => "nic",
+            LinkClass::LeafSpine => "leaf-spine",
+            LinkClass::SpineCore => "spine-core",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<LinkClass> {
+        LinkClass::ALL.into_iter().find(|c| c.name() == s)
+    }
+}
+
+impl fmt::Display for LinkClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a switch picks among equal-cost next hops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// Per flow: a seeded hash of the 5-tuple; a flow keeps one path.
+    Ecmp,
+    /// Per packet: seeded random choice.
+    Spray,
+    /// Per packet: the equal-cost port with the fewest queued bytes (ties by flow hash).
+    Adaptive,
+}
+
+impl Routing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Routing::Ecmp => "ecmp",
+            Routing::Spray => "spray",
+            Routing::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// ECN CE marking of ECT packets, decided on enqueue from the instantaneous queue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Ecn {
+    /// DCTCP-style step: mark when the queue (before this packet) holds more than `k`.
+    Step { k: Bytes },
+    /// RED-like: no mark below `min`, probability rising linearly to `p_max` at `max`,
+    /// always above `max`.
+    Red { min: Bytes, max: Bytes, p_max: f64 },
+}
+
+/// Egress queue settings of a port.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QueueParams {
+    /// Tail-drop limit on queued bytes (IP bytes, including the packet in service).
+    pub buffer: Bytes,
+    pub ecn: Option<Ecn>,
+}
+
+/// Settings shared by the switches of one tier.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SwitchParams {
+    /// Forwarding latency added between a packet's full arrival and its enqueue.
+    pub latency: Duration,
+    pub queue: QueueParams,
+    pub routing: Routing,
+    /// Port count limit; `None` means unlimited.
+    pub radix: Option<u32>,
+}
+
+/// Settings of one link (both directions alike).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkParams {
+    pub rate: Bandwidth,
+    /// One-way propagation delay.
+    pub delay: Duration,
+    /// Probability that a packet is lost on the wire, in [0, 1).
+    pub loss: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Host {
+    pub name: String,
+    pub addr: Ipv4Addr,
+    /// Index of the node (scale-up domain) this GPU belongs to.
+    pub node: u32,
+    /// Index of this GPU within its node.
+    pub local_rank: u32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Switch {
+    pub name: String,
+    pub tier: Tier,
+    pub params: SwitchParams,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Link {
+    pub a: Vertex,
+    pub b: Vertex,
+    pub class: LinkClass,
+    pub params: LinkParams,
+}
+
+/// Which generator made a topology, with its shape, for reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Shape {
+    SingleSwitch,
+    FullMesh,
+    LeafSpine {
+        leaves: u32,
+        spines: u32,
+        uplinks: u32,
+    },
+    FatTree {
+        k: u32,
+    },
+    RailOptimized {
+        rails: u32,
+        spines: u32,
+        uplinks: u32,
+    },
+    SuperpodSu,
+    Custom,
+}
+
+impl Shape {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Shape::SingleSwitch => "single-switch",
+            Shape::FullMesh => "full-mesh",
+            Shape::LeafSpine { .. } => "leaf-spine",
+            Shape::FatTree { .. } => "fat-tree",
+            Shape::RailOptimized { .. } => "rail-optimized",
+            Shape::SuperpodSu => "superpod-su",
+            Shape::Custom => "custom",
+        }
+    }
+}
+
+/// Fabric-wide settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FabricParams {
+    /// Prefixes every system object (`cb-<name>-…`).
+    pub name: String,
+    /// Seeds every random choice (loss, spray, ECMP hash, RED).
+    pub seed: u64,
+    /// 1 = real time; k > 1 = the fabric runs k times slower than wall time.
+    pub time_scale: f64,
+    pub pool: Ipv4Net,
+    /// Largest IP packet a GPU sends, in bytes; larger packets are split into frames.
+    pub mtu: u32,
+    /// Per-frame bytes on the wire beyond the IP packet (Ethernet: 14 + 4 FCS + 8 preamble
+    /// + 12 inter-frame gap = 38).
+    pub l2_overhead: u32,
+    /// The GPU NIC's egress queue.
+    pub nic_queue: QueueParams,
+}
+
+/// An IPv4 prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ipv4Net {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Ipv4Net {
+    /// Number of usable host addresses (network and broadcast excluded).
+    pub fn host_capacity(self) -> u64 {
+        (1u64 << (32 - self.prefix as u32)).saturating_sub(2)
+    }
+
+    /// The `i`-th usable address (0-based).
+    pub fn host(self, i: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.addr) + 1 + i)
+    }
+
+    pub fn contains(self, a: Ipv4Addr) -> bool {
+        let mask = if self.prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - self.prefix as u32)
+        };
+        u32::from(a) & mask == u32::from(self.addr) & mask
+    }
+}
+
+impl std::str::FromStr for Ipv4Net {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR prefix such as \"198.18.0.0/15\""))?;
+        let addr: Ipv4Addr = a
+            .parse()
+            .map_err(|_| format!("{a:?} is not an IPv4 address"))?;
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= 30)
+            .ok_or_else(|| format!("prefix length {p:?} must be 0..=30"))?;
+        let mask = if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        };
+        if u32::from(addr) & !mask != 0 {
+            return Err(format!(
+                "{s:?} has host bits set; the network is {}/{prefix}",
+                Ipv4Addr::from(u32::from(addr) & mask)
+            ));
+        }
+        Ok(Ipv4Net { addr, prefix })
+    }
+}
+
+impl fmt::Display for Ipv4Net {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// A validated fabric: every name unique, every link between existing vertices, every GPU
+/// able to reach every other, no switch over its radix.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Topology {
+    pub fabric: FabricParams,
+    pub shape: Shape,
+    pub hosts: Vec<Host>,
+    pub switches: Vec<Switch>,
+    pub links: Vec<Link>,
+}
+
+impl Topology {
+    pub fn host(&self, id: HostId) -> &Host {
+        &self.hosts[id.0 as usize]
+    }
+
+    pub fn switch(&self, id: SwitchId) -> &Switch {
+        &self.switches[id.0 as usize]
+    }
+
+    pub fn vertex_name(&self, v: Vertex) -> &str {
+        match v {
+            Vertex::Host(h) => &self.host(h).name,
+            Vertex::Switch(s) => &self.switch(s).name,
+        }
+    }
+
+    pub fn host_by_addr(&self, addr: Ipv4Addr) -> Option<HostId> {
+        // Addresses are assigned densely from the pool, so this is arithmetic.
+        let i = u32::from(addr).checked_sub(u32::from(self.fabric.pool.addr) + 1)?;
+        let h = self.hosts.get(i as usize)?;
+        (h.addr == addr).then_some(HostId(i))
+    }
+
+    pub fn host_by_name(&self, name: &str) -> Option<HostId> {
+        self.hosts
+            .iter()
+            .position(|h| h.name == name)
+            .map(|i| HostId(i as u32))
+    }
+
+    /// Number of nodes (scale-up domains).
+    pub fn nodes(&self) -> u32 {
+        self.hosts.iter().map(|h| h.node + 1).max().unwrap_or(0)
+    }
+
+    /// Largest number of GPUs in one node.
+    pub fn gpus_per_node(&self) -> u32 {
+        self.hosts.iter().map(|h| h.local_rank + 1).max().unwrap_or(0)
+    }
+
+    /// Number of link ends at each vertex: (per host, per switch).
+    pub fn degrees(&self) -> (Vec<u32>, Vec<u32>) {
+        let mut hosts = vec![0; self.hosts.len()];
+        let mut switches = vec![0; self.switches.len()];
+        for l in &self.links {
+            for v in [l.a, l.b] {
+                match v {
+                    Vertex::Host(h) => hosts[h.0 as usize] += 1,
+                    Vertex::Switch(s) => switches[s.0 as usize] += 1,
+                }
+            }
+        }
+        (hosts, switches)
+    }
+}

@@ -1,0 +1,455 @@
+//! Typed quantities: fabric time, data rates and byte counts.
+//!
+//! Owns the integer representations every other module uses (nanoseconds, bits per second,
+//! bytes) and their parsing from the strings topology files contain ("400Gbit", "50GB/s",
+//! "1us", "32MiB"). No floating point survives parsing except where a ratio is the natural
+//! unit (loss probabilities, time scale).
+
+use std::fmt;
+use std::ops::{Add, AddAssign, Sub};
+use std::str::FromStr;
+
+use serde::de::{self, Deserialize, Deserializer};
+
+/// A point in fabric time, in nanoseconds since the model's epoch.
+///
+/// The model never reads a clock: whoever drives it passes `now`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Instant(u64);
+
+impl Instant {
+    /// The model's epoch.
+    pub const ZERO: Instant = Instant(0);
+
+    pub const fn from_nanos(ns: u64) -> Self {
+        Instant(ns)
+    }
+
+    pub const fn as_nanos(self) -> u64 {
+        self.0
+    }
+
+    /// Time elapsed since `earlier`; zero if `earlier` is later.
+    pub fn saturating_since(self, earlier: Instant) -> Duration {
+        Duration(self.0.saturating_sub(earlier.0))
+    }
+}
+
+impl Add<Duration> for Instant {
+    type Output = Instant;
+    fn add(self, d: Duration) -> Instant {
+        Instant(self.0 + d.0)
+    }
+}
+
+impl Sub<Instant> for Instant {
+    type Output = Duration;
+    /// Panics (in debug builds) if `rhs` is later: that is a bug in the caller.
+    fn sub(self, rhs: Instant) -> Duration {
+        Duration(self.0 - rhs.0)
+    }
+}
+
+impl fmt::Display for Instant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "t={}", Duration(self.0))
+    }
+}
+
+/// A span of fabric time in nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Duration(u64);
+
+impl Duration {
+    pub const ZERO: Duration = Duration(0);
+
+    pub const fn from_nanos(ns: u64) -> Self {
+        Duration(ns)
+    }
+
+    pub const fn from_micros(us: u64) -> Self {
+        Duration(us * 1_000)
+    }
+
+    pub const fn from_millis(ms: u64) -> Self {
+        Duration(ms * 1_000_000)
+    }
+
+    pub const fn as_nanos(self) -> u64 {
+        self.0
+    }
+
+    pub fn as_secs_f64(self) -> f64 {
+        self.0 as f64 / 1e9
+    }
+}
+
+impl Add for Duration {
+    type Output = Duration;
+    fn add(self, rhs: Duration) -> Duration {
+        Duration(self.0 + rhs.0)
+    }
+}
+
+impl AddAssign for Duration {
+    fn add_assign(&mut self, rhs: Duration) {
+        self.0 += rhs.0;
+    }
+}
+
+impl fmt::Display for Duration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ns = self.0;
+        if ns == 0 {
+            write!(f, "0s")
+        } else if ns % 1_000_000_000 == 0 {
+            write!(f, "{}s", ns / 1_000_000_000)
+        } else if ns % 1_000_000 == 0 {
+            write!(f, "{}ms", ns / 1_000_000)
+        } else if ns % 1_000 == 0 {
+            write!(f, "{}us", ns / 1_000)
+        } else {
+            write!(f, "{ns}ns")
+        }
+    }
+}
+
+impl FromStr for Duration {
+    type Err = UnitError;
+
+    /// Accepts a number followed by `ns`, `us` (or `µs`), `ms` or `s`: "1us", "2.5ms", "0".
+    fn from_str(s: &str) -> Result<Self, UnitError> {
+        let (value, unit) = split_number(s, "duration")?;
+        let scale: f64 = match unit {
+            "ns" => 1.0,
+            "us" | "µs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "" if value == 0.0 => 1.0,
+            _ => {
+                return Err(UnitError::new(
+                    s,
+                    "duration",
+                    "expected a unit: ns, us, ms or s (e.g. \"1us\")",
+                ))
+            }
+        };
+        let ns = value * scale;
+        if ns.fract().abs() > 1e-6 {
+            return Err(UnitError::new(
+                s,
+                "duration",
+                "finer than the model's 1 ns resolution",
+            ));
+        }
+        if ns > u64::MAX as f64 / 4.0 {
+            return Err(UnitError::new(s, "duration", "too large"));
+        }
+        Ok(Duration(ns.round() as u64))
+    }
+}
+
+/// A data rate in bits per second.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bandwidth(u64);
+
+impl Bandwidth {
+    pub const fn from_bps(bps: u64) -> Self {
+        Bandwidth(bps)
+    }
+
+    pub const fn from_gbps(gbps: u64) -> Self {
+        Bandwidth(gbps * 1_000_000_000)
+    }
+
+    pub const fn bps(self) -> u64 {
+        self.0
+    }
+
+    /// Time to send `bits` at this rate, rounded down, plus the remainder in units of
+    /// `1/rate` ns (so that back-to-back transmissions can carry it and stay exact).
+    pub fn transmit_time(self, bits: u64, carry: u64) -> (Duration, u64) {
+        let num = bits as u128 * 1_000_000_000 + carry as u128;
+        let rate = self.0 as u128;
+        ((Duration((num / rate) as u64)), (num % rate) as u64)
+    }
+
+    /// Divides the rate by `k` (time dilation).
+    pub fn scaled_down(self, k: f64) -> Bandwidth {
+        Bandwidth(((self.0 as f64) / k).round().max(1.0) as u64)
+    }
+}
+
+impl fmt::Display for Bandwidth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0;
+        for (div, unit) in [
+            (1_000_000_000_000u64, "Tbit/s"),
+            (1_000_000_000, "Gbit/s"),
+            (1_000_000, "Mbit/s"),
+            (1_000, "kbit/s"),
+        ] {
+            if b >= div {
+                return if b % div == 0 {
+                    write!(f, "{}{unit}", b / div)
+                } else {
+                    write!(f, "{:.3}{unit}", b as f64 / div as f64)
+                };
+            }
+        }
+        write!(f, "{b}bit/s")
+    }
+}
+
+impl FromStr for Bandwidth {
+    type Err = UnitError;
+
+    /// Bits: "400Gbit", "400Gbps", "400Gbit/s", "100Mbit", "10kbit"; bytes: "50GB/s",
+    /// "50GBps" (×8). Decimal prefixes (k, M, G, T) as link rates use them.
+    fn from_str(s: &str) -> Result<Self, UnitError> {
+        let (value, unit) = split_number(s, "rate")?;
+        let unit_l = unit.strip_suffix("/s").unwrap_or(unit);
+        let (prefix, base) = match unit_l.char_indices().next() {
+            Some((_, c @ ('k' | 'K' | 'M' | 'G' | 'T'))) => (Some(c), &unit_l[1..]),
+            _ => (None, unit_l),
+        };
+        let mult: f64 = match prefix {
+            None => 1.0,
+            Some('k' | 'K') => 1e3,
+            Some('M') => 1e6,
+            Some('G') => 1e9,
+            Some('T') => 1e12,
+            Some(_) => unreachable!(),
+        };
+        let per_second = unit.ends_with("/s");
+        let bits_per_unit = match (base, per_second) {
+            ("bit" | "b", _) | ("bps", false) => 1.0,
+            ("B", _) | ("Bps", false) => 8.0,
+            _ => {
+                return Err(UnitError::new(
+                    s,
+                    "rate",
+                    "expected a unit such as \"400Gbit\", \"100Mbit/s\", \"10Gbps\" or \"50GB/s\"",
+                ))
+            }
+        };
+        let bps = value * mult * bits_per_unit;
+        if bps < 1.0 {
+            return Err(UnitError::new(s, "rate", "must be at least 1 bit/s"));
+        }
+        if bps > 1e16 {
+            return Err(UnitError::new(s, "rate", "too large (limit 10 Pbit/s)"));
+        }
+        Ok(Bandwidth(bps.round() as u64))
+    }
+}
+
+/// A number of bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bytes(u64);
+
+impl Bytes {
+    pub const fn new(bytes: u64) -> Self {
+        Bytes(bytes)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0;
+        for (div, unit) in [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+            if b >= div && b % div == 0 {
+                return write!(f, "{}{unit}", b / div);
+            }
+        }
+        write!(f, "{b}B")
+    }
+}
+
+impl FromStr for Bytes {
+    type Err = UnitError;
+
+    /// "1500", "1500B", "64KiB", "32MiB", "1GiB", "100KB" (decimal), "1.5MB".
+    fn from_str(s: &str) -> Result<Self, UnitError> {
+        let (value, unit) = split_number(s, "size")?;
+        let mult: f64 = match unit {
+            "" | "B" => 1.0,
+            "KB" | "kB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            _ => {
+                return Err(UnitError::new(
+                    s,
+                    "size",
+                    "expected a unit: B, KiB, MiB, GiB, KB, MB or GB (e.g. \"32MiB\")",
+                ))
+            }
+        };
+        let bytes = value * mult;
+        if bytes.fract().abs() > 1e-6 {
+            return Err(UnitError::new(s, "size", "not a whole number of bytes"));
+        }
+        if bytes > 1e15 {
+            return Err(UnitError::new(s, "size", "too large"));
+        }
+        Ok(Bytes(bytes.round() as u64))
+    }
+}
+
+/// A quantity string that did not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {what} {input:?}: {reason}")]
+pub struct UnitError {
+    pub input: String,
+    pub what: &'static str,
+    pub reason: &'static str,
+}
+
+impl UnitError {
+    fn new(input: &str, what: &'static str, reason: &'static str) -> Self {
+        UnitError {
+            input: input.to_owned(),
+            what,
+            reason,
+        }
+    }
+}
+
+/// Splits "2.5ms" into (2.5, "ms"). The number must be finite and non-negative.
+fn split_number<'a>(s: &'a str, what: &'static str) -> Result<(f64, &'a str), UnitError> {
+    let t = s.trim();
+    let end = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(end);
+    if num.is_empty() {
+        return Err(UnitError::new(s, what, "expected a number first"));
+    }
+    let value: f64 = num
+        .replace('_', "")
+        .parse()
+        .map_err(|_| UnitError::new(s, what, "malformed number"))?;
+    if !value.is_finite() {
+        return Err(UnitError::new(s, what, "not a finite number"));
+    }
+    Ok((value, unit.trim()))
+}
+
+/// Deserializes from a string with units or, for sizes and durations, a bare integer
+/// (bytes, nanoseconds). Errors carry the text's position through the TOML deserializer.
+macro_rules! deserialize_from_str {
+    ($ty:ident, $what:literal, $int:expr) => {
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl de::Visitor<'_> for V {
+                    type Value = $ty;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str($what)
+                    }
+                    fn visit_str<E: de::Error>(self, v: &str) -> Result<$ty, E> {
+                        v.parse().map_err(E::custom)
+                    }
+                    fn visit_i64<E: de::Error>(self, v: i64) -> Result<$ty, E> {
+                        let int: Option<fn(u64) -> $ty> = $int;
+                        match (int, u64::try_from(v)) {
+                            (Some(f), Ok(v)) => Ok(f(v)),
+                            (Some(_), Err(_)) => Err(E::custom(concat!("a ", $what, " cannot be negative"))),
+                            (None, _) => Err(E::custom(concat!(
+                                "a ",
+                                $what,
+                                " needs a unit, written as a string (e.g. \"100Gbit\")"
+                            ))),
+                        }
+                    }
+                }
+                d.deserialize_any(V)
+            }
+        }
+    };
+}
+
+deserialize_from_str!(Duration, "duration such as \"1us\"", None);
+deserialize_from_str!(Bandwidth, "rate such as \"400Gbit\"", None);
+deserialize_from_str!(Bytes, "size such as \"32MiB\"", Some(Bytes::new));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rates() {
+        let g = |s: &str| s.parse::<Bandwidth>().unwrap().bps();
+        assert_eq!(g("400Gbit"), 400_000_000_000);
+        assert_eq!(g("400Gbit/s"), 400_000_000_000);
+        assert_eq!(g("10Gbps"), 10_000_000_000);
+        assert_eq!(g("100Mbit"), 100_000_000);
+        assert_eq!(g("50GB/s"), 400_000_000_000);
+        assert_eq!(g("450GBps"), 3_600_000_000_000);
+        assert_eq!(g("2.5Gbit"), 2_500_000_000);
+        assert_eq!(g("1kbit"), 1_000);
+        for bad in ["", "Gbit", "10", "10 furlongs", "10Xbit", "-1Gbit", "0bit", "10Gbps/s"] {
+            assert!(bad.parse::<Bandwidth>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn parses_durations() {
+        let g = |s: &str| s.parse::<Duration>().unwrap().as_nanos();
+        assert_eq!(g("1us"), 1_000);
+        assert_eq!(g("1µs"), 1_000);
+        assert_eq!(g("2.5ms"), 2_500_000);
+        assert_eq!(g("700ns"), 700);
+        assert_eq!(g("1s"), 1_000_000_000);
+        assert_eq!(g("0"), 0);
+        for bad in ["1", "1.5ns", "ms", "1h", "1e3us"] {
+            assert!(bad.parse::<Duration>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn parses_sizes() {
+        let g = |s: &str| s.parse::<Bytes>().unwrap().get();
+        assert_eq!(g("1500"), 1500);
+        assert_eq!(g("64KiB"), 65_536);
+        assert_eq!(g("32MiB"), 32 << 20);
+        assert_eq!(g("100KB"), 100_000);
+        assert_eq!(g("1.5MB"), 1_500_000);
+        for bad in ["1.5", "12 parsecs", "KiB"] {
+            assert!(bad.parse::<Bytes>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn transmit_time_carries_remainder_exactly() {
+        // 3 bits at 1 Gbit/s = 3 ns; 1 bit at 3 Gbit/s = 0.333 ns: three of them = 1 ns.
+        let r = Bandwidth::from_bps(3_000_000_000);
+        let (mut total, mut carry) = (Duration::ZERO, 0);
+        for _ in 0..3 {
+            let (d, c) = r.transmit_time(1, carry);
+            total += d;
+            carry = c;
+        }
+        assert_eq!(total, Duration::from_nanos(1));
+        assert_eq!(carry, 0);
+    }
+
+    #[test]
+    fn displays_round_trip() {
+        for s in ["400Gbit/s", "100Mbit/s", "1us", "2ms", "32MiB", "1500B"] {
+            let shown = match s {
+                s if s.ends_with("bit/s") => s.parse::<Bandwidth>().unwrap().to_string(),
+                s if s.ends_with('B') => s.parse::<Bytes>().unwrap().to_string(),
+                s => s.parse::<Duration>().unwrap().to_string(),
+            };
+            assert_eq!(shown, s);
+        }
+    }
+}
