@@ -13,8 +13,8 @@ use toml::Spanned;
 
 use crate::generate::{self, Builder, Settings};
 use crate::topology::{
-    Ecn, FabricParams, Ipv4Net, LinkClass, LinkParams, QueueParams, Routing, Shape,
-    SwitchParams, Tier, Topology, Vertex,
+    Ecn, FabricParams, Ipv4Net, LinkClass, LinkParams, QueueParams, Routing, Shape, SwitchParams,
+    Tier, Topology, Vertex,
 };
 use crate::units::{Bandwidth, Bytes, Duration};
 
@@ -343,20 +343,21 @@ fn switch_tier(
 ) -> Result<SwitchParams, ConfigError> {
     let d = default_switch(tier);
     let Some(r) = raw else { return Ok(d) };
-    let routing = match &r.routing {
-        None => d.routing,
-        Some(s) => match s.get_ref().as_str() {
-            "ecmp" => Routing::Ecmp,
-            "spray" => Routing::Spray,
-            "adaptive" => Routing::Adaptive,
-            other => {
-                return Err(cx.err(
+    let routing =
+        match &r.routing {
+            None => d.routing,
+            Some(s) => match s.get_ref().as_str() {
+                "ecmp" => Routing::Ecmp,
+                "spray" => Routing::Spray,
+                "adaptive" => Routing::Adaptive,
+                other => return Err(cx.err(
                     s,
-                    format!("unknown routing {other:?}; expected \"ecmp\", \"spray\" or \"adaptive\""),
-                ))
-            }
-        },
-    };
+                    format!(
+                        "unknown routing {other:?}; expected \"ecmp\", \"spray\" or \"adaptive\""
+                    ),
+                )),
+            },
+        };
     Ok(SwitchParams {
         latency: r.latency.unwrap_or(d.latency),
         queue: queue(cx, &r.buffer, &r.ecn, d.queue)?,
@@ -379,7 +380,8 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
         (LinkClass::SpineCore, &raw.links.spine_core),
     ] {
         if let Some(r) = r {
-            links[class as usize] = link_params(cx, r.rate, r.delay, &r.loss, links[class as usize])?;
+            links[class as usize] =
+                link_params(cx, r.rate, r.delay, &r.loss, links[class as usize])?;
         }
     }
     let mut tiers = [
@@ -445,7 +447,10 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
     };
     let l2_overhead = match &f.l2_overhead {
         Some(o) if o.get_ref().get() > 1024 => {
-            return Err(cx.err(o, "`l2_overhead` above 1024 bytes per frame is not plausible"))
+            return Err(cx.err(
+                o,
+                "`l2_overhead` above 1024 bytes per frame is not plausible",
+            ))
         }
         Some(o) => o.get_ref().get() as u32,
         None => DEFAULT_L2_OVERHEAD,
@@ -484,7 +489,13 @@ fn clone_ecn(e: &RawEcn) -> RawEcn {
 fn allowed_keys(kind: &str) -> Option<&'static [&'static str]> {
     Some(match kind {
         "single-switch" | "full-mesh" => &["gpus", "nodes"],
-        "leaf-spine" => &["leaves", "spines", "gpus_per_leaf", "nodes_per_leaf", "uplinks"],
+        "leaf-spine" => &[
+            "leaves",
+            "spines",
+            "gpus_per_leaf",
+            "nodes_per_leaf",
+            "uplinks",
+        ],
         "fat-tree" => &["k"],
         "rail-optimized" => &["nodes", "spines", "uplinks"],
         "superpod-su" | "custom" => &[],
@@ -495,16 +506,15 @@ fn allowed_keys(kind: &str) -> Option<&'static [&'static str]> {
 const KINDS: &str =
     "\"single-switch\", \"full-mesh\", \"leaf-spine\", \"fat-tree\", \"rail-optimized\", \"superpod-su\" or \"custom\"";
 
-fn generate_shape(
-    cx: &Cx,
-    raw: &RawFile,
-    b: Builder,
-    gpn: u32,
-) -> Result<Topology, ConfigError> {
+fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topology, ConfigError> {
     let t = raw.topology.get_ref();
     let kind = t.kind.get_ref().as_str();
-    let allowed = allowed_keys(kind)
-        .ok_or_else(|| cx.err(&t.kind, format!("unknown topology kind {kind:?}; expected {KINDS}")))?;
+    let allowed = allowed_keys(kind).ok_or_else(|| {
+        cx.err(
+            &t.kind,
+            format!("unknown topology kind {kind:?}; expected {KINDS}"),
+        )
+    })?;
     let present: [(&str, &Option<Spanned<i64>>); 8] = [
         ("gpus", &t.gpus),
         ("nodes", &t.nodes),
@@ -522,34 +532,54 @@ fn generate_shape(
             } else {
                 format!("it takes {}", allowed.join(", "))
             };
-            return Err(cx.err(v, format!("`{key}` does not apply to topology kind {kind:?}: {hint}")));
+            return Err(cx.err(
+                v,
+                format!("`{key}` does not apply to topology kind {kind:?}: {hint}"),
+            ));
         }
     }
     if kind != "custom" {
         if let Some(first) = raw.switch_list.first() {
-            return Err(cx.err(first, format!("[[switch]] is only for kind \"custom\", not {kind:?}")));
+            return Err(cx.err(
+                first,
+                format!("[[switch]] is only for kind \"custom\", not {kind:?}"),
+            ));
         }
         if let Some(first) = raw.host_list.first() {
-            return Err(cx.err(first, format!("[[host]] is only for kind \"custom\", not {kind:?}")));
+            return Err(cx.err(
+                first,
+                format!("[[host]] is only for kind \"custom\", not {kind:?}"),
+            ));
         }
         if let Some(first) = raw.link_list.first() {
-            return Err(cx.err(first, format!("[[link]] is only for kind \"custom\", not {kind:?}")));
+            return Err(cx.err(
+                first,
+                format!("[[link]] is only for kind \"custom\", not {kind:?}"),
+            ));
         }
     }
-    let need = |v: &Option<Spanned<i64>>, key: &str, min: i64, max: i64| -> Result<u32, ConfigError> {
-        match v {
-            Some(v) => count(cx, v, key, min, max),
-            None => Err(cx.err(&raw.topology, format!("topology kind {kind:?} needs `{key}`"))),
-        }
-    };
+    let need =
+        |v: &Option<Spanned<i64>>, key: &str, min: i64, max: i64| -> Result<u32, ConfigError> {
+            match v {
+                Some(v) => count(cx, v, key, min, max),
+                None => Err(cx.err(
+                    &raw.topology,
+                    format!("topology kind {kind:?} needs `{key}`"),
+                )),
+            }
+        };
     let opt = |v: &Option<Spanned<i64>>, key: &str, default: u32| -> Result<u32, ConfigError> {
-        v.as_ref().map_or(Ok(default), |v| count(cx, v, key, 1, 1 << 20))
+        v.as_ref()
+            .map_or(Ok(default), |v| count(cx, v, key, 1, 1 << 20))
     };
     // A count of GPUs given where whole nodes are expected.
     let whole_nodes = |v: &Spanned<i64>, key: &str| -> Result<u32, ConfigError> {
         let g = count(cx, v, key, 1, 1 << 20)?;
         if g % gpn != 0 {
-            return Err(cx.err(v, format!("`{key}` = {g} is not a multiple of gpus_per_node = {gpn}")));
+            return Err(cx.err(
+                v,
+                format!("`{key}` = {g} is not a multiple of gpus_per_node = {gpn}"),
+            ));
         }
         Ok(g / gpn)
     };
@@ -566,7 +596,10 @@ fn generate_shape(
         "full-mesh" => {
             let nodes = node_count("full-mesh")?;
             if nodes * gpn > 4096 {
-                return Err(cx.err(&raw.topology, "full-mesh is limited to 4096 GPUs (8 million links)"));
+                return Err(cx.err(
+                    &raw.topology,
+                    "full-mesh is limited to 4096 GPUs (8 million links)",
+                ));
             }
             generate::full_mesh(b, nodes, gpn)
         }
@@ -644,13 +677,24 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
         ));
     }
     if raw.host_list.is_empty() {
-        return Err(cx.err(&raw.topology, "a custom topology needs at least one [[host]]"));
+        return Err(cx.err(
+            &raw.topology,
+            "a custom topology needs at least one [[host]]",
+        ));
     }
     let mut names: BTreeMap<&str, Vertex> = BTreeMap::new();
     let check_name = |names: &BTreeMap<&str, Vertex>, n: &Spanned<String>| {
         let s = n.get_ref();
-        if s.is_empty() || s.len() > 32 || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.') {
-            return Err(cx.err(n, format!("name {s:?} must be 1..=32 characters of A-Z, a-z, 0-9, '-', '_', '.'")));
+        if s.is_empty()
+            || s.len() > 32
+            || !s
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        {
+            return Err(cx.err(
+                n,
+                format!("name {s:?} must be 1..=32 characters of A-Z, a-z, 0-9, '-', '_', '.'"),
+            ));
         }
         if names.contains_key(s.as_str()) {
             return Err(cx.err(n, format!("duplicate name {s:?}")));
@@ -672,7 +716,13 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
         let s = s.get_ref();
         check_name(&names, &s.name)?;
         let tier = Tier::from_name(s.tier.get_ref()).ok_or_else(|| {
-            cx.err(&s.tier, format!("unknown tier {:?}; expected \"node\", \"leaf\", \"spine\" or \"core\"", s.tier.get_ref()))
+            cx.err(
+                &s.tier,
+                format!(
+                    "unknown tier {:?}; expected \"node\", \"leaf\", \"spine\" or \"core\"",
+                    s.tier.get_ref()
+                ),
+            )
         })?;
         let id = b.switch(s.name.get_ref().clone(), tier);
         names.insert(s.name.get_ref(), Vertex::Switch(id));
@@ -686,10 +736,12 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
     for l in &raw.link_list {
         let r = l.get_ref();
         let end = |n: &Spanned<String>| {
-            names
-                .get(n.get_ref().as_str())
-                .copied()
-                .ok_or_else(|| cx.err(n, format!("link end {:?} is not a [[host]] or [[switch]]", n.get_ref())))
+            names.get(n.get_ref().as_str()).copied().ok_or_else(|| {
+                cx.err(
+                    n,
+                    format!("link end {:?} is not a [[host]] or [[switch]]", n.get_ref()),
+                )
+            })
         };
         let (a, b_end) = (end(&r.a)?, end(&r.b)?);
         if a == b_end {
@@ -698,11 +750,16 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
         let inferred = match (tier_of(a), tier_of(b_end)) {
             (None, Some(Tier::Node)) | (Some(Tier::Node), None) => Some(LinkClass::Nvlink),
             (None, _) | (_, None) => Some(LinkClass::Nic),
-            (Some(Tier::Leaf), Some(Tier::Spine)) | (Some(Tier::Spine), Some(Tier::Leaf)) => Some(LinkClass::LeafSpine),
-            (Some(Tier::Spine), Some(Tier::Core)) | (Some(Tier::Core), Some(Tier::Spine)) => Some(LinkClass::SpineCore),
+            (Some(Tier::Leaf), Some(Tier::Spine)) | (Some(Tier::Spine), Some(Tier::Leaf)) => {
+                Some(LinkClass::LeafSpine)
+            }
+            (Some(Tier::Spine), Some(Tier::Core)) | (Some(Tier::Core), Some(Tier::Spine)) => {
+                Some(LinkClass::SpineCore)
+            }
             _ => None,
         };
-        let node_tier = matches!(tier_of(a), Some(Tier::Node)) || matches!(tier_of(b_end), Some(Tier::Node));
+        let node_tier =
+            matches!(tier_of(a), Some(Tier::Node)) || matches!(tier_of(b_end), Some(Tier::Node));
         let class = match &r.class {
             Some(c) => {
                 let class = LinkClass::from_name(c.get_ref()).ok_or_else(|| {
@@ -714,28 +771,42 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
                 class
             }
             None => inferred.ok_or_else(|| {
-                cx.err(l, format!(
-                    "cannot infer the class of a link between {:?} and {:?}; set `class`",
-                    r.a.get_ref(),
-                    r.b.get_ref()
-                ))
+                cx.err(
+                    l,
+                    format!(
+                        "cannot infer the class of a link between {:?} and {:?}; set `class`",
+                        r.a.get_ref(),
+                        r.b.get_ref()
+                    ),
+                )
             })?,
         };
         if node_tier && class != LinkClass::Nvlink {
             return Err(cx.err(l, "a \"node\"-tier switch links only to its GPUs"));
         }
         let params = link_params(cx, r.rate, r.delay, &r.loss, b.settings().link(class))?;
-        let times = r.count.as_ref().map_or(Ok(1), |c| count(cx, c, "count", 1, 1024))?;
+        let times = r
+            .count
+            .as_ref()
+            .map_or(Ok(1), |c| count(cx, c, "count", 1, 1024))?;
         for _ in 0..times {
             b.link_with(a, b_end, class, params);
         }
         if class == LinkClass::Nvlink {
-            let ((Vertex::Host(h), Vertex::Switch(s)) | (Vertex::Switch(s), Vertex::Host(h))) = (a, b_end) else {
+            let ((Vertex::Host(h), Vertex::Switch(s)) | (Vertex::Switch(s), Vertex::Host(h))) =
+                (a, b_end)
+            else {
                 unreachable!("nvlink class checked above")
             };
             match node_of[h.0 as usize] {
                 Some((other, _)) if other != s.0 => {
-                    return Err(cx.err(l, format!("host {:?} is linked to two node switches", names_of(raw, h.0))))
+                    return Err(cx.err(
+                        l,
+                        format!(
+                            "host {:?} is linked to two node switches",
+                            names_of(raw, h.0)
+                        ),
+                    ))
                 }
                 _ => node_of[h.0 as usize] = Some((s.0, l)),
             }
@@ -768,7 +839,11 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
 }
 
 fn names_of(raw: &RawFile, host: u32) -> String {
-    raw.host_list[host as usize].get_ref().name.get_ref().clone()
+    raw.host_list[host as usize]
+        .get_ref()
+        .name
+        .get_ref()
+        .clone()
 }
 
 /// Every pair of GPUs must be able to reach each other: through their node switch when in
@@ -831,10 +906,19 @@ fn check_connected(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), Config
 fn check_pool(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), ConfigError> {
     let pool = topo.fabric.pool;
     if topo.hosts.len() as u64 > pool.host_capacity() {
-        let at = raw.fabric.address_pool.as_ref().map(|p| p.span()).unwrap_or(raw.topology.span());
+        let at = raw
+            .fabric
+            .address_pool
+            .as_ref()
+            .map(|p| p.span())
+            .unwrap_or(raw.topology.span());
         return Err(cx.err_at(
             Some(at),
-            format!("{} GPUs do not fit in address pool {pool} ({} addresses)", topo.hosts.len(), pool.host_capacity()),
+            format!(
+                "{} GPUs do not fit in address pool {pool} ({} addresses)",
+                topo.hosts.len(),
+                pool.host_capacity()
+            ),
         ));
     }
     Ok(())
@@ -911,7 +995,9 @@ gpus_per_leaf = 4
 
     #[test]
     fn key_foreign_to_kind_is_rejected() {
-        let e = err("[fabric]\nname = \"x\"\n[topology]\nkind = \"single-switch\"\ngpus = 4\nspines = 2\n");
+        let e = err(
+            "[fabric]\nname = \"x\"\n[topology]\nkind = \"single-switch\"\ngpus = 4\nspines = 2\n",
+        );
         assert!(e.starts_with("t.toml:6:10: "), "{e}");
         assert!(e.contains("`spines` does not apply"), "{e}");
     }

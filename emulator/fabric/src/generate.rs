@@ -5,8 +5,8 @@
 //! checks that depend on the file (which key was wrong, where) live in `config`.
 
 use crate::topology::{
-    FabricParams, Host, HostId, Link, LinkClass, LinkParams, Shape, Switch, SwitchId,
-    SwitchParams, Tier, Topology, Vertex,
+    FabricParams, Host, HostId, Link, LinkClass, LinkParams, Shape, Switch, SwitchId, SwitchParams,
+    Tier, Topology, Vertex,
 };
 
 /// Per-class link settings and per-tier switch settings a generator applies.
@@ -168,7 +168,11 @@ pub fn leaf_spine(
         }
         for &s in &spine_ids {
             for _ in 0..uplinks {
-                b.link(Vertex::Switch(leaf), Vertex::Switch(s), LinkClass::LeafSpine);
+                b.link(
+                    Vertex::Switch(leaf),
+                    Vertex::Switch(s),
+                    LinkClass::LeafSpine,
+                );
             }
         }
     }
@@ -199,13 +203,21 @@ pub fn fat_tree(mut b: Builder, k: u32, gpus_per_node: u32) -> Topology {
                 b.link(Vertex::Host(h), Vertex::Switch(leaf), LinkClass::Nic);
             }
             for &a in &aggs {
-                b.link(Vertex::Switch(leaf), Vertex::Switch(a), LinkClass::LeafSpine);
+                b.link(
+                    Vertex::Switch(leaf),
+                    Vertex::Switch(a),
+                    LinkClass::LeafSpine,
+                );
             }
         }
         for (a, &agg) in aggs.iter().enumerate() {
             for c in 0..half {
                 let core = cores[a * half as usize + c as usize];
-                b.link(Vertex::Switch(agg), Vertex::Switch(core), LinkClass::SpineCore);
+                b.link(
+                    Vertex::Switch(agg),
+                    Vertex::Switch(core),
+                    LinkClass::SpineCore,
+                );
             }
         }
     }
@@ -237,7 +249,11 @@ pub fn rail_optimized(
         }
         for &s in &spine_ids {
             for _ in 0..uplinks {
-                b.link(Vertex::Switch(rail), Vertex::Switch(s), LinkClass::LeafSpine);
+                b.link(
+                    Vertex::Switch(rail),
+                    Vertex::Switch(s),
+                    LinkClass::LeafSpine,
+                );
             }
         }
     }

@@ -13,3 +13,10 @@ pub mod units;
 pub use config::{load, parse, ConfigError};
 pub use topology::Topology;
 pub use units::{Bandwidth, Bytes, Duration, Instant};
+pub mod model;
+pub mod packet;
+pub mod rng;
+pub mod routing;
+
+pub use model::{Delivery, DropReason, Fabric, Verdict};
+pub use topology::HostId;

@@ -347,7 +347,11 @@ impl Topology {
 
     /// Largest number of GPUs in one node.
     pub fn gpus_per_node(&self) -> u32 {
-        self.hosts.iter().map(|h| h.local_rank + 1).max().unwrap_or(0)
+        self.hosts
+            .iter()
+            .map(|h| h.local_rank + 1)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Number of link ends at each vertex: (per host, per switch).

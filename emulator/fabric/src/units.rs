@@ -222,17 +222,16 @@ impl FromStr for Bandwidth {
             Some(_) => unreachable!(),
         };
         let per_second = unit.ends_with("/s");
-        let bits_per_unit = match (base, per_second) {
-            ("bit" | "b", _) | ("bps", false) => 1.0,
-            ("B", _) | ("Bps", false) => 8.0,
-            _ => {
-                return Err(UnitError::new(
+        let bits_per_unit =
+            match (base, per_second) {
+                ("bit" | "b", _) | ("bps", false) => 1.0,
+                ("B", _) | ("Bps", false) => 8.0,
+                _ => return Err(UnitError::new(
                     s,
                     "rate",
                     "expected a unit such as \"400Gbit\", \"100Mbit/s\", \"10Gbps\" or \"50GB/s\"",
-                ))
-            }
-        };
+                )),
+            };
         let bps = value * mult * bits_per_unit;
         if bps < 1.0 {
             return Err(UnitError::new(s, "rate", "must be at least 1 bit/s"));
@@ -361,7 +360,9 @@ macro_rules! deserialize_from_str {
                         let int: Option<fn(u64) -> $ty> = $int;
                         match (int, u64::try_from(v)) {
                             (Some(f), Ok(v)) => Ok(f(v)),
-                            (Some(_), Err(_)) => Err(E::custom(concat!("a ", $what, " cannot be negative"))),
+                            (Some(_), Err(_)) => {
+                                Err(E::custom(concat!("a ", $what, " cannot be negative")))
+                            }
                             (None, _) => Err(E::custom(concat!(
                                 "a ",
                                 $what,
@@ -395,7 +396,16 @@ mod tests {
         assert_eq!(g("450GBps"), 3_600_000_000_000);
         assert_eq!(g("2.5Gbit"), 2_500_000_000);
         assert_eq!(g("1kbit"), 1_000);
-        for bad in ["", "Gbit", "10", "10 furlongs", "10Xbit", "-1Gbit", "0bit", "10Gbps/s"] {
+        for bad in [
+            "",
+            "Gbit",
+            "10",
+            "10 furlongs",
+            "10Xbit",
+            "-1Gbit",
+            "0bit",
+            "10Gbps/s",
+        ] {
             assert!(bad.parse::<Bandwidth>().is_err(), "{bad:?} parsed");
         }
     }

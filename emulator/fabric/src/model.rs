@@ -1,0 +1,566 @@
+//! The packet-level fabric model: sans-IO, deterministic, driven by the caller's clock.
+//!
+//! A packet's way: `send` at a GPU → the GPU's NIC port → at each egress port: FIFO
+//! queue (tail drop, ECN marking), serialization at the link rate, propagation delay, the
+//! next switch's forwarding latency → … → the destination GPU, where it becomes a
+//! `Delivery` with its arrival time.
+//!
+//! FIFO egress at a fixed rate makes every departure computable on enqueue: a packet starts
+//! when the port is free and finishes `wire bits / rate` later. So a hop costs one event (the
+//! arrival at the next vertex); a port's queue is the list of admitted packets not yet
+//! finished, settled lazily against `now`. Ties in time are broken by a sequence number,
+//! and every random draw comes from a generator seeded from the fabric seed: the same
+//! config and packets give the same trace.
+//!
+//! Must not: read clocks, sleep, do I/O, allocate per hop.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
+use crate::rng::{mix, Rng};
+use crate::routing::{PortId, Routes, VertexIdx};
+use crate::topology::{Ecn, HostId, LinkParams, QueueParams, Routing, Topology};
+use crate::units::{Bandwidth, Duration, Instant};
+
+/// Why the fabric dropped a packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DropReason {
+    /// Not a parseable IPv4 packet.
+    Malformed,
+    /// Not IPv4 (e.g. IPv6).
+    Unsupported,
+    /// Destination is no GPU of this fabric, or unreachable from the source.
+    NoRoute,
+    /// Egress buffer full (tail drop).
+    BufferFull,
+    /// Lost on the wire (the link's loss probability).
+    Loss,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 5] = [
+        DropReason::Malformed,
+        DropReason::Unsupported,
+        DropReason::NoRoute,
+        DropReason::BufferFull,
+        DropReason::Loss,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DropReason::Malformed => "malformed",
+            DropReason::Unsupported => "unsupported",
+            DropReason::NoRoute => "no_route",
+            DropReason::BufferFull => "buffer_full",
+            DropReason::Loss => "loss",
+        }
+    }
+}
+
+/// Drop counts by reason.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Drops([u64; 5]);
+
+impl Drops {
+    pub fn get(&self, r: DropReason) -> u64 {
+        self.0[r as usize]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    fn add(&mut self, r: DropReason) {
+        self.0[r as usize] += 1;
+    }
+}
+
+/// Counters of one egress port. "rx" is what was offered to the port's queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortCounters {
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub drops: Drops,
+    /// Packets this port set CE on.
+    pub ecn_marked: u64,
+    /// Highest queue occupancy seen, in IP bytes, including the packet in service.
+    pub max_queue_bytes: u64,
+    /// Time spent serializing (fabric time).
+    pub busy: Duration,
+}
+
+/// Result of offering a packet to the fabric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Verdict {
+    Accepted,
+    Dropped(DropReason),
+}
+
+/// A packet that reached its destination GPU at `at`.
+#[derive(Debug)]
+pub struct Delivery {
+    pub at: Instant,
+    pub src: HostId,
+    pub dst: HostId,
+    pub data: Vec<u8>,
+}
+
+/// One event in the trace (when tracing is on): a packet finishing on a port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceEntry {
+    pub port: PortId,
+    pub packet: u64,
+    pub start: Instant,
+    pub finish: Instant,
+    pub dropped: Option<DropReason>,
+}
+
+struct Port {
+    link: LinkParams,
+    queue: QueueParams,
+    /// Forwarding latency of the vertex this port leads to.
+    next_latency: Duration,
+    to: VertexIdx,
+    busy_until: Instant,
+    /// Serialization remainder in units of 1/rate ns, carried across back-to-back packets.
+    carry: u64,
+    /// Admitted packets not yet finished: (finish, IP bytes, lost on the wire).
+    backlog: VecDeque<(Instant, u32, bool)>,
+    backlog_bytes: u64,
+    counters: PortCounters,
+    rng: Rng,
+}
+
+struct InFlight {
+    data: Vec<u8>,
+    key: FlowKey,
+    src: HostId,
+    dst: HostId,
+    id: u64,
+    len: u32,
+    wire_bits: u64,
+    ecn: u8,
+}
+
+struct VertexState {
+    routing: Routing,
+    hash_seed: u64,
+    rng: Rng,
+}
+
+/// The fabric model.
+pub struct Fabric {
+    routes: Routes,
+    ports: Vec<Port>,
+    vertices: Vec<VertexState>,
+    hosts: u32,
+    addr_base: u32,
+    mtu: u32,
+    l2_overhead: u32,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<u32>,
+    /// (arrival time, sequence, slot, vertex the packet arrives at).
+    events: BinaryHeap<Reverse<(Instant, u64, u32, VertexIdx)>>,
+    seq: u64,
+    next_packet: u64,
+    now: Instant,
+    deliveries: VecDeque<Delivery>,
+    ingress_drops: Drops,
+    sent: u64,
+    delivered: u64,
+    trace: Option<Vec<TraceEntry>>,
+}
+
+impl std::fmt::Debug for Fabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fabric")
+            .field("ports", &self.ports.len())
+            .field("in_flight", &self.events.len())
+            .field("now", &self.now)
+            .finish()
+    }
+}
+
+impl Fabric {
+    pub fn new(topo: &Topology) -> Fabric {
+        let routes = Routes::new(topo);
+        let h = topo.hosts.len() as u32;
+        let seed = topo.fabric.seed;
+        let latency = |v: VertexIdx| {
+            if v < h {
+                Duration::ZERO
+            } else {
+                topo.switches[(v - h) as usize].params.latency
+            }
+        };
+        let ports = routes
+            .ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Port {
+                link: topo.links[p.link as usize].params,
+                queue: if p.from < h {
+                    topo.fabric.nic_queue
+                } else {
+                    topo.switches[(p.from - h) as usize].params.queue
+                },
+                next_latency: latency(p.to),
+                to: p.to,
+                busy_until: Instant::ZERO,
+                carry: 0,
+                backlog: VecDeque::new(),
+                backlog_bytes: 0,
+                counters: PortCounters::default(),
+                rng: Rng::new(seed, 1 << 40 | i as u64),
+            })
+            .collect();
+        let vertices = (0..h as usize + topo.switches.len())
+            .map(|v| VertexState {
+                routing: if v < h as usize {
+                    Routing::Ecmp
+                } else {
+                    topo.switches[v - h as usize].params.routing
+                },
+                hash_seed: mix(seed ^ mix(v as u64 + 1)),
+                rng: Rng::new(seed, v as u64),
+            })
+            .collect();
+        Fabric {
+            routes,
+            ports,
+            vertices,
+            hosts: h,
+            addr_base: u32::from(topo.fabric.pool.addr) + 1,
+            mtu: topo.fabric.mtu,
+            l2_overhead: topo.fabric.l2_overhead,
+            slots: Vec::new(),
+            free: Vec::new(),
+            events: BinaryHeap::new(),
+            seq: 0,
+            next_packet: 0,
+            now: Instant::ZERO,
+            deliveries: VecDeque::new(),
+            ingress_drops: Drops::default(),
+            sent: 0,
+            delivered: 0,
+            trace: None,
+        }
+    }
+
+    /// Records every port departure from now on (for tests and captures; costs memory).
+    pub fn enable_trace(&mut self) {
+        self.trace.get_or_insert_with(Vec::new);
+    }
+
+    pub fn trace(&self) -> &[TraceEntry] {
+        self.trace.as_deref().unwrap_or(&[])
+    }
+
+    pub fn routes(&self) -> &Routes {
+        &self.routes
+    }
+
+    /// GPU `src` sends `data` (an IPv4 packet) at `now`. Events due by `now` are processed
+    /// first, so `now` must not go backwards.
+    pub fn send(&mut self, now: Instant, src: HostId, data: Vec<u8>) -> Verdict {
+        self.advance(now);
+        self.sent += 1;
+        let headers = match packet::inspect(&data) {
+            Ok(h) => h,
+            Err(e) => {
+                let r = match e {
+                    Unforwardable::Malformed => DropReason::Malformed,
+                    Unforwardable::NotIpv4 => DropReason::Unsupported,
+                };
+                self.ingress_drops.add(r);
+                return Verdict::Dropped(r);
+            }
+        };
+        let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
+        if dst >= self.hosts || dst == src.0 {
+            self.ingress_drops.add(DropReason::NoRoute);
+            return Verdict::Dropped(DropReason::NoRoute);
+        }
+        let len = headers.len as u32;
+        let frames = len.div_ceil(self.mtu).max(1);
+        let pkt = InFlight {
+            data,
+            key: headers.key,
+            src,
+            dst: HostId(dst),
+            id: self.next_packet,
+            len,
+            wire_bits: (len as u64 + frames as u64 * self.l2_overhead as u64) * 8,
+            ecn: headers.ecn,
+        };
+        self.next_packet += 1;
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(pkt);
+                s
+            }
+            None => {
+                self.slots.push(Some(pkt));
+                self.slots.len() as u32 - 1
+            }
+        };
+        match self.forward(now, src.0, slot) {
+            Ok(()) => Verdict::Accepted,
+            Err(r) => {
+                if r == DropReason::NoRoute {
+                    self.ingress_drops.add(r);
+                }
+                Verdict::Dropped(r)
+            }
+        }
+    }
+
+    /// When the next event is due, if any.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.events.peek().map(|Reverse((t, ..))| *t)
+    }
+
+    /// Processes every event due at or before `now`.
+    pub fn advance(&mut self, now: Instant) {
+        debug_assert!(now >= self.now, "time went backwards: {now} < {}", self.now);
+        self.now = self.now.max(now);
+        while let Some(&Reverse((t, _, slot, v))) = self.events.peek() {
+            if t > now {
+                break;
+            }
+            self.events.pop();
+            if v < self.hosts {
+                let pkt = self.release(slot);
+                debug_assert_eq!(pkt.dst.0, v);
+                self.delivered += 1;
+                self.deliveries.push_back(Delivery {
+                    at: t,
+                    src: pkt.src,
+                    dst: pkt.dst,
+                    data: pkt.data,
+                });
+            } else {
+                // Drops inside the fabric are counted on the port.
+                let _ = self.forward(t, v, slot);
+            }
+        }
+    }
+
+    /// The next packet that has arrived at its GPU, in arrival order.
+    #[must_use]
+    pub fn poll_delivery(&mut self) -> Option<Delivery> {
+        self.deliveries.pop_front()
+    }
+
+    /// Routes the packet in `slot`, standing at vertex `v` at time `now`, onto an egress
+    /// port and schedules its arrival at the next vertex.
+    fn forward(&mut self, now: Instant, v: VertexIdx, slot: u32) -> Result<(), DropReason> {
+        let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+        let group = self.routes.next_hops(v, pkt.dst);
+        let port_id = match group.len() {
+            0 => {
+                self.release(slot);
+                return Err(DropReason::NoRoute);
+            }
+            1 => group[0],
+            n => {
+                let vs = &mut self.vertices[v as usize];
+                match vs.routing {
+                    Routing::Ecmp => group[(flow_hash(&pkt.key, vs.hash_seed) % n as u64) as usize],
+                    Routing::Spray => group[vs.rng.below(n as u32) as usize],
+                    Routing::Adaptive => {
+                        let start = (flow_hash(&pkt.key, vs.hash_seed) % n as u64) as usize;
+                        let mut best = group[start];
+                        let mut best_q = u64::MAX;
+                        for i in 0..n {
+                            let p = group[(start + i) % n];
+                            let port = &mut self.ports[p.0 as usize];
+                            settle(port, now);
+                            if port.backlog_bytes < best_q {
+                                best = p;
+                                best_q = port.backlog_bytes;
+                            }
+                        }
+                        best
+                    }
+                }
+            }
+        };
+        let port = &mut self.ports[port_id.0 as usize];
+        settle(port, now);
+        let (len, wire_bits, ecn, id) = (pkt.len, pkt.wire_bits, pkt.ecn, pkt.id);
+        port.counters.rx_packets += 1;
+        port.counters.rx_bytes += len as u64;
+        if port.backlog_bytes + len as u64 > port.queue.buffer.get() {
+            port.counters.drops.add(DropReason::BufferFull);
+            if let Some(t) = &mut self.trace {
+                t.push(TraceEntry {
+                    port: port_id,
+                    packet: id,
+                    start: now,
+                    finish: now,
+                    dropped: Some(DropReason::BufferFull),
+                });
+            }
+            self.release(slot);
+            return Err(DropReason::BufferFull);
+        }
+        // Only ECT packets are marked; CE ones stay CE and are not counted again.
+        if ecn != ECN_NOT_ECT && ecn != ECN_CE && should_mark(port) {
+            let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+            packet::mark_ce(&mut pkt.data);
+            pkt.ecn = ECN_CE;
+            port.counters.ecn_marked += 1;
+        }
+        // Back to back: the serialization remainder carries over, so long runs are exact.
+        let start = port.busy_until.max(now);
+        let carry = if port.busy_until >= now {
+            port.carry
+        } else {
+            0
+        };
+        let (ser, carry) = port.link.rate.transmit_time(wire_bits, carry);
+        let finish = start + ser;
+        port.carry = carry;
+        port.busy_until = finish;
+        port.counters.busy += ser;
+        let lost = port.link.loss > 0.0 && port.rng.next_f64() < port.link.loss;
+        port.backlog.push_back((finish, len, lost));
+        port.backlog_bytes += len as u64;
+        port.counters.max_queue_bytes = port.counters.max_queue_bytes.max(port.backlog_bytes);
+        if let Some(t) = &mut self.trace {
+            t.push(TraceEntry {
+                port: port_id,
+                packet: id,
+                start,
+                finish,
+                dropped: lost.then_some(DropReason::Loss),
+            });
+        }
+        if lost {
+            self.release(slot);
+        } else {
+            let arrive = finish + port.link.delay + port.next_latency;
+            let to = port.to;
+            self.seq += 1;
+            self.events.push(Reverse((arrive, self.seq, slot, to)));
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, slot: u32) -> InFlight {
+        self.free.push(slot);
+        self.slots[slot as usize].take().expect("live slot")
+    }
+
+    /// Per-port counters as of `now` (settles queues first).
+    pub fn port_counters(&mut self, now: Instant) -> Vec<PortCounters> {
+        self.advance(now);
+        self.ports
+            .iter_mut()
+            .map(|p| {
+                settle(p, now);
+                p.counters
+            })
+            .collect()
+    }
+
+    /// Packets and bytes queued (admitted, not finished) at a port as of the last settle.
+    pub fn queued(&self, p: PortId) -> (usize, u64) {
+        let port = &self.ports[p.0 as usize];
+        (port.backlog.len(), port.backlog_bytes)
+    }
+
+    /// Fabric-wide totals as of `now`.
+    pub fn totals(&mut self, now: Instant) -> Totals {
+        let counters = self.port_counters(now);
+        let mut drops = self.ingress_drops;
+        for c in &counters {
+            for r in DropReason::ALL {
+                drops.0[r as usize] += c.drops.get(r);
+            }
+        }
+        Totals {
+            sent: self.sent,
+            delivered: self.delivered,
+            drops,
+            queued: self.ports.iter().map(|p| p.backlog.len() as u64).sum(),
+            // Finished on a port, not yet arrived (propagation, switch latency).
+            in_flight: self.events.len() as u64
+                - self
+                    .ports
+                    .iter()
+                    .flat_map(|p| p.backlog.iter())
+                    .filter(|(_, _, lost)| !lost)
+                    .count() as u64,
+        }
+    }
+
+    /// Link parameters of a port (rate, delay, loss).
+    pub fn link_of(&self, p: PortId) -> LinkParams {
+        self.ports[p.0 as usize].link
+    }
+
+    /// Changes a port's rate from `now` on; packets already scheduled keep their times.
+    pub fn set_rate(&mut self, p: PortId, rate: Bandwidth) {
+        self.ports[p.0 as usize].link.rate = rate;
+    }
+}
+
+/// Fabric-wide packet accounting: `sent = delivered + drops + queued + in_flight`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Totals {
+    pub sent: u64,
+    pub delivered: u64,
+    pub drops: Drops,
+    pub queued: u64,
+    pub in_flight: u64,
+}
+
+/// Retires packets that finished by `now`.
+fn settle(port: &mut Port, now: Instant) {
+    while let Some(&(finish, len, lost)) = port.backlog.front() {
+        if finish > now {
+            break;
+        }
+        port.backlog.pop_front();
+        port.backlog_bytes -= len as u64;
+        if lost {
+            port.counters.drops.add(DropReason::Loss);
+        } else {
+            port.counters.tx_packets += 1;
+            port.counters.tx_bytes += len as u64;
+        }
+    }
+}
+
+fn should_mark(port: &mut Port) -> bool {
+    let q = port.backlog_bytes;
+    match port.queue.ecn {
+        None => false,
+        Some(Ecn::Step { k }) => q > k.get(),
+        Some(Ecn::Red { min, max, p_max }) => {
+            if q < min.get() {
+                false
+            } else if q >= max.get() {
+                true
+            } else {
+                let p = p_max * (q - min.get()) as f64 / (max.get() - min.get()) as f64;
+                port.rng.next_f64() < p
+            }
+        }
+    }
+}
+
+/// Seeded 5-tuple hash (each switch has its own seed, so paths do not polarize).
+#[inline]
+pub fn flow_hash(k: &FlowKey, seed: u64) -> u64 {
+    let a = (u32::from(k.src) as u64) << 32 | u32::from(k.dst) as u64;
+    let b = (k.proto as u64) << 32 | (k.sport as u64) << 16 | k.dport as u64;
+    mix(mix(a ^ seed) ^ b)
+}

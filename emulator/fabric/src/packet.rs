@@ -1,0 +1,195 @@
+//! IPv4 packet inspection: the 5-tuple the fabric routes on, the ECN field it marks.
+//!
+//! Views are zero-copy (`pnet_packet`); the only write is setting CE, which keeps the
+//! header checksum right. A packet the fabric cannot forward is classified, never a panic.
+
+use std::net::Ipv4Addr;
+
+use pnet_packet::ip::IpNextHeaderProtocols;
+use pnet_packet::ipv4::{self, Ipv4Packet, MutableIpv4Packet};
+use pnet_packet::Packet as _;
+
+/// The fields ECMP hashes on. Ports are 0 for protocols without them; ICMP echo uses its
+/// identifier as the source port so that pings of one process stay on one path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// ECN codepoints (RFC 3168).
+pub const ECN_NOT_ECT: u8 = 0b00;
+pub const ECN_CE: u8 = 0b11;
+
+/// What the fabric needs from a packet's headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Headers {
+    pub key: FlowKey,
+    pub ecn: u8,
+    /// IP total length (bytes).
+    pub len: u16,
+}
+
+/// Why a buffer is not a forwardable packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unforwardable {
+    /// Too short, inconsistent lengths, bad IHL, fragment of a transport header.
+    Malformed,
+    /// Not IPv4 (IPv6 is not modelled yet).
+    NotIpv4,
+}
+
+/// Reads the headers of an IPv4 packet as a TUN (without packet-info header) gives it.
+pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
+    let Some(&first) = buf.first() else {
+        return Err(Unforwardable::Malformed);
+    };
+    if first >> 4 != 4 {
+        return Err(if first >> 4 == 6 {
+            Unforwardable::NotIpv4
+        } else {
+            Unforwardable::Malformed
+        });
+    }
+    let ip = Ipv4Packet::new(buf).ok_or(Unforwardable::Malformed)?;
+    let ihl = ip.get_header_length() as usize * 4;
+    let len = ip.get_total_length() as usize;
+    if ihl < 20 || len < ihl || len > buf.len() {
+        return Err(Unforwardable::Malformed);
+    }
+    let proto = ip.get_next_level_protocol();
+    let payload = &buf[ihl..len];
+    // Only the first fragment carries ports; later fragments hash on addresses alone.
+    let first_fragment = ip.get_fragment_offset() == 0;
+    let (sport, dport) = match proto {
+        _ if !first_fragment => (0, 0),
+        IpNextHeaderProtocols::Tcp | IpNextHeaderProtocols::Udp => {
+            if payload.len() < 4 {
+                return Err(Unforwardable::Malformed);
+            }
+            (
+                u16::from_be_bytes([payload[0], payload[1]]),
+                u16::from_be_bytes([payload[2], payload[3]]),
+            )
+        }
+        IpNextHeaderProtocols::Icmp => {
+            if payload.len() < 8 {
+                return Err(Unforwardable::Malformed);
+            }
+            (u16::from_be_bytes([payload[4], payload[5]]), 0)
+        }
+        _ => (0, 0),
+    };
+    Ok(Headers {
+        key: FlowKey {
+            src: ip.get_source(),
+            dst: ip.get_destination(),
+            proto: proto.0,
+            sport,
+            dport,
+        },
+        ecn: ip.get_ecn(),
+        len: len as u16,
+    })
+}
+
+/// Sets CE on an IPv4 packet already accepted by `inspect` and fixes the header checksum.
+pub fn mark_ce(buf: &mut [u8]) {
+    let mut ip = MutableIpv4Packet::new(buf).expect("inspected packet");
+    ip.set_ecn(ECN_CE);
+    let sum = ipv4::checksum(&ip.to_immutable());
+    ip.set_checksum(sum);
+}
+
+/// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
+pub fn build_udp(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+    ecn: u8,
+    len: usize,
+) -> Vec<u8> {
+    assert!((28..=65_535).contains(&len), "IPv4/UDP packet length {len}");
+    let mut buf = vec![0u8; len];
+    {
+        let mut ip = MutableIpv4Packet::new(&mut buf).expect("length checked");
+        ip.set_version(4);
+        ip.set_header_length(5);
+        ip.set_ecn(ecn);
+        ip.set_total_length(len as u16);
+        ip.set_ttl(64);
+        ip.set_next_level_protocol(IpNextHeaderProtocols::Udp);
+        ip.set_source(src);
+        ip.set_destination(dst);
+        let sum = ipv4::checksum(&ip.to_immutable());
+        ip.set_checksum(sum);
+    }
+    buf[20..22].copy_from_slice(&sport.to_be_bytes());
+    buf[22..24].copy_from_slice(&dport.to_be_bytes());
+    buf[24..26].copy_from_slice(&((len - 20) as u16).to_be_bytes());
+    buf
+}
+
+/// True when the IPv4 header checksum verifies.
+pub fn checksum_ok(buf: &[u8]) -> bool {
+    Ipv4Packet::new(buf).is_some_and(|ip| ipv4::checksum(&ip) == ip.get_checksum())
+}
+
+/// The payload after the IPv4 header (for tests).
+pub fn payload(buf: &[u8]) -> Vec<u8> {
+    Ipv4Packet::new(buf)
+        .map(|p| p.payload().to_vec())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+    const B: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+
+    #[test]
+    fn reads_udp_five_tuple() {
+        let p = build_udp(A, B, 1234, 80, 0b10, 100);
+        let h = inspect(&p).unwrap();
+        assert_eq!(
+            h.key,
+            FlowKey {
+                src: A,
+                dst: B,
+                proto: 17,
+                sport: 1234,
+                dport: 80
+            }
+        );
+        assert_eq!((h.ecn, h.len), (0b10, 100));
+        assert!(checksum_ok(&p));
+    }
+
+    #[test]
+    fn marking_ce_keeps_checksum_right() {
+        let mut p = build_udp(A, B, 1, 2, 0b01, 60);
+        mark_ce(&mut p);
+        assert_eq!(inspect(&p).unwrap().ecn, ECN_CE);
+        assert!(checksum_ok(&p));
+    }
+
+    #[test]
+    fn rejects_what_it_cannot_forward() {
+        assert_eq!(inspect(&[]), Err(Unforwardable::Malformed));
+        assert_eq!(inspect(&[0x60; 40]), Err(Unforwardable::NotIpv4));
+        let mut p = build_udp(A, B, 1, 2, 0, 60);
+        p[3] = 200; // total length beyond the buffer
+        assert_eq!(inspect(&p), Err(Unforwardable::Malformed));
+        let p = build_udp(A, B, 1, 2, 0, 60);
+        assert_eq!(inspect(&p[..22]), Err(Unforwardable::Malformed));
+        let mut p = build_udp(A, B, 1, 2, 0, 60);
+        p[0] = 0x43; // IHL 3
+        assert_eq!(inspect(&p), Err(Unforwardable::Malformed));
+    }
+}

@@ -1,0 +1,548 @@
+//! Virtual-clock tests of the fabric model: time jumps from event to event, nothing sleeps.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use closbox_fabric::model::{DropReason, Fabric, PortCounters, Verdict};
+use closbox_fabric::packet::{self, build_udp};
+use closbox_fabric::routing::PortId;
+use closbox_fabric::topology::HostId;
+use closbox_fabric::{parse, Delivery, Instant, Topology};
+
+fn topo(body: &str) -> Topology {
+    parse(&format!("[fabric]\nname = \"t\"\n{body}"), "test.toml").unwrap()
+}
+
+fn addr(t: &Topology, h: u32) -> Ipv4Addr {
+    t.hosts[h as usize].addr
+}
+
+/// Steps the virtual clock from event to event until nothing is left.
+fn run(f: &mut Fabric) -> Vec<Delivery> {
+    let mut out = Vec::new();
+    while let Some(t) = f.poll_timeout() {
+        f.advance(t);
+        while let Some(d) = f.poll_delivery() {
+            out.push(d);
+        }
+    }
+    out
+}
+
+fn send(
+    f: &mut Fabric,
+    t: &Topology,
+    now: u64,
+    src: u32,
+    dst: u32,
+    sport: u16,
+    ecn: u8,
+    len: usize,
+) -> Verdict {
+    let p = build_udp(addr(t, src), addr(t, dst), sport, 9000, ecn, len);
+    f.send(Instant::from_nanos(now), HostId(src), p)
+}
+
+/// Port from vertex named `a` to vertex named `b` (first of parallel links).
+fn port(t: &Topology, f: &Fabric, a: &str, b: &str) -> PortId {
+    let h = t.hosts.len() as u32;
+    let idx = |name: &str| {
+        if let Some(x) = t.host_by_name(name) {
+            x.0
+        } else {
+            h + t.switches.iter().position(|s| s.name == name).unwrap() as u32
+        }
+    };
+    let (a, b) = (idx(a), idx(b));
+    (0..f.routes().ports.len() as u32)
+        .map(PortId)
+        .find(|&p| f.routes().port(p).from == a && f.routes().port(p).to == b)
+        .unwrap()
+}
+
+const SWITCH2: &str = r#"
+[topology]
+kind = "single-switch"
+gpus = 4
+[links.nic]
+rate = "1Gbit"
+delay = "0ns"
+[switches.leaf]
+latency = "0ns"
+"#;
+
+#[test]
+fn serialization_matches_rate_exactly() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    // 1000 B IP + 38 B L2 overhead = 8304 bits = 8304 ns at 1 Gbit/s; store and forward
+    // through two ports: packet i arrives at (i + 1) × 8304 ns.
+    for i in 0..10u16 {
+        assert_eq!(send(&mut f, &t, 0, 0, 1, i, 0, 1000), Verdict::Accepted);
+    }
+    let got: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
+    let want: Vec<u64> = (1..=10).map(|i| (i + 1) * 8304).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn fractional_serialization_carries_and_stays_exact() {
+    // 3 Gbit/s: 1038 B = 8304 bits = 2768 ns exactly; 1001 B → 8312 bits = 2770.67 ns.
+    let t = topo(&SWITCH2.replace("1Gbit", "3Gbit"));
+    let mut f = Fabric::new(&t);
+    let n = 2000u64; // 2.0 MB: fits the default 2 MiB NIC queue
+    for i in 0..n {
+        let _ = send(&mut f, &t, 0, 0, 1, i as u16, 0, 1001);
+    }
+    let last = run(&mut f).last().unwrap().at.as_nanos();
+    // n packets leave the switch port back to back after the first NIC hop.
+    let bits = (1001 + 38) * 8;
+    let nic_first = bits * 1_000_000_000 / 3_000_000_000;
+    let total = n * bits * 1_000_000_000 / 3_000_000_000;
+    assert!(
+        last == nic_first + total || last == nic_first + total + 1,
+        "{last} vs {}",
+        nic_first + total
+    );
+}
+
+const LS: &str = r#"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 4
+gpus_per_leaf = 4
+[links.nic]
+rate = "10Gbit"
+delay = "2us"
+[links.leaf-spine]
+rate = "40Gbit"
+delay = "5us"
+[switches.spine]
+latency = "300ns"
+[switches.leaf]
+latency = "700ns"
+"#;
+
+#[test]
+fn per_hop_delays_add_up() {
+    let t = topo(LS);
+    let mut f = Fabric::new(&t);
+    let _ = send(&mut f, &t, 1_000, 0, 5, 7, 0, 1500);
+    let d = run(&mut f);
+    assert_eq!(d.len(), 1);
+    let bits = (1500 + 38) * 8u64;
+    let ser10 = bits * 1_000_000_000 / 10_000_000_000; // 1230.4 → 1230 ns
+    let ser40 = bits * 1_000_000_000 / 40_000_000_000; // 307.6 → 307 ns
+    let want = 1_000
+        + (ser10 + 2_000)
+        + 700
+        + (ser40 + 5_000)
+        + 300
+        + (ser40 + 5_000)
+        + 700
+        + (ser10 + 2_000);
+    assert_eq!(d[0].at.as_nanos(), want);
+    assert_eq!(f.routes().hops(HostId(0), HostId(5)), Some(4));
+    assert_eq!(f.routes().hops(HostId(0), HostId(1)), Some(2));
+}
+
+#[test]
+fn fifo_per_port_and_no_overlap() {
+    let t = topo(LS);
+    let mut f = Fabric::new(&t);
+    f.enable_trace();
+    for i in 0..400u64 {
+        let _ = send(
+            &mut f,
+            &t,
+            i * 97,
+            (i % 8) as u32,
+            ((i * 3 + 1) % 8) as u32,
+            i as u16,
+            0,
+            200 + (i as usize * 37) % 1300,
+        );
+    }
+    run(&mut f);
+    let mut by_port: BTreeMap<PortId, Vec<_>> = BTreeMap::new();
+    for e in f.trace().iter().filter(|e| e.dropped.is_none()) {
+        by_port.entry(e.port).or_default().push(*e);
+    }
+    for (p, entries) in by_port {
+        for w in entries.windows(2) {
+            assert!(
+                w[1].start >= w[0].finish,
+                "port {p:?}: overlap {:?} {:?}",
+                w[0],
+                w[1]
+            );
+        }
+    }
+    // Per source-destination pair, packets of one flow arrive in order.
+    let t2 = topo(LS);
+    let mut f = Fabric::new(&t2);
+    for i in 0..200u64 {
+        let p = build_udp(addr(&t2, 0), addr(&t2, 6), 1, 2, 0, 100 + i as usize);
+        let _ = f.send(Instant::from_nanos(i * 10), HostId(0), p);
+    }
+    let lens: Vec<usize> = run(&mut f).iter().map(|d| d.data.len()).collect();
+    assert_eq!(lens, (0..200).map(|i| 100 + i).collect::<Vec<_>>());
+}
+
+#[test]
+fn buffer_never_exceeds_size_and_tail_drops() {
+    let t = topo(&format!(
+        "{SWITCH2}buffer = \"20KB\"\n[nic]\nbuffer = \"1MiB\"\n"
+    ));
+    let mut f = Fabric::new(&t);
+    for i in 0..300u16 {
+        for src in 1..4 {
+            let _ = send(&mut f, &t, 0, src, 0, i, 0, 1000);
+        }
+    }
+    let delivered = run(&mut f).len() as u64;
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    let down = &c[port(&t, &f, "sw0", "gpu0").0 as usize];
+    assert!(down.max_queue_bytes <= 20_000, "{}", down.max_queue_bytes);
+    assert!(down.max_queue_bytes > 19_000);
+    assert!(down.drops.get(DropReason::BufferFull) > 0);
+    assert_eq!(down.rx_packets, 900);
+    assert_eq!(
+        down.tx_packets + down.drops.get(DropReason::BufferFull),
+        900
+    );
+    assert_eq!(delivered, down.tx_packets);
+}
+
+#[test]
+fn ecn_marks_only_above_k_and_only_ect() {
+    // Three senders burst into one 1 Gbit/s port: its queue grows by ~2 packets per
+    // packet time. Marks happen exactly when the queue before the packet exceeds K.
+    let t = topo(&format!("{SWITCH2}ecn = {{ k = \"10KB\" }}\n"));
+    let mut f = Fabric::new(&t);
+    f.enable_trace();
+    for i in 0..60u16 {
+        for src in 1..4u32 {
+            // Sender 3 is not ECN-capable.
+            let ecn = if src == 3 { 0b00 } else { 0b10 };
+            let _ = send(&mut f, &t, 0, src, 0, i, ecn, 1000);
+        }
+    }
+    let delivered = run(&mut f);
+    let down = port(&t, &f, "sw0", "gpu0");
+    // Replay the port's queue from the trace: the queue before each enqueue is the bytes
+    // of admitted packets not yet finished.
+    let mut expected_marks = 0;
+    let entries: Vec<_> = f
+        .trace()
+        .iter()
+        .filter(|e| e.port == down)
+        .copied()
+        .collect();
+    for (i, e) in entries.iter().enumerate() {
+        // Enqueue time = arrival at the switch = the packet's finish on its NIC port.
+        let nic_finish = f
+            .trace()
+            .iter()
+            .find(|x| x.packet == e.packet && x.port != down)
+            .unwrap()
+            .finish;
+        let queued = entries[..i]
+            .iter()
+            .filter(|x| x.finish > nic_finish)
+            .count() as u64
+            * 1000;
+        let sender = (e.packet % 3) + 1;
+        if queued > 10_000 && sender != 3 {
+            expected_marks += 1;
+        }
+    }
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    assert_eq!(c[down.0 as usize].ecn_marked, expected_marks);
+    assert!(expected_marks > 50);
+    let mut ce_by_src = [0u32; 4];
+    for d in &delivered {
+        let h = packet::inspect(&d.data).unwrap();
+        if h.ecn == packet::ECN_CE {
+            ce_by_src[d.src.0 as usize] += 1;
+        }
+        assert!(packet::checksum_ok(&d.data));
+    }
+    assert_eq!(ce_by_src[3], 0, "non-ECT packets must never be marked");
+    assert_eq!((ce_by_src[1] + ce_by_src[2]) as u64, expected_marks);
+    // The first packets (queue below K) are not marked.
+    assert_eq!(packet::inspect(&delivered[0].data).unwrap().ecn, 0b10);
+}
+
+fn spine_counts(t: &Topology, f: &mut Fabric) -> Vec<u64> {
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    (0..4)
+        .map(|s| c[port(t, f, "leaf0", &format!("spine{s}")).0 as usize].rx_packets)
+        .collect()
+}
+
+#[test]
+fn ecmp_spreads_flows_and_pins_each_flow() {
+    let t = topo(LS);
+    let mut f = Fabric::new(&t);
+    f.enable_trace();
+    let flows = 4000u64;
+    for i in 0..flows {
+        for rep in 0..2 {
+            let _ = send(
+                &mut f,
+                &t,
+                i * 2_000 + rep * 1_000,
+                (i % 4) as u32,
+                4 + (i % 4) as u32,
+                10_000 + i as u16,
+                0,
+                100,
+            );
+        }
+    }
+    run(&mut f);
+    let counts = spine_counts(&t, &mut f);
+    assert_eq!(counts.iter().sum::<u64>(), 2 * flows);
+    for c in &counts {
+        // 2000 ± 10% per spine (binomial sd ≈ 27 flows, i.e. 55 packets).
+        assert!((1800..=2200).contains(c), "{counts:?}");
+    }
+    // Both packets of each flow took the same spine: per packet id pair, same port.
+    let uplinks: BTreeSet<PortId> = (0..4)
+        .map(|s| port(&t, &f, "leaf0", &format!("spine{s}")))
+        .collect();
+    let mut by_packet: BTreeMap<u64, PortId> = BTreeMap::new();
+    for e in f.trace().iter().filter(|e| uplinks.contains(&e.port)) {
+        by_packet.insert(e.packet, e.port);
+    }
+    for i in 0..flows {
+        assert_eq!(
+            by_packet[&(2 * i)],
+            by_packet[&(2 * i + 1)],
+            "flow {i} changed path"
+        );
+    }
+}
+
+#[test]
+fn spray_spreads_packets_of_one_flow() {
+    let t = topo(&format!("{LS}routing = \"spray\"\n"));
+    let mut f = Fabric::new(&t);
+    for i in 0..4000u64 {
+        let _ = send(&mut f, &t, i * 1_000, 0, 4, 1, 0, 100);
+    }
+    run(&mut f);
+    let counts = spine_counts(&t, &mut f);
+    for c in &counts {
+        assert!((900..=1100).contains(c), "{counts:?}");
+    }
+    // The same flow under ECMP stays on one spine.
+    let t = topo(LS);
+    let mut f = Fabric::new(&t);
+    for i in 0..100u64 {
+        let _ = send(&mut f, &t, i * 1_000, 0, 4, 1, 0, 100);
+    }
+    run(&mut f);
+    let counts = spine_counts(&t, &mut f);
+    assert_eq!(counts.iter().filter(|&&c| c > 0).count(), 1, "{counts:?}");
+}
+
+/// Max queue (bytes) over leaf0's uplinks when 4 GPUs each send two 5 Gbit/s flows into
+/// 10 Gbit/s uplinks: 8 flows on 4 uplinks.
+fn uplink_max_queue(routing: &str) -> (u64, Vec<u64>) {
+    let body =
+        format!("{LS}routing = \"{routing}\"\n").replace("rate = \"40Gbit\"", "rate = \"10Gbit\"");
+    let t = topo(&body);
+    let mut f = Fabric::new(&t);
+    for i in 0..800u64 {
+        for src in 0..4 {
+            let _ = send(
+                &mut f,
+                &t,
+                i * 1_231,
+                src,
+                4 + src,
+                5 + (i % 2) as u16,
+                0,
+                1500,
+            );
+        }
+    }
+    run(&mut f);
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    let max = (0..4)
+        .map(|s| c[port(&t, &f, "leaf0", &format!("spine{s}")).0 as usize].max_queue_bytes)
+        .max()
+        .unwrap();
+    (max, spine_counts(&t, &mut f))
+}
+
+#[test]
+fn adaptive_avoids_the_busy_uplink() {
+    let (ecmp, ecmp_counts) = uplink_max_queue("ecmp");
+    let (adaptive, adaptive_counts) = uplink_max_queue("adaptive");
+    // ECMP (seeded, so this is reproducible) puts three 5 Gbit/s flows on one 10 Gbit/s
+    // uplink and its queue grows; adaptive keeps every uplink queue within two packets.
+    assert!(ecmp > 100_000, "ecmp {ecmp} {ecmp_counts:?}");
+    assert!(adaptive <= 3_000, "adaptive {adaptive} {adaptive_counts:?}");
+}
+
+#[test]
+fn incast_builds_the_predicted_queue() {
+    // N senders each burst M packets at t = 0 into one switch port of the same rate. Every
+    // packet time T, N packets arrive and one leaves, so when the last arrive the queue
+    // holds N·M − M + 1 packets... minus the one finishing at that instant.
+    for n in [2u32, 3] {
+        let m = 50u64;
+        let t = topo(&format!("{SWITCH2}buffer = \"10MiB\"\n"));
+        let mut f = Fabric::new(&t);
+        for i in 0..m {
+            for src in 1..=n {
+                let _ = send(&mut f, &t, 0, src, 0, i as u16, 0, 1000);
+            }
+        }
+        let d = run(&mut f);
+        let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+        let down = &c[port(&t, &f, "sw0", "gpu0").0 as usize];
+        let predicted_packets = n as u64 * m - (m - 1);
+        assert_eq!(down.max_queue_bytes, predicted_packets * 1000, "n = {n}");
+        // The last packet leaves after all N·M packet times plus the first NIC hop.
+        assert_eq!(d.last().unwrap().at.as_nanos(), (n as u64 * m + 1) * 8304);
+    }
+}
+
+#[test]
+fn packets_are_conserved_per_port_and_overall() {
+    let t = topo(
+        &format!("{LS}[links.nic]\nloss = 0.01\nrate = \"10Gbit\"\n")
+            .replace("[links.nic]\nrate = \"10Gbit\"\ndelay = \"2us\"\n", ""),
+    );
+    let mut f = Fabric::new(&t);
+    let mut sent = 0;
+    let check = |f: &mut Fabric, now: u64| {
+        let now = Instant::from_nanos(now);
+        let totals = f.totals(now);
+        let c: Vec<PortCounters> = f.port_counters(now);
+        for (i, p) in c.iter().enumerate() {
+            let (queued, _) = f.queued(PortId(i as u32));
+            assert_eq!(
+                p.rx_packets,
+                p.tx_packets + p.drops.total() + queued as u64,
+                "port {i}"
+            );
+        }
+        assert_eq!(
+            totals.sent,
+            totals.delivered + totals.drops.total() + totals.queued + totals.in_flight,
+            "{totals:?}"
+        );
+        totals
+    };
+    for i in 0..20_000u64 {
+        let now = i * 50;
+        let _ = send(
+            &mut f,
+            &t,
+            now,
+            (i % 8) as u32,
+            ((i * 5 + 3) % 8) as u32,
+            (i % 97) as u16,
+            0,
+            1200,
+        );
+        sent += 1;
+        if i % 1000 == 0 {
+            check(&mut f, now);
+        }
+    }
+    // Some garbage too.
+    let _ = f.send(Instant::from_nanos(1_000_000), HostId(0), vec![0x60; 40]);
+    let _ = f.send(Instant::from_nanos(1_000_000), HostId(0), vec![0x45, 0]);
+    let p = build_udp(addr(&t, 0), Ipv4Addr::new(10, 0, 0, 1), 1, 2, 0, 64);
+    assert_eq!(
+        f.send(Instant::from_nanos(1_000_000), HostId(0), p),
+        Verdict::Dropped(DropReason::NoRoute)
+    );
+    run(&mut f);
+    let totals = check(&mut f, u64::MAX / 2);
+    assert_eq!(totals.sent, sent + 3);
+    assert_eq!((totals.queued, totals.in_flight), (0, 0));
+    assert!(totals.drops.get(DropReason::Loss) > 0);
+    assert_eq!(totals.drops.get(DropReason::Unsupported), 1);
+    assert_eq!(totals.drops.get(DropReason::Malformed), 1);
+    assert_eq!(totals.drops.get(DropReason::NoRoute), 1);
+}
+
+fn trace_of(body: &str, seed: u64) -> Vec<(u64, u64, u32)> {
+    let t = parse(
+        &format!("[fabric]\nname = \"t\"\nseed = {seed}\n{body}"),
+        "test.toml",
+    )
+    .unwrap();
+    let mut f = Fabric::new(&t);
+    f.enable_trace();
+    for i in 0..3000u64 {
+        let _ = send(
+            &mut f,
+            &t,
+            i * 300,
+            (i % 8) as u32,
+            ((i * 7 + 1) % 8) as u32,
+            (i % 13) as u16,
+            0b01,
+            1400,
+        );
+    }
+    run(&mut f);
+    f.trace()
+        .iter()
+        .map(|e| (e.packet, e.finish.as_nanos(), e.port.0))
+        .collect()
+}
+
+#[test]
+fn same_seed_same_trace() {
+    let body = format!("{LS}routing = \"spray\"\n[links.leaf-spine]\nloss = 0.02\n").replace(
+        "[links.leaf-spine]\nrate = \"40Gbit\"\ndelay = \"5us\"\n",
+        "",
+    );
+    let a = trace_of(&body, 1);
+    assert!(a.len() > 3000 * 2);
+    assert_eq!(a, trace_of(&body, 1));
+    assert_ne!(a, trace_of(&body, 2));
+}
+
+#[test]
+fn scale_up_traffic_takes_the_node_switch() {
+    let t = topo(
+        r#"
+[node]
+gpus_per_node = 4
+rate = "100Gbit"
+latency = "100ns"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 1
+nodes_per_leaf = 1
+[links.nic]
+rate = "10Gbit"
+"#,
+    );
+    let mut f = Fabric::new(&t);
+    let _ = send(&mut f, &t, 0, 0, 1, 1, 0, 1000);
+    let _ = send(&mut f, &t, 0, 0, 4, 1, 0, 1000);
+    let d = run(&mut f);
+    assert_eq!(f.routes().hops(HostId(0), HostId(1)), Some(2));
+    assert_eq!(f.routes().hops(HostId(0), HostId(4)), Some(4));
+    // Two NVLink hops at 100 Gbit/s, 0 delay, 100 ns node switch latency.
+    let ser = 1038 * 8 / 100; // ns at 100 Gbit/s: 83.04, rounded down
+    assert_eq!(d[0].dst, HostId(1));
+    assert_eq!(d[0].at.as_nanos(), 2 * ser + 100);
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    assert_eq!(c[port(&t, &f, "gpu0", "node0").0 as usize].tx_packets, 1);
+    assert_eq!(c[port(&t, &f, "gpu0", "leaf0").0 as usize].tx_packets, 1);
+    assert_eq!(d[1].dst, HostId(4));
+}
