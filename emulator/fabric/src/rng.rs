@@ -23,7 +23,7 @@ impl Rng {
 
     /// Uniform in [0, n), n > 0 (Lemire's multiply-shift; bias below 2^-32 for small n).
     pub fn below(&mut self, n: u32) -> u32 {
-        ((self.next_u64() >> 32) * n as u64 >> 32) as u32
+        (((self.next_u64() >> 32) * n as u64) >> 32) as u32
     }
 }
 
