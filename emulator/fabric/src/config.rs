@@ -343,21 +343,22 @@ fn switch_tier(
 ) -> Result<SwitchParams, ConfigError> {
     let d = default_switch(tier);
     let Some(r) = raw else { return Ok(d) };
-    let routing =
-        match &r.routing {
-            None => d.routing,
-            Some(s) => match s.get_ref().as_str() {
-                "ecmp" => Routing::Ecmp,
-                "spray" => Routing::Spray,
-                "adaptive" => Routing::Adaptive,
-                other => return Err(cx.err(
+    let routing = match &r.routing {
+        None => d.routing,
+        Some(s) => match s.get_ref().as_str() {
+            "ecmp" => Routing::Ecmp,
+            "spray" => Routing::Spray,
+            "adaptive" => Routing::Adaptive,
+            other => {
+                return Err(cx.err(
                     s,
                     format!(
                         "unknown routing {other:?}; expected \"ecmp\", \"spray\" or \"adaptive\""
                     ),
-                )),
-            },
-        };
+                ))
+            }
+        },
+    };
     Ok(SwitchParams {
         latency: r.latency.unwrap_or(d.latency),
         queue: queue(cx, &r.buffer, &r.ecn, d.queue)?,

@@ -15,6 +15,7 @@ pub use topology::Topology;
 pub use units::{Bandwidth, Bytes, Duration, Instant};
 pub mod model;
 pub mod packet;
+pub mod plan;
 pub mod rng;
 pub mod routing;
 

@@ -24,6 +24,67 @@ pub struct PortEnds {
     pub link: u32,
 }
 
+/// Egress ports of a topology and, per vertex, its ports.
+#[derive(Clone, Debug)]
+pub struct PortGraph {
+    pub ports: Vec<PortEnds>,
+    pub out: Vec<Vec<PortId>>,
+}
+
+impl PortGraph {
+    pub fn new(topo: &Topology) -> PortGraph {
+        let h = topo.hosts.len() as u32;
+        let vidx = |v: Vertex| match v {
+            Vertex::Host(x) => x.0,
+            Vertex::Switch(s) => h + s.0,
+        };
+        let mut ports = Vec::with_capacity(topo.links.len() * 2);
+        let mut out = vec![Vec::new(); h as usize + topo.switches.len()];
+        for (i, l) in topo.links.iter().enumerate() {
+            let (a, b) = (vidx(l.a), vidx(l.b));
+            for (from, to) in [(a, b), (b, a)] {
+                out[from as usize].push(PortId(ports.len() as u32));
+                ports.push(PortEnds {
+                    from,
+                    to,
+                    link: i as u32,
+                });
+            }
+        }
+        PortGraph { ports, out }
+    }
+
+    /// Links on a shortest path from GPU `src` to every GPU (`u32::MAX` if unreachable),
+    /// by the fabric's rules: through the node switch within a node, else scale-out.
+    pub fn hops_from(&self, topo: &Topology, src: HostId) -> Vec<u32> {
+        let h = topo.hosts.len() as u32;
+        let is_node_switch = |v: u32| v >= h && topo.switches[(v - h) as usize].tier == Tier::Node;
+        let nvlink = |p: PortId| {
+            topo.links[self.ports[p.0 as usize].link as usize].class == LinkClass::Nvlink
+        };
+        let mut dist = vec![u32::MAX; self.out.len()];
+        let mut queue = VecDeque::new();
+        scale_out_bfs(
+            &self.out,
+            &self.ports,
+            src.0,
+            &mut dist,
+            &mut queue,
+            |v| v < h && v != src.0,
+            |p, u| nvlink(p) || is_node_switch(u),
+        );
+        let has_nvlink = self.out[src.0 as usize].iter().any(|&p| nvlink(p));
+        let node = topo.hosts[src.0 as usize].node;
+        dist.truncate(h as usize);
+        for (d, host) in dist.iter_mut().zip(&topo.hosts) {
+            if has_nvlink && host.node == node && *d != 0 {
+                *d = 2;
+            }
+        }
+        dist
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Routes {
     hosts: u32,
@@ -41,23 +102,7 @@ impl Routes {
     pub fn new(topo: &Topology) -> Routes {
         let h = topo.hosts.len() as u32;
         let n = h as usize + topo.switches.len();
-        let vidx = |v: Vertex| match v {
-            Vertex::Host(x) => x.0,
-            Vertex::Switch(s) => h + s.0,
-        };
-        let mut ports = Vec::with_capacity(topo.links.len() * 2);
-        let mut out = vec![Vec::new(); n];
-        for (i, l) in topo.links.iter().enumerate() {
-            let (a, b) = (vidx(l.a), vidx(l.b));
-            for (from, to) in [(a, b), (b, a)] {
-                out[from as usize].push(PortId(ports.len() as u32));
-                ports.push(PortEnds {
-                    from,
-                    to,
-                    link: i as u32,
-                });
-            }
-        }
+        let PortGraph { ports, out } = PortGraph::new(topo);
         let is_node_switch = |v: u32| v >= h && topo.switches[(v - h) as usize].tier == Tier::Node;
         let nvlink =
             |p: PortId| topo.links[ports[p.0 as usize].link as usize].class == LinkClass::Nvlink;
@@ -68,25 +113,15 @@ impl Routes {
         let mut dist = vec![u32::MAX; n];
         let mut queue = VecDeque::new();
         for d in 0..h {
-            // Reverse BFS from d over scale-out links; hosts other than d are not expanded.
-            dist.fill(u32::MAX);
-            dist[d as usize] = 0;
-            queue.push_back(d);
-            while let Some(v) = queue.pop_front() {
-                if v < h && v != d {
-                    continue;
-                }
-                for &p in &out[v as usize] {
-                    if nvlink(p) {
-                        continue;
-                    }
-                    let u = ports[p.0 as usize].to;
-                    if dist[u as usize] == u32::MAX && !is_node_switch(u) {
-                        dist[u as usize] = dist[v as usize] + 1;
-                        queue.push_back(u);
-                    }
-                }
-            }
+            scale_out_bfs(
+                &out,
+                &ports,
+                d,
+                &mut dist,
+                &mut queue,
+                |v| v < h && v != d,
+                |p, u| nvlink(p) || is_node_switch(u),
+            );
             let d_node = topo.hosts[d as usize].node;
             for v in 0..n as u32 {
                 let start = groups.len() as u32;
@@ -143,5 +178,35 @@ impl Routes {
 
     pub fn port(&self, p: PortId) -> PortEnds {
         self.ports[p.0 as usize]
+    }
+}
+
+/// Breadth-first distances (in links) from `start` over the scale-out fabric: vertices for
+/// which `stop` holds are reached but not expanded (GPUs do not forward), ports for which
+/// `skip(port, to)` holds are not taken (nvlinks, node switches).
+pub(crate) fn scale_out_bfs(
+    out: &[Vec<PortId>],
+    ports: &[PortEnds],
+    start: VertexIdx,
+    dist: &mut [u32],
+    queue: &mut VecDeque<VertexIdx>,
+    stop: impl Fn(VertexIdx) -> bool,
+    skip: impl Fn(PortId, VertexIdx) -> bool,
+) {
+    dist.fill(u32::MAX);
+    dist[start as usize] = 0;
+    queue.clear();
+    queue.push_back(start);
+    while let Some(v) = queue.pop_front() {
+        if stop(v) {
+            continue;
+        }
+        for &p in &out[v as usize] {
+            let u = ports[p.0 as usize].to;
+            if dist[u as usize] == u32::MAX && !skip(p, u) {
+                dist[u as usize] = dist[v as usize] + 1;
+                queue.push_back(u);
+            }
+        }
     }
 }

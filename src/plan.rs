@@ -1,0 +1,280 @@
+//! Text rendering of `closbox plan`.
+
+use std::fmt::Write as _;
+
+use closbox_fabric::plan::{Design, HopStats, Plan, Sizing};
+use closbox_fabric::Bandwidth;
+
+use crate::SizeKind;
+
+/// 1234567 → "1,234,567".
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn hops(h: &Option<HopStats>) -> String {
+    match h {
+        Some(h) => format!(
+            "min {}, avg {:.2}, max {} ({} pairs)",
+            h.min,
+            h.avg,
+            h.max,
+            thousands(h.pairs)
+        ),
+        None => "-".into(),
+    }
+}
+
+pub fn render_plan(p: &Plan) -> String {
+    let mut s = String::new();
+    let nodes = if p.gpus_per_node > 1 {
+        format!(
+            " in {} nodes of up to {} (scale-up domains)",
+            thousands(p.nodes),
+            p.gpus_per_node
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        s,
+        "fabric {} ({}): {} GPUs{nodes}",
+        p.name,
+        p.kind,
+        thousands(p.gpus)
+    );
+    if p.tiers.is_empty() {
+        let _ = writeln!(s, "\nswitches: none");
+    } else {
+        let _ = writeln!(s, "\nswitches");
+        let _ = writeln!(
+            s,
+            "  {:<6} {:>8} {:>12} {:>6} {:>17}",
+            "tier", "count", "ports used", "radix", "oversubscription"
+        );
+    }
+    for t in &p.tiers {
+        let ports = if t.ports_min == t.ports_max {
+            t.ports_max.to_string()
+        } else {
+            format!("{}..{}", t.ports_min, t.ports_max)
+        };
+        let radix = t.radix.map_or("-".into(), |r| r.to_string());
+        let over = t
+            .oversubscription
+            .map_or("-".into(), |o| format!("{o:.2}:1"));
+        let _ = writeln!(
+            s,
+            "  {:<6} {:>8} {:>12} {:>6} {:>17}",
+            t.tier,
+            thousands(t.switches),
+            ports,
+            radix,
+            over
+        );
+    }
+    let _ = writeln!(s, "\ncables");
+    let _ = writeln!(s, "  {:<11} {:>8}  rate", "class", "count");
+    for c in &p.cables {
+        let _ = writeln!(
+            s,
+            "  {:<11} {:>8}  {}",
+            c.class,
+            thousands(c.count),
+            Bandwidth::from_bps(c.rate_bps)
+        );
+    }
+    let verdict = if p.kind == "custom" {
+        "a tier-cut upper bound for a custom graph".to_owned()
+    } else if p.bisection_ratio >= 0.999 {
+        "non-blocking".to_owned()
+    } else {
+        format!("{:.2}:1 blocking", 1.0 / p.bisection_ratio.max(1e-12))
+    };
+    let _ = writeln!(
+        s,
+        "\nbisection bandwidth  {} ({:.2} × half the GPUs' NIC capacity: {verdict})",
+        Bandwidth::from_bps(p.bisection_bps),
+        p.bisection_ratio
+    );
+    let sampled = if p.hops_sampled {
+        " (from 256 sampled sources)"
+    } else {
+        ""
+    };
+    let _ = writeln!(s, "hops (links on the path){sampled}");
+    let _ = writeln!(s, "  intra-node  {}", hops(&p.hops_intra_node));
+    let _ = writeln!(s, "  inter-node  {}", hops(&p.hops_inter_node));
+    let _ = writeln!(
+        s,
+        "\nthe same {} GPUs without a hierarchy",
+        thousands(p.gpus)
+    );
+    let _ = writeln!(
+        s,
+        "  full mesh      {} ports per GPU, {} cables",
+        thousands(p.compare.full_mesh_ports_per_gpu),
+        thousands(p.compare.full_mesh_cables)
+    );
+    let _ = write!(
+        s,
+        "  single switch  one switch with {} ports",
+        thousands(p.compare.single_switch_ports)
+    );
+    s
+}
+
+fn design(s: &mut String, d: &Design, gpus: u64) {
+    let title = match d.kind.as_str() {
+        "fat-tree" => "3-tier fat-tree",
+        _ => "2-tier leaf-spine",
+    };
+    let _ = writeln!(
+        s,
+        "{title}, radix {}: reaches at most {} GPUs at 1:1",
+        d.radix,
+        thousands(d.max_gpus)
+    );
+    if !d.fits {
+        let _ = writeln!(s, "  {} GPUs do not fit", thousands(gpus));
+        return;
+    }
+    let switches: Vec<String> = d
+        .switches
+        .iter()
+        .map(|(t, n)| format!("{} {t}", thousands(*n)))
+        .collect();
+    let cables: Vec<String> = d
+        .cables
+        .iter()
+        .map(|(c, n)| format!("{} {c}", thousands(*n)))
+        .collect();
+    let _ = writeln!(
+        s,
+        "  switches  {} = {}",
+        switches.join(" + "),
+        thousands(d.switches_total)
+    );
+    let _ = writeln!(
+        s,
+        "  cables    {} = {}",
+        cables.join(" + "),
+        thousands(d.cables_total)
+    );
+    let _ = writeln!(s, "  hops      {}", hops(&d.hops));
+}
+
+pub fn render_sizing(z: &Sizing, kind: SizeKind) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} GPUs, radix-{} switches\n",
+        thousands(z.gpus),
+        z.radix
+    );
+    let mesh = format!(
+        "full mesh: {} ports per GPU, {} cables\n",
+        thousands(z.compare.full_mesh_ports_per_gpu),
+        thousands(z.compare.full_mesh_cables)
+    );
+    let single = format!(
+        "single switch: one switch with {} ports{}\n",
+        thousands(z.compare.single_switch_ports),
+        if z.compare.single_switch_ports > z.radix {
+            format!(" (a radix-{} switch has {})", z.radix, z.radix)
+        } else {
+            String::new()
+        }
+    );
+    let mut fabrics = String::new();
+    let (first, second, first_min, second_min) = match kind {
+        SizeKind::FatTree => (
+            &z.fat_tree,
+            &z.leaf_spine,
+            &z.fat_tree_min_radix,
+            &z.leaf_spine_min_radix,
+        ),
+        _ => (
+            &z.leaf_spine,
+            &z.fat_tree,
+            &z.leaf_spine_min_radix,
+            &z.fat_tree_min_radix,
+        ),
+    };
+    for (d, min) in [(first, first_min), (second, second_min)] {
+        design(&mut fabrics, d, z.gpus);
+        if let Some(m) = min {
+            let _ = writeln!(
+                fabrics,
+                "  needs radix ≥ {} for {} GPUs:",
+                m.radix,
+                thousands(z.gpus)
+            );
+            let mut sub = String::new();
+            design(&mut sub, m, z.gpus);
+            for line in sub.lines().skip(1) {
+                let _ = writeln!(fabrics, "  {line}");
+            }
+        }
+        fabrics.push('\n');
+    }
+    match kind {
+        SizeKind::FullMesh => {
+            s += &mesh;
+            s += &single;
+            s.push('\n');
+            s += &fabrics;
+        }
+        SizeKind::SingleSwitch => {
+            s += &single;
+            s += &mesh;
+            s.push('\n');
+            s += &fabrics;
+        }
+        _ => {
+            s += &fabrics;
+            s += &mesh;
+            s += &single;
+        }
+    }
+    s.trim_end().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_thousands() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(19_999_900_000), "19,999,900,000");
+    }
+
+    #[test]
+    fn prints_the_issue_figures_for_200k_gpus() {
+        let out = render_sizing(&Sizing::new(200_000, 64), SizeKind::FatTree);
+        assert!(
+            out.contains("full mesh: 199,999 ports per GPU, 19,999,900,000 cables"),
+            "{out}"
+        );
+        assert!(
+            out.contains("2-tier leaf-spine, radix 64: reaches at most 2,048 GPUs"),
+            "{out}"
+        );
+        assert!(
+            out.contains("3-tier fat-tree, radix 64: reaches at most 65,536 GPUs"),
+            "{out}"
+        );
+        assert!(out.contains("needs radix ≥ 94"), "{out}");
+    }
+}
