@@ -8,13 +8,16 @@
 //! FIFO egress at a fixed rate makes every departure computable on enqueue: a packet starts
 //! when the port is free and finishes `wire bits / rate` later. So a hop costs one event (the
 //! arrival at the next vertex); a port's queue is the list of admitted packets not yet
-//! finished, settled lazily against `now`. Ties in time are broken by a sequence number,
-//! and every random draw comes from a generator seeded from the fabric seed: the same
-//! config and packets give the same trace.
+//! finished, settled lazily against `now`. Packets cannot overtake each other on a link, so
+//! each port's arrivals are already in time order: the event queue holds only each port's
+//! next arrival (a heap as small as the number of busy ports). Ties in time are broken by
+//! port number, and every random draw comes from a generator seeded from the fabric seed:
+//! the same config and packets give the same trace.
 //!
 //! Must not: read clocks, sleep, do I/O, allocate per hop.
 
 use std::cmp::Reverse;
+use std::collections::binary_heap::PeekMut;
 use std::collections::{BinaryHeap, VecDeque};
 
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
@@ -130,6 +133,8 @@ struct Port {
     carry: u64,
     /// Admitted packets not yet finished: (finish, IP bytes, lost on the wire).
     backlog: VecDeque<(Instant, u32, bool)>,
+    /// Packets that will arrive at `to`, in arrival order: (arrival, slot).
+    transit: VecDeque<(Instant, u32)>,
     backlog_bytes: u64,
     counters: PortCounters,
     rng: Rng,
@@ -163,9 +168,9 @@ pub struct Fabric {
     l2_overhead: u32,
     slots: Vec<Option<InFlight>>,
     free: Vec<u32>,
-    /// (arrival time, sequence, slot, vertex the packet arrives at).
-    events: BinaryHeap<Reverse<(Instant, u64, u32, VertexIdx)>>,
-    seq: u64,
+    /// Each port's next arrival, packed for cheap comparison: time (ns) << 32 | port.
+    events: BinaryHeap<Reverse<u128>>,
+    in_transit: u64,
     next_packet: u64,
     now: Instant,
     deliveries: VecDeque<Delivery>,
@@ -179,7 +184,7 @@ impl std::fmt::Debug for Fabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fabric")
             .field("ports", &self.ports.len())
-            .field("in_flight", &self.events.len())
+            .field("in_transit", &self.in_transit)
             .field("now", &self.now)
             .finish()
     }
@@ -213,6 +218,7 @@ impl Fabric {
                 busy_until: Instant::ZERO,
                 carry: 0,
                 backlog: VecDeque::new(),
+                transit: VecDeque::new(),
                 backlog_bytes: 0,
                 counters: PortCounters::default(),
                 rng: Rng::new(seed, 1 << 40 | i as u64),
@@ -240,7 +246,7 @@ impl Fabric {
             slots: Vec::new(),
             free: Vec::new(),
             events: BinaryHeap::new(),
-            seq: 0,
+            in_transit: 0,
             next_packet: 0,
             now: Instant::ZERO,
             deliveries: VecDeque::new(),
@@ -322,18 +328,36 @@ impl Fabric {
     /// When the next event is due, if any.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.events.peek().map(|Reverse((t, ..))| *t)
+        self.events.peek().map(|&Reverse(e)| unpack(e).0)
     }
 
     /// Processes every event due at or before `now`.
     pub fn advance(&mut self, now: Instant) {
         debug_assert!(now >= self.now, "time went backwards: {now} < {}", self.now);
         self.now = self.now.max(now);
-        while let Some(&Reverse((t, _, slot, v))) = self.events.peek() {
-            if t > now {
-                break;
-            }
-            self.events.pop();
+        loop {
+            let (t, slot, v) = {
+                let Some(mut top) = self.events.peek_mut() else {
+                    break;
+                };
+                let (t, port) = unpack(top.0);
+                if t > now {
+                    break;
+                }
+                let p = &mut self.ports[port as usize];
+                let (_, slot) = p
+                    .transit
+                    .pop_front()
+                    .expect("a port in the heap has arrivals");
+                match p.transit.front() {
+                    Some(&(next, _)) => top.0 = pack(next, port),
+                    None => {
+                        PeekMut::pop(top);
+                    }
+                }
+                (t, slot, p.to)
+            };
+            self.in_transit -= 1;
             if v < self.hosts {
                 let pkt = self.release(slot);
                 debug_assert_eq!(pkt.dst.0, v);
@@ -445,10 +469,15 @@ impl Fabric {
         if lost {
             self.release(slot);
         } else {
-            let arrive = finish + port.link.delay + port.next_latency;
-            let to = port.to;
-            self.seq += 1;
-            self.events.push(Reverse((arrive, self.seq, slot, to)));
+            // No overtaking on a link, even if its delay was lowered meanwhile.
+            let mut arrive = finish + port.link.delay + port.next_latency;
+            if let Some(&(last, _)) = port.transit.back() {
+                arrive = arrive.max(last);
+            } else {
+                self.events.push(Reverse(pack(arrive, port_id.0)));
+            }
+            port.transit.push_back((arrive, slot));
+            self.in_transit += 1;
         }
         Ok(())
     }
@@ -491,7 +520,7 @@ impl Fabric {
             drops,
             queued: self.ports.iter().map(|p| p.backlog.len() as u64).sum(),
             // Finished on a port, not yet arrived (propagation, switch latency).
-            in_flight: self.events.len() as u64
+            in_flight: self.in_transit
                 - self
                     .ports
                     .iter()
@@ -520,6 +549,14 @@ pub struct Totals {
     pub drops: Drops,
     pub queued: u64,
     pub in_flight: u64,
+}
+
+fn pack(t: Instant, port: u32) -> u128 {
+    (t.as_nanos() as u128) << 32 | port as u128
+}
+
+fn unpack(e: u128) -> (Instant, u32) {
+    (Instant::from_nanos((e >> 32) as u64), e as u32)
 }
 
 /// Retires packets that finished by `now`.

@@ -168,10 +168,21 @@ impl Bandwidth {
 
     /// Time to send `bits` at this rate, rounded down, plus the remainder in units of
     /// `1/rate` ns (so that back-to-back transmissions can carry it and stay exact).
+    #[inline]
     pub fn transmit_time(self, bits: u64, carry: u64) -> (Duration, u64) {
-        let num = bits as u128 * 1_000_000_000 + carry as u128;
-        let rate = self.0 as u128;
-        ((Duration((num / rate) as u64)), (num % rate) as u64)
+        // Packets are far below 2^34 bits and rates below 2^54 bit/s, so this fits in
+        // u64 (a 64-bit division is several times cheaper than a 128-bit one).
+        match bits
+            .checked_mul(1_000_000_000)
+            .and_then(|n| n.checked_add(carry))
+        {
+            Some(num) => (Duration(num / self.0), num % self.0),
+            None => {
+                let num = bits as u128 * 1_000_000_000 + carry as u128;
+                let rate = self.0 as u128;
+                (Duration((num / rate) as u64), (num % rate) as u64)
+            }
+        }
     }
 
     /// Divides the rate by `k` (time dilation).
