@@ -42,7 +42,12 @@ fn every_shipped_config_plans() {
     for f in files {
         let out = closbox(&["plan", f.to_str().unwrap()]);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{}: {}", f.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(stdout.contains("bisection bandwidth"), "{stdout}");
         let json = closbox(&["plan", f.to_str().unwrap(), "--json"]);
         let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("valid JSON");
@@ -56,7 +61,12 @@ fn superpod_su_is_256_gpus_at_one_to_one() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["gpus"], 256);
     assert_eq!(v["nodes"], 32);
-    let leaf = v["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "leaf").unwrap();
+    let leaf = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "leaf")
+        .unwrap();
     assert_eq!(leaf["switches"], 8);
     assert_eq!(leaf["ports_max"], 64);
     assert_eq!(leaf["oversubscription"], 1.0);
@@ -64,7 +74,15 @@ fn superpod_su_is_256_gpus_at_one_to_one() {
 
 #[test]
 fn sizing_200k_gpus_prints_exact_figures() {
-    let out = closbox(&["plan", "--gpus", "200000", "--topology", "leaf-spine", "--radix", "64"]);
+    let out = closbox(&[
+        "plan",
+        "--gpus",
+        "200000",
+        "--topology",
+        "leaf-spine",
+        "--radix",
+        "64",
+    ]);
     assert!(out.status.success());
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("199,999 ports per GPU"), "{s}");
@@ -89,7 +107,10 @@ fn broken_configs_name_file_and_line() {
         let out = closbox(&["plan", f.to_str().unwrap()]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(err.contains(&format!("bad{i}.toml{want}")), "case {i}: {err}");
+        assert!(
+            err.contains(&format!("bad{i}.toml{want}")),
+            "case {i}: {err}"
+        );
         assert!(!err.contains("panicked"), "{err}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
