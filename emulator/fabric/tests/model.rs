@@ -33,8 +33,7 @@ fn send(
     f: &mut Fabric,
     t: &Topology,
     now: u64,
-    src: u32,
-    dst: u32,
+    (src, dst): (u32, u32),
     sport: u16,
     ecn: u8,
     len: usize,
@@ -78,7 +77,7 @@ fn serialization_matches_rate_exactly() {
     // 1000 B IP + 38 B L2 overhead = 8304 bits = 8304 ns at 1 Gbit/s; store and forward
     // through two ports: packet i arrives at (i + 1) × 8304 ns.
     for i in 0..10u16 {
-        assert_eq!(send(&mut f, &t, 0, 0, 1, i, 0, 1000), Verdict::Accepted);
+        assert_eq!(send(&mut f, &t, 0, (0, 1), i, 0, 1000), Verdict::Accepted);
     }
     let got: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
     let want: Vec<u64> = (1..=10).map(|i| (i + 1) * 8304).collect();
@@ -92,7 +91,7 @@ fn fractional_serialization_carries_and_stays_exact() {
     let mut f = Fabric::new(&t);
     let n = 2000u64; // 2.0 MB: fits the default 2 MiB NIC queue
     for i in 0..n {
-        let _ = send(&mut f, &t, 0, 0, 1, i as u16, 0, 1001);
+        let _ = send(&mut f, &t, 0, (0, 1), i as u16, 0, 1001);
     }
     let last = run(&mut f).last().unwrap().at.as_nanos();
     // n packets leave the switch port back to back after the first NIC hop.
@@ -128,7 +127,7 @@ latency = "700ns"
 fn per_hop_delays_add_up() {
     let t = topo(LS);
     let mut f = Fabric::new(&t);
-    let _ = send(&mut f, &t, 1_000, 0, 5, 7, 0, 1500);
+    let _ = send(&mut f, &t, 1_000, (0, 5), 7, 0, 1500);
     let d = run(&mut f);
     assert_eq!(d.len(), 1);
     let bits = (1500 + 38) * 8u64;
@@ -157,8 +156,7 @@ fn fifo_per_port_and_no_overlap() {
             &mut f,
             &t,
             i * 97,
-            (i % 8) as u32,
-            ((i * 3 + 1) % 8) as u32,
+            ((i % 8) as u32, ((i * 3 + 1) % 8) as u32),
             i as u16,
             0,
             200 + (i as usize * 37) % 1300,
@@ -198,7 +196,7 @@ fn buffer_never_exceeds_size_and_tail_drops() {
     let mut f = Fabric::new(&t);
     for i in 0..300u16 {
         for src in 1..4 {
-            let _ = send(&mut f, &t, 0, src, 0, i, 0, 1000);
+            let _ = send(&mut f, &t, 0, (src, 0), i, 0, 1000);
         }
     }
     let delivered = run(&mut f).len() as u64;
@@ -226,7 +224,7 @@ fn ecn_marks_only_above_k_and_only_ect() {
         for src in 1..4u32 {
             // Sender 3 is not ECN-capable.
             let ecn = if src == 3 { 0b00 } else { 0b10 };
-            let _ = send(&mut f, &t, 0, src, 0, i, ecn, 1000);
+            let _ = send(&mut f, &t, 0, (src, 0), i, ecn, 1000);
         }
     }
     let delivered = run(&mut f);
@@ -294,8 +292,7 @@ fn ecmp_spreads_flows_and_pins_each_flow() {
                 &mut f,
                 &t,
                 i * 2_000 + rep * 1_000,
-                (i % 4) as u32,
-                4 + (i % 4) as u32,
+                ((i % 4) as u32, 4 + (i % 4) as u32),
                 10_000 + i as u16,
                 0,
                 100,
@@ -331,7 +328,7 @@ fn spray_spreads_packets_of_one_flow() {
     let t = topo(&format!("{LS}routing = \"spray\"\n"));
     let mut f = Fabric::new(&t);
     for i in 0..4000u64 {
-        let _ = send(&mut f, &t, i * 1_000, 0, 4, 1, 0, 100);
+        let _ = send(&mut f, &t, i * 1_000, (0, 4), 1, 0, 100);
     }
     run(&mut f);
     let counts = spine_counts(&t, &mut f);
@@ -342,7 +339,7 @@ fn spray_spreads_packets_of_one_flow() {
     let t = topo(LS);
     let mut f = Fabric::new(&t);
     for i in 0..100u64 {
-        let _ = send(&mut f, &t, i * 1_000, 0, 4, 1, 0, 100);
+        let _ = send(&mut f, &t, i * 1_000, (0, 4), 1, 0, 100);
     }
     run(&mut f);
     let counts = spine_counts(&t, &mut f);
@@ -362,8 +359,7 @@ fn uplink_max_queue(routing: &str) -> (u64, Vec<u64>) {
                 &mut f,
                 &t,
                 i * 1_231,
-                src,
-                4 + src,
+                (src, 4 + src),
                 5 + (i % 2) as u16,
                 0,
                 1500,
@@ -400,7 +396,7 @@ fn incast_builds_the_predicted_queue() {
         let mut f = Fabric::new(&t);
         for i in 0..m {
             for src in 1..=n {
-                let _ = send(&mut f, &t, 0, src, 0, i as u16, 0, 1000);
+                let _ = send(&mut f, &t, 0, (src, 0), i as u16, 0, 1000);
             }
         }
         let d = run(&mut f);
@@ -446,8 +442,7 @@ fn packets_are_conserved_per_port_and_overall() {
             &mut f,
             &t,
             now,
-            (i % 8) as u32,
-            ((i * 5 + 3) % 8) as u32,
+            ((i % 8) as u32, ((i * 5 + 3) % 8) as u32),
             (i % 97) as u16,
             0,
             1200,
@@ -488,8 +483,7 @@ fn trace_of(body: &str, seed: u64) -> Vec<(u64, u64, u32)> {
             &mut f,
             &t,
             i * 300,
-            (i % 8) as u32,
-            ((i * 7 + 1) % 8) as u32,
+            ((i % 8) as u32, ((i * 7 + 1) % 8) as u32),
             (i % 13) as u16,
             0b01,
             1400,
@@ -532,8 +526,8 @@ rate = "10Gbit"
 "#,
     );
     let mut f = Fabric::new(&t);
-    let _ = send(&mut f, &t, 0, 0, 1, 1, 0, 1000);
-    let _ = send(&mut f, &t, 0, 0, 4, 1, 0, 1000);
+    let _ = send(&mut f, &t, 0, (0, 1), 1, 0, 1000);
+    let _ = send(&mut f, &t, 0, (0, 4), 1, 0, 1000);
     let d = run(&mut f);
     assert_eq!(f.routes().hops(HostId(0), HostId(1)), Some(2));
     assert_eq!(f.routes().hops(HostId(0), HostId(4)), Some(4));
