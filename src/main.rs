@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod live;
 mod plan;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
@@ -23,6 +24,60 @@ enum Command {
         after_help = "Examples:\n  closbox plan configs/leaf-spine-16.toml\n  closbox plan --gpus 200000 --topology fat-tree --radix 64\n  closbox plan configs/superpod-su.toml --json"
     )]
     Plan(PlanArgs),
+    /// Bring a fabric up: a namespace, hostname and TUN per GPU, and the switch daemon.
+    /// Runs in the foreground (Ctrl-C tears it down) unless --detach.
+    Up {
+        /// Topology file.
+        file: PathBuf,
+        /// Return once the fabric is ready; the daemon keeps running.
+        #[arg(long)]
+        detach: bool,
+    },
+    /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
+    Down {
+        /// Fabric name (default: the only fabric up).
+        fabric: Option<String>,
+        /// Every fabric that is up.
+        #[arg(long, conflicts_with = "fabric")]
+        all: bool,
+    },
+    /// Fabrics up, daemon health, packets, drops, lateness. Exit 3 if a fabric is unhealthy.
+    Status {
+        /// Fabric name (default: all).
+        fabric: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a command as one GPU (its network, hostname and /etc/hosts); exit code passed through.
+    #[command(after_help = "Example:\n  closbox exec gpu3 -- ping -c 3 gpu0")]
+    Exec {
+        /// GPU name (gpu3) or rank (3).
+        gpu: String,
+        /// Fabric (default: the only fabric up).
+        #[arg(long, short)]
+        fabric: Option<String>,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Run a command once per GPU, concurrently, with RANK, WORLD_SIZE, MASTER_ADDR, …
+    /// set; `{rank}` in arguments becomes the rank.
+    #[command(after_help = "Example:\n  closbox run -- /usr/bin/python3 train.py --rank {rank}")]
+    Run {
+        /// Fabric (default: the only fabric up).
+        #[arg(long, short)]
+        fabric: Option<String>,
+        /// GPUs: "all", ranks and ranges ("0-3,6") or names ("gpu0,gpu5").
+        #[arg(long, default_value = "all")]
+        gpus: String,
+        /// Stop every rank after this many seconds (exit 124).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// MASTER_PORT for torch.distributed-style rendezvous.
+        #[arg(long, default_value_t = 29500)]
+        master_port: u16,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -70,10 +125,42 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Plan(args) => run_plan(args),
+        Command::Plan(args) => run_plan(args).map(|()| ExitCode::SUCCESS),
+        Command::Up { file, detach } => live::up(&file, detach).map(|()| ExitCode::SUCCESS),
+        Command::Down { fabric, all } => {
+            live::down(fabric.as_deref(), all).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Status { fabric, json } => live::status(fabric.as_deref(), json),
+        Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_deref(), &gpu, &cmd),
+        Command::Run {
+            fabric,
+            gpus,
+            timeout,
+            master_port,
+            cmd,
+        } => {
+            match timeout.map(|t| {
+                if t.is_finite() && t > 0.0 {
+                    Ok(std::time::Duration::from_secs_f64(t))
+                } else {
+                    Err(anyhow::anyhow!(
+                        "--timeout must be a positive number of seconds"
+                    ))
+                }
+            }) {
+                Some(Err(e)) => Err(e),
+                t => live::run(live::RunArgs {
+                    fabric: fabric.as_deref(),
+                    gpus: &gpus,
+                    timeout: t.map(|t| t.expect("checked")),
+                    master_port,
+                    cmd: &cmd,
+                }),
+            }
+        }
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("closbox: {e:#}");
             ExitCode::FAILURE

@@ -1,0 +1,301 @@
+//! The real-time data plane: one plain thread that reads every TUN, drives the fabric
+//! model with the wall clock (scaled by `time_scale`), and writes each packet to its
+//! destination TUN at its departure time.
+//!
+//! Waiting: `epoll_pwait2` with a nanosecond timeout until `SPIN` before the next
+//! departure (timer slack 1 ns), then polling the TUNs without blocking until it is due.
+//! Each write's lateness (actual − scheduled, wall time) goes into a histogram: it is the
+//! fidelity signal, and status warns when it says the box cannot keep up.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration as StdDuration, Instant as StdInstant};
+
+use closbox_fabric::model::{DropReason, Fabric};
+use closbox_fabric::{HostId, Instant, Topology};
+use serde::Serialize;
+
+use crate::histogram::Histogram;
+use crate::sys::{self, Epoll, EventFd};
+
+/// How long before a departure the loop stops sleeping and polls (covers the ~25 µs a
+/// timer wakeup overshoots on this class of VM).
+const SPIN: StdDuration = StdDuration::from_micros(40);
+/// Packets read from one TUN before looking at the others (fairness).
+const READ_BATCH: usize = 64;
+/// Lateness above which the fabric is reported as not keeping up (p99 of the last window).
+pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
+/// Length of the "recent" lateness window.
+const WINDOW: StdDuration = StdDuration::from_secs(5);
+const WAKE_TOKEN: u64 = u64::MAX;
+
+/// Requests from the control plane.
+#[derive(Debug)]
+pub enum Ctl {
+    Status(Sender<Status>),
+    Stop,
+}
+
+/// A snapshot for `closbox status`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    pub fabric: String,
+    pub gpus: usize,
+    pub time_scale: f64,
+    pub uptime_s: f64,
+    pub fabric_time_s: f64,
+    pub packets_in: u64,
+    pub delivered: u64,
+    pub queued: u64,
+    pub in_flight: u64,
+    pub drops: Vec<(String, u64)>,
+    pub lateness: Lateness,
+    pub lateness_recent: Lateness,
+    pub behind: bool,
+    pub io_errors: u64,
+    /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
+    /// control plane.
+    pub tun_tx_dropped: Option<u64>,
+}
+
+/// Write lateness in wall-clock microseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Lateness {
+    pub samples: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+impl Lateness {
+    fn of(h: &Histogram) -> Lateness {
+        Lateness {
+            samples: h.count(),
+            p50_us: h.quantile(0.5) as f64 / 1e3,
+            p99_us: h.quantile(0.99) as f64 / 1e3,
+            max_us: h.max() as f64 / 1e3,
+        }
+    }
+}
+
+pub struct DataPlane {
+    name: String,
+    model: Fabric,
+    tuns: Vec<OwnedFd>,
+    epoll: Epoll,
+    wake: Arc<EventFd>,
+    ctl: Receiver<Ctl>,
+    time_scale: f64,
+    mtu: usize,
+    start: StdInstant,
+    pool: Vec<Vec<u8>>,
+    lateness: Histogram,
+    window: Histogram,
+    last_window: Histogram,
+    window_start: StdInstant,
+    io_errors: u64,
+    warned: Option<StdInstant>,
+}
+
+impl std::fmt::Debug for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlane")
+            .field("name", &self.name)
+            .field("tuns", &self.tuns.len())
+            .finish()
+    }
+}
+
+impl DataPlane {
+    pub fn new(
+        topo: &Topology,
+        tuns: Vec<OwnedFd>,
+        wake: Arc<EventFd>,
+        ctl: Receiver<Ctl>,
+    ) -> anyhow::Result<Self> {
+        let epoll = Epoll::new(tuns.len() + 1)?;
+        for (i, t) in tuns.iter().enumerate() {
+            epoll.add(t.as_raw_fd(), i as u64)?;
+        }
+        epoll.add(wake.raw(), WAKE_TOKEN)?;
+        let now = StdInstant::now();
+        Ok(DataPlane {
+            name: topo.fabric.name.clone(),
+            model: Fabric::new(topo),
+            tuns,
+            epoll,
+            wake,
+            ctl,
+            time_scale: topo.fabric.time_scale,
+            mtu: topo.fabric.mtu as usize,
+            start: now,
+            pool: Vec::new(),
+            lateness: Histogram::new(),
+            window: Histogram::new(),
+            last_window: Histogram::new(),
+            window_start: now,
+            io_errors: 0,
+            warned: None,
+        })
+    }
+
+    fn fabric_now(&self, wall: StdInstant) -> Instant {
+        let ns = wall.saturating_duration_since(self.start).as_nanos() as f64 / self.time_scale;
+        Instant::from_nanos(ns as u64)
+    }
+
+    fn wall_of(&self, t: Instant) -> StdInstant {
+        self.start + StdDuration::from_nanos((t.as_nanos() as f64 * self.time_scale) as u64)
+    }
+
+    /// Runs until a `Ctl::Stop` arrives.
+    pub fn run(mut self) {
+        sys::set_timer_slack_ns(1);
+        loop {
+            let wall = StdInstant::now();
+            self.deliver_due(wall);
+            if !self.handle_ctl() {
+                return;
+            }
+            self.rotate_window(wall);
+            let timeout = self.model.poll_timeout().map(|t| {
+                let due = self.wall_of(t);
+                let wait = due.saturating_duration_since(StdInstant::now());
+                wait.saturating_sub(SPIN).as_nanos() as u64
+            });
+            // No departure pending: sleep until input, or a second for housekeeping.
+            let timeout = Some(timeout.unwrap_or(1_000_000_000));
+            let ready: Vec<u64> = match self.epoll.wait(timeout) {
+                Ok(tokens) => tokens.collect(),
+                Err(e) => {
+                    tracing::error!("epoll: {e}");
+                    self.io_errors += 1;
+                    Vec::new()
+                }
+            };
+            for token in ready {
+                if token == WAKE_TOKEN {
+                    self.wake.drain();
+                } else {
+                    self.read_tun(token as usize);
+                }
+            }
+        }
+    }
+
+    fn read_tun(&mut self, host: usize) {
+        let fd = self.tuns[host].as_raw_fd();
+        for _ in 0..READ_BATCH {
+            let mut buf = self.pool.pop().unwrap_or_default();
+            buf.resize(self.mtu.max(2048), 0);
+            match sys::read_packet(fd, &mut buf) {
+                Ok(Some(n)) => {
+                    buf.truncate(n);
+                    let now = self.fabric_now(StdInstant::now());
+                    // Drops are counted by the model; nothing else to do with the verdict.
+                    let _ = self.model.send(now, HostId(host as u32), buf);
+                }
+                Ok(None) => {
+                    self.pool.push(buf);
+                    return;
+                }
+                Err(e) => {
+                    self.pool.push(buf);
+                    self.io_errors += 1;
+                    tracing::warn!("reading TUN of GPU {host}: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn deliver_due(&mut self, wall: StdInstant) {
+        let now = self.fabric_now(wall);
+        self.model.advance(now);
+        while let Some(d) = self.model.poll_delivery() {
+            // Lateness is taken when the write starts: the write itself runs the
+            // receiver's network stack, which is the GPU's time, not the fabric's.
+            let late = StdInstant::now()
+                .saturating_duration_since(self.wall_of(d.at))
+                .as_nanos() as u64;
+            if let Err(e) = sys::write_packet(self.tuns[d.dst.0 as usize].as_raw_fd(), &d.data) {
+                self.io_errors += 1;
+                tracing::debug!("writing to GPU {}: {e}", d.dst.0);
+            }
+            self.lateness.record(late);
+            self.window.record(late);
+            self.pool.push(d.data);
+        }
+    }
+
+    fn rotate_window(&mut self, wall: StdInstant) {
+        if wall.duration_since(self.window_start) < WINDOW {
+            return;
+        }
+        self.last_window = std::mem::take(&mut self.window);
+        self.window_start = wall;
+        let p99 = self.last_window.quantile(0.99);
+        if self.last_window.count() > 100 && p99 > BEHIND_P99.as_nanos() as u64 {
+            let quiet = self
+                .warned
+                .is_none_or(|w| wall.duration_since(w) > StdDuration::from_secs(30));
+            if quiet {
+                tracing::warn!(
+                    "fabric {}: packets leave {:.0} µs late (p99, last {} s): this box cannot keep up with the configured rates; raise time_scale",
+                    self.name,
+                    p99 as f64 / 1e3,
+                    WINDOW.as_secs()
+                );
+                self.warned = Some(wall);
+            }
+        }
+    }
+
+    /// Answers control requests; false when asked to stop.
+    fn handle_ctl(&mut self) -> bool {
+        while let Ok(req) = self.ctl.try_recv() {
+            match req {
+                Ctl::Stop => return false,
+                Ctl::Status(reply) => {
+                    let _ = reply.send(self.status());
+                }
+            }
+        }
+        true
+    }
+
+    fn status(&mut self) -> Status {
+        let wall = StdInstant::now();
+        let now = self.fabric_now(wall);
+        let totals = self.model.totals(now);
+        // The current window if it has enough samples, else the last full one.
+        let recent = if self.window.count() >= 100 {
+            &self.window
+        } else {
+            &self.last_window
+        };
+        let lateness_recent = Lateness::of(recent);
+        Status {
+            fabric: self.name.clone(),
+            gpus: self.tuns.len(),
+            time_scale: self.time_scale,
+            uptime_s: wall.duration_since(self.start).as_secs_f64(),
+            fabric_time_s: now.as_nanos() as f64 / 1e9,
+            packets_in: totals.sent,
+            delivered: totals.delivered,
+            queued: totals.queued,
+            in_flight: totals.in_flight,
+            drops: DropReason::ALL
+                .iter()
+                .map(|r| (r.name().to_owned(), totals.drops.get(*r)))
+                .collect(),
+            lateness: Lateness::of(&self.lateness),
+            behind: recent.count() >= 100
+                && lateness_recent.p99_us * 1e3 > BEHIND_P99.as_nanos() as f64,
+            lateness_recent,
+            io_errors: self.io_errors,
+            tun_tx_dropped: None,
+        }
+    }
+}

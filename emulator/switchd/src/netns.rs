@@ -1,0 +1,172 @@
+//! GPU namespaces: a network namespace (compatible with `ip netns`), a UTS namespace with
+//! the GPU's hostname, a TUN interface with the GPU's address, and an /etc/netns hosts file.
+//!
+//! Each GPU is built by a short-lived thread that unshares into fresh namespaces, pins
+//! them with bind mounts, and creates and configures its TUN with ioctls from inside.
+//! No `ip` process is forked and no interface is moved between namespaces (a move costs
+//! ~16 ms; this costs well under 1 ms per GPU).
+
+use std::fs;
+use std::io::{self, Write as _};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::thread;
+
+use anyhow::Context;
+
+use crate::state::{GpuState, State, NETNS_DIR};
+use crate::sys;
+
+/// Transmit queue of each TUN (packets the kernel holds for the daemon to read).
+const TUN_TXQUEUELEN: u32 = 1000;
+/// GPUs set up at once.
+const PARALLEL: usize = 4;
+
+/// Makes /run/netns a shared mount point as `ip netns add` does, so that namespace mounts
+/// made here are seen by tools in other mount namespaces.
+fn prepare_netns_dir() -> anyhow::Result<()> {
+    let dir = Path::new(NETNS_DIR);
+    fs::create_dir_all(dir).with_context(|| format!("creating {NETNS_DIR}"))?;
+    let shared = libc::MS_SHARED | libc::MS_REC;
+    if sys::set_propagation(dir, shared).is_err() {
+        sys::bind_mount(dir, dir)
+            .with_context(|| format!("bind-mounting {NETNS_DIR} on itself"))?;
+        sys::set_propagation(dir, shared).with_context(|| format!("making {NETNS_DIR} shared"))?;
+    }
+    Ok(())
+}
+
+/// An empty file to bind-mount a namespace on; it must not exist yet.
+fn mount_point(path: &Path) -> anyhow::Result<()> {
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o444)
+        .open(path)
+        .map(drop)
+        .with_context(|| format!("creating {}", path.display()))
+}
+
+/// Builds one GPU in the calling thread, which it leaves in the GPU's namespaces.
+fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
+    let netns = g.netns_path();
+    let uts = g.uts_path(&state.fabric);
+    mount_point(&netns)?;
+    mount_point(&uts)?;
+    sys::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWUTS).context("unshare(net, uts)")?;
+    sys::bind_mount(Path::new("/proc/thread-self/ns/net"), &netns)
+        .with_context(|| format!("pinning {}", netns.display()))?;
+    sys::bind_mount(Path::new("/proc/thread-self/ns/uts"), &uts)
+        .with_context(|| format!("pinning {}", uts.display()))?;
+    sys::sethostname(&g.name).context("sethostname")?;
+    sys::if_configure("lo", None, None, None).context("bringing lo up")?;
+    let tun = sys::tun_create(&state.tun).context("creating TUN (is /dev/net/tun there?)")?;
+    // The fabric carries IPv4 only: keep the kernel's IPv6 chatter off the TUN.
+    let v6 = format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", state.tun);
+    if Path::new(&v6).exists() {
+        fs::write(&v6, "1").with_context(|| format!("writing {v6}"))?;
+    }
+    sys::if_configure(
+        &state.tun,
+        Some((g.addr, state.prefix_len)),
+        Some(mtu),
+        Some(TUN_TXQUEUELEN),
+    )
+    .with_context(|| format!("configuring {}", state.tun))?;
+    Ok(tun)
+}
+
+fn write_hosts(state: &State) -> anyhow::Result<()> {
+    let mut text = String::from("# written by closbox for fabric ");
+    text += &state.fabric;
+    text += "\n127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+    for g in &state.gpus {
+        text += &format!("{}\t{}\n", g.addr, g.name);
+    }
+    for g in &state.gpus {
+        fs::create_dir_all(g.etc_dir())
+            .with_context(|| format!("creating {}", g.etc_dir().display()))?;
+        let mut f = fs::File::create(g.hosts_path())?;
+        f.write_all(text.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Creates every GPU of `state` (which must already be saved); returns the TUN fds in GPU
+/// order. On error, what was created stays recorded in the state for removal.
+pub fn create_all(state: &State, mtu: u32) -> anyhow::Result<Vec<OwnedFd>> {
+    prepare_netns_dir()?;
+    fs::create_dir_all(crate::state::fabric_dir(&state.fabric).join("uts"))?;
+    write_hosts(state)?;
+    let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
+    let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
+    let results: Vec<anyhow::Result<Vec<(usize, OwnedFd)>>> = thread::scope(|s| {
+        let handles: Vec<_> = (0..state.gpus.len())
+            .step_by(chunk)
+            .map(|start| {
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for i in start..(start + chunk).min(state.gpus.len()) {
+                        let g = &state.gpus[i];
+                        // A fresh thread per GPU: unshare moves the thread for good.
+                        let fd =
+                            thread::scope(|inner| inner.spawn(|| build_gpu(state, g, mtu)).join())
+                                .map_err(|_| anyhow::anyhow!("GPU setup thread panicked"))?
+                                .with_context(|| format!("setting up {}", g.name))?;
+                        out.push((i, fd));
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("worker joins"))
+            .collect()
+    });
+    for r in results {
+        for (i, fd) in r? {
+            tuns[i] = Some(fd);
+        }
+    }
+    Ok(tuns
+        .into_iter()
+        .map(|t| t.expect("every GPU built"))
+        .collect())
+}
+
+/// Opens a GPU's namespaces for entering (exec/run), checking they exist.
+pub fn open_gpu(state: &State, g: &GpuState) -> anyhow::Result<sys::EnterGpu> {
+    let open = |p: &Path| -> anyhow::Result<OwnedFd> {
+        Ok(fs::File::open(p)
+            .with_context(|| format!("{} is missing: is fabric {} up?", p.display(), state.fabric))?
+            .into())
+    };
+    let net = open(&g.netns_path())?;
+    let uts = open(&g.uts_path(&state.fabric))?;
+    Ok(sys::EnterGpu::new(net, uts, &g.hosts_path())?)
+}
+
+/// Reads a TUN's kernel-side drop counter (packets the kernel dropped because the daemon
+/// did not read them in time) from inside the GPU's namespace.
+pub fn tun_tx_dropped(g: &GpuState, tun: &str) -> io::Result<u64> {
+    let ns = fs::File::open(g.netns_path())?;
+    let tun = tun.to_owned();
+    thread::scope(|s| {
+        s.spawn(|| {
+            use std::os::fd::AsRawFd;
+            sys::setns(ns.as_raw_fd(), libc::CLONE_NEWNET)?;
+            let dev = fs::read_to_string("/proc/thread-self/net/dev")?;
+            // "  cb0: rx_bytes rx_packets rx_errs rx_drop ... | tx_bytes tx_packets tx_errs tx_drop ..."
+            dev.lines()
+                .find_map(|l| {
+                    let (name, rest) = l.split_once(':')?;
+                    (name.trim() == tun).then(|| rest.split_whitespace().nth(11)?.parse().ok())?
+                })
+                .ok_or_else(|| io::Error::other(format!("{tun} not in /proc/net/dev")))
+        })
+        .join()
+        .map_err(|_| io::Error::other("thread panicked"))?
+    })
+}

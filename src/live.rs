@@ -1,0 +1,552 @@
+//! `up`, `down`, `status`, `exec`, `run`: the live fabric from the command line.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::path::Path;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use closbox_switchd::control::{self, Reply, Request};
+use closbox_switchd::state::{self, GpuState, Phase, State};
+use closbox_switchd::{netns, sys};
+
+use crate::plan::thousands;
+
+/// The fabric a command addresses: the one named, or the only one up.
+pub fn resolve(fabric: Option<&str>) -> anyhow::Result<State> {
+    let name = match fabric {
+        Some(n) => n.to_owned(),
+        None => match state::fabrics().as_slice() {
+            [] => bail!("no fabric is up; start one with `closbox up FILE`"),
+            [one] => one.clone(),
+            many => bail!(
+                "several fabrics are up ({}): name one with --fabric",
+                many.join(", ")
+            ),
+        },
+    };
+    let Some(st) = State::load(&name)? else {
+        let up = state::fabrics();
+        bail!(
+            "fabric {name} is not up{}",
+            if up.is_empty() {
+                String::new()
+            } else {
+                format!(" (up: {})", up.join(", "))
+            }
+        );
+    };
+    if !st.daemon_alive() {
+        bail!("the daemon of fabric {name} is not running (crashed or killed); `closbox down {name}` cleans up");
+    }
+    if st.phase != Phase::Ready {
+        bail!("fabric {name} is {:?}, not ready", st.phase);
+    }
+    Ok(st)
+}
+
+pub fn up(file: &Path, detach: bool) -> anyhow::Result<()> {
+    let topo = closbox_fabric::load(file)?;
+    closbox_switchd::require_root("closbox up")?;
+    if detach {
+        return up_detached(file, &topo.fabric.name);
+    }
+    closbox_switchd::run_fabric(&topo, file, |st, took| {
+        println!(
+            "fabric {} up: {} GPUs in {:.2} s ({} … {}); Ctrl-C or `closbox down {}` to stop",
+            st.fabric,
+            st.gpus.len(),
+            took.as_secs_f64(),
+            st.gpus.first().map_or("", |g| &g.netns),
+            st.gpus.last().map_or("", |g| &g.netns),
+            st.fabric
+        );
+        let _ = std::io::stdout().flush();
+    })?;
+    println!("fabric {} is down", topo.fabric.name);
+    Ok(())
+}
+
+fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
+    if let Some(st) = State::load(name)? {
+        if st.daemon_alive() {
+            bail!(
+                "fabric {name} is already up (daemon pid {}); `closbox down {name}` first",
+                st.daemon_pid
+            );
+        }
+    }
+    let log_path = state::log_path(name);
+    fs::create_dir_all(log_path.parent().expect("log dir"))?;
+    let mut log = fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let started = Instant::now();
+    let exe = std::env::current_exe().context("locating the closbox binary")?;
+    let mut child = {
+        use std::os::unix::process::CommandExt;
+        Command::new(exe)
+            .arg("up")
+            .arg(file)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log.try_clone()?)
+            .process_group(0)
+            .spawn()
+            .context("starting the daemon")?
+    };
+    let deadline = started + Duration::from_secs(300);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let mut text = String::new();
+            log.rewind()?;
+            log.read_to_string(&mut text)?;
+            let text = text.trim().trim_start_matches("closbox: ");
+            bail!("the daemon exited ({status}) before the fabric was ready: {text}");
+        }
+        if let Ok(Some(st)) = State::load(name) {
+            if st.phase == Phase::Ready && st.daemon_pid == child.id() {
+                println!(
+                    "fabric {name} up: {} GPUs in {:.2} s (daemon pid {}, log {}); `closbox down {name}` to stop",
+                    st.gpus.len(),
+                    started.elapsed().as_secs_f64(),
+                    child.id(),
+                    log_path.display()
+                );
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            let _ = sys::kill(child.id() as i32, libc::SIGTERM);
+            bail!(
+                "the fabric was not ready within 300 s; see {}",
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn down(fabric: Option<&str>, all: bool) -> anyhow::Result<()> {
+    closbox_switchd::require_root("closbox down")?;
+    let names = match (fabric, all) {
+        (Some(n), _) => vec![n.to_owned()],
+        (None, true) => state::fabrics(),
+        (None, false) => match state::fabrics().as_slice() {
+            [] => {
+                println!("no fabric is up");
+                return Ok(());
+            }
+            [one] => vec![one.clone()],
+            many => bail!(
+                "several fabrics are up ({}): name one, or use --all",
+                many.join(", ")
+            ),
+        },
+    };
+    if names.is_empty() {
+        println!("no fabric is up");
+    }
+    for n in names {
+        println!("{}", state::down(&n)?);
+    }
+    Ok(())
+}
+
+pub fn status(fabric: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
+    let names = match fabric {
+        Some(n) => vec![n.to_owned()],
+        None => state::fabrics(),
+    };
+    if names.is_empty() {
+        if json {
+            println!("[]");
+        } else {
+            println!("no fabric is up");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut out = Vec::new();
+    let mut healthy = true;
+    for n in names {
+        let Some(st) = State::load(&n)? else {
+            bail!("fabric {n} is not up");
+        };
+        let reply = if st.daemon_alive() {
+            control::request(&n, &Request::Status)
+                .unwrap_or_else(|e| Reply::Error(format!("{e:#}")))
+        } else {
+            Reply::Error("daemon not running (crashed or killed); `closbox down` cleans up".into())
+        };
+        let (value, ok) = match reply {
+            Reply::Status(v) => {
+                let ok = !v["behind"].as_bool().unwrap_or(false);
+                (*v, ok)
+            }
+            Reply::Error(e) => (serde_json::json!({ "fabric": n, "error": e }), false),
+            Reply::Stopping => (
+                serde_json::json!({ "fabric": n, "error": "stopping" }),
+                false,
+            ),
+        };
+        healthy &= ok;
+        if !json {
+            print_status(&st, &value);
+        }
+        out.push(value);
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
+}
+
+fn print_status(st: &State, v: &serde_json::Value) {
+    println!(
+        "fabric {} ({} GPUs, time_scale {}, config {})",
+        st.fabric,
+        st.gpus.len(),
+        st.time_scale,
+        st.config.display()
+    );
+    if let Some(e) = v["error"].as_str() {
+        println!("  daemon    ERROR: {e}");
+        return;
+    }
+    let n = |k: &str| thousands(v[k].as_u64().unwrap_or(0));
+    println!(
+        "  daemon    pid {}, up {:.1} s (fabric time {:.3} s)",
+        st.daemon_pid,
+        v["uptime_s"].as_f64().unwrap_or(0.0),
+        v["fabric_time_s"].as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "  packets   in {}  delivered {}  queued {}  in flight {}",
+        n("packets_in"),
+        n("delivered"),
+        n("queued"),
+        n("in_flight")
+    );
+    let mut drops: Vec<String> = v["drops"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|d| {
+                    format!(
+                        "{} {}",
+                        d[0].as_str().unwrap_or("?"),
+                        thousands(d[1].as_u64().unwrap_or(0))
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    drops.push(match v["tun_tx_dropped"].as_u64() {
+        Some(d) => format!("tun_kernel {}", thousands(d)),
+        None => "tun_kernel ?".into(),
+    });
+    println!("  drops     {}", drops.join("  "));
+    let lat = |k: &str| {
+        let l = &v[k];
+        format!(
+            "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} writes)",
+            l["p50_us"].as_f64().unwrap_or(0.0),
+            l["p99_us"].as_f64().unwrap_or(0.0),
+            l["max_us"].as_f64().unwrap_or(0.0),
+            thousands(l["samples"].as_u64().unwrap_or(0))
+        )
+    };
+    println!("  lateness  {}", lat("lateness"));
+    println!("  recent    {}", lat("lateness_recent"));
+    if v["behind"].as_bool().unwrap_or(false) {
+        println!(
+            "  WARNING   packets leave the fabric late (recent p99 above {} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
+            closbox_switchd::dataplane::BEHIND_P99.as_micros()
+        );
+    } else {
+        println!("  health    ok");
+    }
+    if v["io_errors"].as_u64().unwrap_or(0) > 0 {
+        println!("  io errors {}", n("io_errors"));
+    }
+}
+
+/// Environment every command run as a GPU gets.
+fn gpu_env(st: &State, g: &GpuState) -> Vec<(String, String)> {
+    vec![
+        ("CLOSBOX_FABRIC".into(), st.fabric.clone()),
+        ("CLOSBOX_GPU".into(), g.name.clone()),
+        ("CLOSBOX_TIME_SCALE".into(), st.time_scale.to_string()),
+        ("GLOO_SOCKET_IFNAME".into(), st.tun.clone()),
+        ("NCCL_SOCKET_IFNAME".into(), st.tun.clone()),
+    ]
+}
+
+fn spawn_error(e: std::io::Error, program: &str) -> anyhow::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        anyhow::anyhow!("command not found: {program}")
+    } else {
+        anyhow::anyhow!("cannot run {program}: {e}")
+    }
+}
+
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
+        _ => 1,
+    }
+}
+
+pub fn exec(fabric: Option<&str>, gpu: &str, cmd: &[String]) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox exec")?;
+    let st = resolve(fabric)?;
+    let (_, g) = st.gpu(gpu)?;
+    let enter = Arc::new(netns::open_gpu(&st, g)?);
+    let mut command = Command::new(&cmd[0]);
+    command.args(&cmd[1..]).envs(gpu_env(&st, g));
+    let mut child = enter
+        .spawn(&mut command)
+        .map_err(|e| spawn_error(e, &cmd[0]))?;
+    let status = child.wait()?;
+    Ok(ExitCode::from(exit_code(status)))
+}
+
+/// Parses a GPU selection: "all", ranks and ranges ("0-3,6"), or names ("gpu0,gpu5").
+pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
+    if sel == "all" {
+        return Ok((0..st.gpus.len()).collect());
+    }
+    let mut out = Vec::new();
+    for part in sel.split(',').map(str::trim) {
+        match part
+            .split_once('-')
+            .map(|(a, b)| (a.parse::<usize>(), b.parse::<usize>()))
+        {
+            Some((Ok(a), Ok(b))) => {
+                if a > b || b >= st.gpus.len() {
+                    bail!(
+                        "GPU range {part:?} is outside 0..{} of fabric {}",
+                        st.gpus.len(),
+                        st.fabric
+                    );
+                }
+                out.extend(a..=b);
+            }
+            _ => out.push(st.gpu(part)?.0),
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = out.iter().find(|i| !seen.insert(**i)) {
+        bail!("GPU {} is selected twice", st.gpus[*dup].name);
+    }
+    if out.is_empty() {
+        bail!("no GPU selected");
+    }
+    Ok(out)
+}
+
+pub struct RunArgs<'a> {
+    pub fabric: Option<&'a str>,
+    pub gpus: &'a str,
+    pub timeout: Option<Duration>,
+    pub master_port: u16,
+    pub cmd: &'a [String],
+}
+
+struct Rank {
+    rank: usize,
+    gpu: String,
+    child: Child,
+    done: Option<std::process::ExitStatus>,
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox run")?;
+    let st = resolve(a.fabric)?;
+    let sel = select(&st, a.gpus)?;
+    let world = sel.len();
+    // Node ranks and local ranks among the selected GPUs.
+    let mut nodes: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (rank, &i) in sel.iter().enumerate() {
+        nodes.entry(st.gpus[i].node).or_default().push(rank);
+    }
+    let node_rank: BTreeMap<u32, usize> = nodes.keys().enumerate().map(|(i, n)| (*n, i)).collect();
+    let master = &st.gpus[sel[0]];
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    let out_lock = Arc::new(Mutex::new(()));
+    let mut ranks: Vec<Rank> = Vec::new();
+    let mut readers = Vec::new();
+    let started = Instant::now();
+    for (rank, &i) in sel.iter().enumerate() {
+        let g = &st.gpus[i];
+        let peers = &nodes[&g.node];
+        let local = peers
+            .iter()
+            .position(|r| *r == rank)
+            .expect("rank in its node");
+        let mut enter = netns::open_gpu(&st, g)?;
+        enter.new_group = true;
+        let enter = Arc::new(enter);
+        let args: Vec<String> = a
+            .cmd
+            .iter()
+            .map(|s| s.replace("{rank}", &rank.to_string()))
+            .collect();
+        let mut command = Command::new(&args[0]);
+        command
+            .args(&args[1..])
+            .envs(gpu_env(&st, g))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", peers.len().to_string())
+            .env("NODE_RANK", node_rank[&g.node].to_string())
+            .env("MASTER_ADDR", &master.name)
+            .env("MASTER_PORT", a.master_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match enter.spawn(&mut command) {
+            Ok(c) => c,
+            Err(e) => {
+                stop_all(&mut ranks);
+                return Err(spawn_error(e, &args[0]));
+            }
+        };
+        for (pipe, is_err) in [
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                false,
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                true,
+            ),
+        ] {
+            let Some(pipe) = pipe else { continue };
+            let lock = Arc::clone(&out_lock);
+            readers.push(std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines() {
+                    let Ok(line) = line else { break };
+                    let _g = lock.lock();
+                    if is_err {
+                        eprintln!("[{rank}] {line}");
+                    } else {
+                        println!("[{rank}] {line}");
+                    }
+                }
+            }));
+        }
+        ranks.push(Rank {
+            rank,
+            gpu: g.name.clone(),
+            child,
+            done: None,
+        });
+    }
+
+    let mut failure: Option<String> = None;
+    let mut code = 0u8;
+    loop {
+        let mut running = 0;
+        for r in ranks.iter_mut().filter(|r| r.done.is_none()) {
+            match r.child.try_wait()? {
+                Some(status) => {
+                    r.done = Some(status);
+                    if !status.success() && failure.is_none() {
+                        code = exit_code(status).max(1);
+                        failure = Some(format!("rank {} ({}) failed: {status}", r.rank, r.gpu));
+                    }
+                }
+                None => running += 1,
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        if failure.is_some() {
+            stop_all(&mut ranks);
+            break;
+        }
+        if stop.load(Ordering::Relaxed) {
+            failure = Some("interrupted".into());
+            code = 130;
+            stop_all(&mut ranks);
+            break;
+        }
+        if a.timeout.is_some_and(|t| started.elapsed() > t) {
+            failure = Some(format!(
+                "timed out after {:.0} s",
+                a.timeout.expect("checked").as_secs_f64()
+            ));
+            code = 124;
+            stop_all(&mut ranks);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+    match failure {
+        None => Ok(ExitCode::SUCCESS),
+        Some(why) => {
+            eprintln!("closbox: {why}; the other ranks were stopped");
+            Ok(ExitCode::from(code))
+        }
+    }
+}
+
+/// SIGTERM to every running rank's process group, SIGKILL after 3 s.
+fn stop_all(ranks: &mut [Rank]) {
+    let alive = |ranks: &mut [Rank]| -> Vec<i32> {
+        ranks
+            .iter_mut()
+            .filter_map(|r| match r.child.try_wait() {
+                Ok(None) => Some(r.child.id() as i32),
+                _ => None,
+            })
+            .collect()
+    };
+    for pid in alive(ranks) {
+        let _ = sys::kill(-pid, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !alive(ranks).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for pid in alive(ranks) {
+        let _ = sys::kill(-pid, libc::SIGKILL);
+    }
+    for r in ranks.iter_mut() {
+        let _ = r.child.wait();
+    }
+}
