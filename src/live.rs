@@ -109,6 +109,8 @@ fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
             let mut text = String::new();
             log.rewind()?;
             log.read_to_string(&mut text)?;
+            drop(log);
+            let _ = fs::remove_file(&log_path);
             let text = text.trim().trim_start_matches("closbox: ");
             bail!("the daemon exited ({status}) before the fabric was ready: {text}");
         }

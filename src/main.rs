@@ -116,6 +116,7 @@ fn parse_radix(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    closbox_switchd::sys::default_sigpipe();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -29,6 +29,8 @@ pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 /// Length of the "recent" lateness window.
 const WINDOW: StdDuration = StdDuration::from_secs(5);
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Nice value of the data-plane thread.
+const DATAPLANE_NICE: i32 = -15;
 
 /// Requests from the control plane.
 #[derive(Debug)]
@@ -149,14 +151,21 @@ impl DataPlane {
         self.start + StdDuration::from_nanos((t.as_nanos() as f64 * self.time_scale) as u64)
     }
 
-    /// Runs until a `Ctl::Stop` arrives.
-    pub fn run(mut self) {
+    /// Runs until a `Ctl::Stop` arrives; hands the TUNs back so that they are closed only
+    /// after their namespaces are gone (closing a TUN in a live namespace unregisters it
+    /// synchronously, ~16 ms each; namespace teardown unregisters them in one batch).
+    pub fn run(mut self) -> Vec<OwnedFd> {
         sys::set_timer_slack_ns(1);
+        // GPU processes compete for the same cores; the fabric must not be the one that
+        // waits. A nice value (not a real-time class) keeps a busy box responsive.
+        if let Err(e) = sys::set_thread_nice(DATAPLANE_NICE) {
+            tracing::warn!("could not raise the data plane's priority: {e}");
+        }
         loop {
             let wall = StdInstant::now();
             self.deliver_due(wall);
             if !self.handle_ctl() {
-                return;
+                return std::mem::take(&mut self.tuns);
             }
             self.rotate_window(wall);
             let timeout = self.model.poll_timeout().map(|t| {

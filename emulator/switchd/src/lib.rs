@@ -92,6 +92,19 @@ pub fn run_fabric(
 
     let started = Instant::now();
     let mut st = plan_state(topo, config);
+    let taken = st.conflicts();
+    if !taken.is_empty() {
+        let names: Vec<String> = taken
+            .iter()
+            .take(5)
+            .map(|p| p.display().to_string())
+            .collect();
+        bail!(
+            "fabric {name} would create objects that already exist: {}{}; remove them or rename the fabric",
+            names.join(", "),
+            if taken.len() > 5 { format!(" (and {} more)", taken.len() - 5) } else { String::new() }
+        );
+    }
     st.save()?;
     let teardown = |st: &State| {
         state::kill_gpu_processes(st, Duration::from_secs(2));
@@ -133,11 +146,13 @@ pub fn run_fabric(
         .name("dataplane".into())
         .spawn(move || dp.run())
         .context("starting the data plane")?;
-    let _ = dataplane.join();
+    let tuns = dataplane.join().unwrap_or_default();
     stop.store(true, Ordering::Relaxed);
     let _ = watcher.join();
 
     st.phase = Phase::Stopping;
     let _ = st.save();
-    teardown(&st)
+    let result = teardown(&st);
+    drop(tuns);
+    result
 }

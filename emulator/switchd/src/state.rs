@@ -94,6 +94,16 @@ impl GpuState {
 }
 
 impl State {
+    /// Objects this fabric would create that already exist (made by someone else, or left
+    /// by a fabric whose state is gone): `up` refuses rather than take them over.
+    pub fn conflicts(&self) -> Vec<PathBuf> {
+        self.gpus
+            .iter()
+            .flat_map(|g| [g.netns_path(), g.etc_dir()])
+            .filter(|p| p.symlink_metadata().is_ok())
+            .collect()
+    }
+
     pub fn load(fabric: &str) -> anyhow::Result<Option<State>> {
         let p = state_path(fabric);
         match fs::read(&p) {
@@ -142,12 +152,18 @@ impl State {
     }
 }
 
-/// Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat).
+/// Start time of a running process in clock ticks since boot (field 22 of /proc/PID/stat);
+/// `None` if there is no such process or it has exited.
 pub fn process_start_time(pid: u32) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces; fields resume after the last ')'.
     let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(19)?.parse().ok()
+    let mut fields = rest.split(' ');
+    // A zombie (state Z) or dead (X) process is not running, whoever reaps it.
+    if matches!(fields.next()?, "Z" | "X") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// Names of fabrics with a state directory.
@@ -164,31 +180,32 @@ pub fn fabrics() -> Vec<String> {
     names
 }
 
-/// Pids of processes whose network namespace is the one at `ns_path`.
-pub fn pids_in_netns(ns_path: &Path) -> Vec<i32> {
-    let Ok(ino) = sys::ns_inode(ns_path) else {
+/// Pids of processes (other than this one) in any of the network namespaces at `paths`,
+/// matched by namespace inode: exact, never by name. One pass over /proc.
+pub fn pids_in_netns(paths: &[PathBuf]) -> Vec<i32> {
+    let inodes: std::collections::BTreeSet<u64> =
+        paths.iter().filter_map(|p| sys::ns_inode(p).ok()).collect();
+    if inodes.is_empty() {
         return Vec::new();
-    };
+    }
     let me = std::process::id() as i32;
     let Ok(rd) = fs::read_dir("/proc") else {
         return Vec::new();
     };
     rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|&pid| pid != me)
-        .filter(|&pid| sys::ns_inode(Path::new(&format!("/proc/{pid}/ns/net"))).ok() == Some(ino))
+        .filter(|&pid| {
+            sys::ns_inode(Path::new(&format!("/proc/{pid}/ns/net")))
+                .is_ok_and(|ino| inodes.contains(&ino))
+        })
         .collect()
 }
 
 /// Stops every process inside the fabric's namespaces: SIGTERM, then SIGKILL after
 /// `grace`.
 pub fn kill_gpu_processes(state: &State, grace: Duration) -> usize {
-    let all = |s: &State| -> Vec<i32> {
-        s.gpus
-            .iter()
-            .flat_map(|g| pids_in_netns(&g.netns_path()))
-            .collect()
-    };
-    let pids = all(state);
+    let paths: Vec<PathBuf> = state.gpus.iter().map(|g| g.netns_path()).collect();
+    let pids = pids_in_netns(&paths);
     if pids.is_empty() {
         return 0;
     }
@@ -197,17 +214,17 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> usize {
     }
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline {
-        if all(state).is_empty() {
+        if pids_in_netns(&paths).is_empty() {
             return pids.len();
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for p in all(state) {
+    for p in pids_in_netns(&paths) {
         let _ = sys::kill(p, libc::SIGKILL);
     }
     // Reaped by their parents or init; wait until the kernel lets go of them.
     let deadline = Instant::now() + Duration::from_secs(2);
-    while !all(state).is_empty() && Instant::now() < deadline {
+    while !pids_in_netns(&paths).is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     pids.len()

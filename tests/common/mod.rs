@@ -1,0 +1,151 @@
+//! Test fixtures for live fabrics: an RAII `TestFabric` that brings a fabric up with the
+//! real `closbox` binary and takes it down (checking nothing is left) when dropped.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, MutexGuard};
+
+pub fn closbox(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(args)
+        .output()
+        .expect("run closbox")
+}
+
+pub fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Live tests measure timing: they run one at a time.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Root is required; without it the live tests fail, unless CLOSBOX_SKIP_ROOT_TESTS=1
+/// says to skip them on purpose.
+pub fn root_or_skip() -> bool {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"));
+    if root {
+        return true;
+    }
+    if std::env::var("CLOSBOX_SKIP_ROOT_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: not root and CLOSBOX_SKIP_ROOT_TESTS=1");
+        return false;
+    }
+    panic!("live fabric tests need root (set CLOSBOX_SKIP_ROOT_TESTS=1 to skip them)");
+}
+
+pub fn scratch_dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("closbox-live-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every trace a fabric named `name` could leave on the machine.
+pub fn leftovers(name: &str) -> Vec<String> {
+    let prefix = format!("cb-{name}-");
+    let mut left = Vec::new();
+    for dir in ["/run/netns", "/etc/netns"] {
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with(&prefix) {
+                    left.push(format!("{dir}/{n}"));
+                }
+            }
+        }
+    }
+    for p in [
+        format!("/run/closbox/{name}"),
+        format!("/run/closbox/logs/{name}.log"),
+    ] {
+        if Path::new(&p).exists() {
+            left.push(p);
+        }
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for l in mounts
+        .lines()
+        .filter(|l| l.contains(&prefix) || l.contains(&format!("/run/closbox/{name}/")))
+    {
+        left.push(format!("mount: {l}"));
+    }
+    left
+}
+
+pub struct TestFabric {
+    pub name: String,
+    pub config: PathBuf,
+    down: bool,
+}
+
+impl TestFabric {
+    /// Writes `body` (everything after `[fabric]`'s name) to a file and brings it up.
+    pub fn up(name: &str, body: &str) -> TestFabric {
+        assert!(
+            leftovers(name).is_empty(),
+            "leftovers before the test: {:?}",
+            leftovers(name)
+        );
+        let config = scratch_dir().join(format!("{name}.toml"));
+        std::fs::write(&config, format!("[fabric]\nname = \"{name}\"\n{body}")).unwrap();
+        let out = closbox(&["up", config.to_str().unwrap(), "--detach"]);
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "up failed: {o}{e}");
+        TestFabric {
+            name: name.into(),
+            config,
+            down: false,
+        }
+    }
+
+    pub fn exec(&self, gpu: &str, cmd: &[&str]) -> Output {
+        let mut args = vec!["exec", "--fabric", &self.name, gpu, "--"];
+        args.extend_from_slice(cmd);
+        closbox(&args)
+    }
+
+    /// Starts a long-running server in a GPU (it dies with the fabric).
+    pub fn spawn(&self, gpu: &str, cmd: &[&str]) -> std::process::Child {
+        let mut args = vec!["exec", "--fabric", &self.name, gpu, "--"];
+        args.extend_from_slice(cmd);
+        Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    pub fn status(&self) -> serde_json::Value {
+        let out = closbox(&["status", &self.name, "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+        v[0].clone()
+    }
+
+    /// Takes the fabric down and checks nothing is left.
+    pub fn down(mut self) {
+        self.down = true;
+        let out = closbox(&["down", &self.name]);
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "down failed: {o}{e}");
+        let left = leftovers(&self.name);
+        assert!(left.is_empty(), "fabric {} left {left:?}", self.name);
+    }
+}
+
+impl Drop for TestFabric {
+    fn drop(&mut self) {
+        if !self.down {
+            let _ = closbox(&["down", &self.name]);
+        }
+    }
+}

@@ -1,0 +1,457 @@
+//! Live fabrics, as root: namespaces, TUNs, the real-time daemon, the CLI, real programs
+//! (iperf3, sockperf, torch.distributed) and cleanup. One test at a time (`serial`):
+//! fidelity figures need a quiet box.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{closbox, leftovers, root_or_skip, serial, text, TestFabric};
+
+const LEAF_SPINE_4: &str = r#"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 2
+gpus_per_leaf = 2
+[links.nic]
+rate = "RATE"
+delay = "DELAY"
+[links.leaf-spine]
+rate = "RATE"
+delay = "DELAY"
+[switches.leaf]
+latency = "0ns"
+[switches.spine]
+latency = "0ns"
+"#;
+
+fn leaf_spine_4(rate: &str, per_link_delay: &str) -> String {
+    LEAF_SPINE_4
+        .replace("RATE", rate)
+        .replace("DELAY", per_link_delay)
+}
+
+/// Waits until something in the GPU listens on `port` (TCP LISTEN or a bound UDP socket),
+/// read from the namespace's /proc/net without connecting (a probe connection would use
+/// up a one-off server such as `iperf3 -1`).
+fn wait_for_port(f: &TestFabric, gpu: &str, port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let check = format!(
+        "import sys\n\
+         tcp = [l.split() for l in open('/proc/net/tcp').readlines()[1:]]\n\
+         udp = [l.split() for l in open('/proc/net/udp').readlines()[1:]]\n\
+         ok = any(l[1].endswith(':{port:04X}') and l[3] == '0A' for l in tcp) or any(l[1].endswith(':{port:04X}') for l in udp)\n\
+         sys.exit(0 if ok else 1)"
+    );
+    while Instant::now() < deadline {
+        if f.exec(gpu, &["/usr/bin/python3", "-c", &check])
+            .status
+            .success()
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nothing listening on {gpu}:{port}");
+}
+
+#[test]
+fn lifecycle_exec_run_and_errors() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-life", &leaf_spine_4("1Gbit", "10us"));
+
+    // Each GPU has its own hostname, address and hosts file.
+    let out = f.exec("gpu1", &["hostname"]);
+    assert_eq!(text(&out).0.trim(), "gpu1");
+    let out = f.exec("3", &["cat", "/etc/hosts"]);
+    let hosts = text(&out).0;
+    assert!(
+        hosts.contains("198.18.0.1\tgpu0") && hosts.contains("198.18.0.4\tgpu3"),
+        "{hosts}"
+    );
+    let out = f.exec(
+        "gpu2",
+        &[
+            "/usr/bin/python3",
+            "-c",
+            "import socket; print(socket.gethostbyname(socket.gethostname()))",
+        ],
+    );
+    assert_eq!(text(&out).0.trim(), "198.18.0.3");
+
+    // Traffic crosses the fabric: a UDP datagram from gpu0 to gpu3.
+    let echo = "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('gpu3', 7007)); d,a=s.recvfrom(100); s.sendto(d.upper(), a)";
+    let mut server = f.spawn("gpu3", &["/usr/bin/python3", "-c", echo]);
+    wait_for_port(&f, "gpu3", 7007);
+    let client = "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5); s.sendto(b'hello', ('gpu3', 7007)); print(s.recvfrom(100)[0].decode())";
+    let out = f.exec("gpu0", &["/usr/bin/python3", "-c", client]);
+    assert_eq!(text(&out).0.trim(), "HELLO", "{:?}", text(&out));
+    let _ = server.wait();
+    let st = f.status();
+    assert!(st["delivered"].as_u64().unwrap() >= 2, "{st}");
+    assert_eq!(st["behind"], false);
+
+    // Exit codes pass through; bad input gets clear errors.
+    assert_eq!(
+        f.exec("gpu0", &["sh", "-c", "exit 7"]).status.code(),
+        Some(7)
+    );
+    let out = f.exec("gpu9", &["true"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out).1.contains("has no GPU \"gpu9\""),
+        "{:?}",
+        text(&out)
+    );
+    let out = f.exec("gpu0", &["no-such-command-xyz"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out)
+        .1
+        .contains("command not found: no-such-command-xyz"));
+    let out = closbox(&["exec", "--fabric", "lt-nope", "gpu0", "--", "true"]);
+    assert!(
+        text(&out).1.contains("fabric lt-nope is not up"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["up", f.config.to_str().unwrap(), "--detach"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).1.contains("already up"), "{:?}", text(&out));
+
+    // run: one process per GPU with launcher variables, output prefixed by rank.
+    let out = closbox(&[
+        "run", "--fabric", "lt-life", "--", "sh", "-c",
+        "echo $RANK/$WORLD_SIZE $LOCAL_RANK $NODE_RANK $MASTER_ADDR:$MASTER_PORT $GLOO_SOCKET_IFNAME $CLOSBOX_FABRIC $(hostname) {rank}",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}{e}");
+    for r in 0..4 {
+        let want = format!("[{r}] {r}/4 0 {r} gpu0:29500 cb0 lt-life gpu{r} {r}");
+        assert!(o.lines().any(|l| l == want), "missing {want:?} in\n{o}");
+    }
+    // A failing rank stops the others and names itself.
+    let started = Instant::now();
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-life",
+        "--",
+        "sh",
+        "-c",
+        "[ $RANK = 2 ] && exit 3; sleep 30",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out).1.contains("rank 2 (gpu2) failed"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "others were not stopped"
+    );
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-life",
+        "--gpus",
+        "0,gpu3",
+        "--timeout",
+        "0.5",
+        "--",
+        "sleep",
+        "30",
+    ]);
+    assert_eq!(out.status.code(), Some(124));
+    assert!(text(&out).1.contains("timed out"));
+    let out = closbox(&["run", "--fabric", "lt-life", "--gpus", "0-7", "--", "true"]);
+    assert!(text(&out).1.contains("outside 0..4"), "{:?}", text(&out));
+
+    f.down();
+    // Idempotent.
+    let out = closbox(&["down", "lt-life"]);
+    assert!(out.status.success());
+    assert!(text(&out).0.contains("not up"));
+}
+
+#[test]
+fn down_cleans_up_after_sigkill_and_two_fabrics_coexist() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let a = TestFabric::up("lt-a", &leaf_spine_4("1Gbit", "1us"));
+    let b = TestFabric::up("lt-b", &leaf_spine_4("1Gbit", "1us"));
+    for f in [&a, &b] {
+        let out = f.exec("gpu0", &["hostname"]);
+        assert_eq!(text(&out).0.trim(), "gpu0");
+    }
+    // A process left running inside a GPU, then the daemon killed with SIGKILL.
+    let mut sleeper = a.spawn("gpu1", &["sleep", "300"]);
+    std::thread::sleep(Duration::from_millis(200));
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read("/run/closbox/lt-a/state.json").unwrap()).unwrap();
+    let pid = state["daemon_pid"].as_i64().unwrap();
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(Duration::from_millis(200));
+    let out = closbox(&["status", "lt-a"]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out).0.contains("daemon not running"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["exec", "--fabric", "lt-a", "gpu0", "--", "true"]);
+    assert!(text(&out).1.contains("not running"), "{:?}", text(&out));
+    a.down();
+    assert!(sleeper.wait().is_ok());
+    // The other fabric is untouched.
+    let out = b.exec("gpu3", &["hostname"]);
+    assert_eq!(text(&out).0.trim(), "gpu3");
+    b.down();
+}
+
+#[test]
+fn broken_config_and_half_made_fabric_leak_nothing() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let dir = common::scratch_dir();
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[fabric]\nname = \"lt-bad\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\n",
+    )
+    .unwrap();
+    let out = closbox(&["up", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out)
+            .1
+            .contains("bad.toml:3:1: topology kind \"leaf-spine\" needs `spines`"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(leftovers("lt-bad").is_empty());
+
+    // A namespace name that already exists (someone else's): `up` refuses and touches
+    // nothing, not even that namespace.
+    std::fs::create_dir_all("/run/netns").unwrap();
+    std::fs::write("/run/netns/cb-lt-half-gpu2", "").unwrap();
+    let cfg = dir.join("half.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[fabric]\nname = \"lt-half\"\n{}",
+            leaf_spine_4("1Gbit", "1us")
+        ),
+    )
+    .unwrap();
+    let out = closbox(&["up", cfg.to_str().unwrap(), "--detach"]);
+    assert!(
+        std::path::Path::new("/run/netns/cb-lt-half-gpu2").exists(),
+        "someone else's file was removed"
+    );
+    std::fs::remove_file("/run/netns/cb-lt-half-gpu2").unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out)
+            .1
+            .contains("already exist: /run/netns/cb-lt-half-gpu2"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(
+        leftovers("lt-half").is_empty(),
+        "{:?}",
+        leftovers("lt-half")
+    );
+
+    // `up` SIGKILLed while it builds 256 GPUs (or just after): `down` removes everything.
+    let su = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/superpod-su.toml"
+    ))
+    .unwrap()
+    .replace("name = \"su\"", "name = \"lt-kill\"");
+    let cfg = dir.join("kill.toml");
+    std::fs::write(&cfg, su).unwrap();
+    let mut up = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["up", cfg.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::path::Path::new("/run/closbox/lt-kill/state.json").exists()
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(30));
+    up.kill().unwrap();
+    up.wait().unwrap();
+    let out = closbox(&["down", "lt-kill"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-kill").is_empty(),
+        "{:?}",
+        leftovers("lt-kill")
+    );
+}
+
+fn iperf_goodput(f: &TestFabric, seconds: u32) -> f64 {
+    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
+    wait_for_port(f, "gpu3", 5201);
+    let out = f.exec(
+        "gpu0",
+        &[
+            "iperf3",
+            "-c",
+            "198.18.0.4",
+            "-t",
+            &seconds.to_string(),
+            "-J",
+        ],
+    );
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .expect("received rate")
+}
+
+/// TCP goodput across leaves is 93–100% of the configured link rate. With Ethernet
+/// framing (38 B per 1500 B packet) the ceiling is 1448/1538 = 94.1%.
+#[test]
+fn tcp_goodput_matches_link_rate() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    for (rate, bps) in [("100Mbit", 100e6), ("500Mbit", 500e6)] {
+        let f = TestFabric::up("lt-tcp", &leaf_spine_4(rate, "20us"));
+        let got = iperf_goodput(&f, 5);
+        let st = f.status();
+        f.down();
+        let ratio = got / bps;
+        eprintln!(
+            "goodput at {rate}: {:.1} Mbit/s = {:.1}% (lateness p99 {} µs)",
+            got / 1e6,
+            ratio * 100.0,
+            st["lateness"]["p99_us"]
+        );
+        assert!(
+            (0.93..=1.0).contains(&ratio),
+            "goodput at {rate} is {:.1}% of the rate",
+            ratio * 100.0
+        );
+    }
+}
+
+/// Median one-way latency (half of sockperf's ping-pong round trip), µs. The client polls
+/// its socket (`--nonblocked`): a client that sleeps through a long round trip is woken
+/// ~35 µs late by this VM (halt polling gives up after ~100 µs), which is the host's
+/// latency, not the fabric's.
+fn one_way_us(f: &TestFabric, seconds: u32) -> f64 {
+    let mut server = f.spawn(
+        "gpu3",
+        &["sockperf", "sr", "-i", "198.18.0.4", "-p", "11111"],
+    );
+    wait_for_port(f, "gpu3", 11111);
+    let out = f.exec(
+        "gpu0",
+        &[
+            "sockperf",
+            "pp",
+            "-i",
+            "198.18.0.4",
+            "-p",
+            "11111",
+            "--nonblocked",
+            "-t",
+            &seconds.to_string(),
+        ],
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    let (o, e) = text(&out);
+    let all = format!("{o}{e}");
+    all.lines()
+        .find(|l| l.contains("percentile 50.000"))
+        .and_then(|l| l.rsplit('=').next()?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no median in sockperf output:\n{all}"))
+}
+
+/// One-way delay equals the configured path delay plus the emulator's floor (measured
+/// with zero delay) within max(5%, 30 µs).
+#[test]
+fn one_way_delay_matches_configuration() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", "0ns"));
+    let floor = one_way_us(&f, 2);
+    f.down();
+    eprintln!("floor (zero configured delay): {floor:.1} µs one way");
+    // The path gpu0 → gpu3 crosses four links.
+    for (per_link, path_us) in [("50us", 200.0), ("250us", 1000.0), ("2500us", 10_000.0)] {
+        let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", per_link));
+        let got = one_way_us(&f, 3);
+        f.down();
+        let want = path_us + floor;
+        let tolerance = (0.05 * path_us).max(30.0);
+        eprintln!("path {path_us} µs: measured {got:.1} µs, expected {want:.1} ± {tolerance:.0}");
+        assert!(
+            (got - want).abs() <= tolerance,
+            "path {path_us} µs: measured {got:.1}, expected {want:.1} ± {tolerance}"
+        );
+    }
+}
+
+/// Unmodified torch.distributed (gloo) all-reduce across 8 GPUs through the fabric.
+#[test]
+fn torch_gloo_all_reduce_runs_unmodified() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up(
+        "lt-torch",
+        "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 4\n[links.nic]\nrate = \"1Gbit\"\n[links.leaf-spine]\nrate = \"1Gbit\"\n",
+    );
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/allreduce_gloo.py"
+    );
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-torch",
+        "--timeout",
+        "300",
+        "--",
+        "/usr/bin/python3",
+        script,
+    ]);
+    let (o, e) = text(&out);
+    let st = f.status();
+    f.down();
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..8 {
+        assert!(
+            o.contains(&format!("[{r}] rank {r}/8 on gpu{r}: ok")),
+            "rank {r} missing:\n{o}\n{e}"
+        );
+    }
+    assert!(st["delivered"].as_u64().unwrap() > 1000, "{st}");
+}
