@@ -1,0 +1,316 @@
+//! The nccl-tests-style benchmark: for each operation and size, warm up, time `iters`
+//! runs, check every element, and report time, algorithm and bus bandwidth.
+//!
+//! Each run starts from a pristine copy of the input (out-of-place semantics, as
+//! nccl-tests), copied outside the timed region. Times are per operation, averaged over
+//! iterations, the slowest rank's, converted to fabric time (wall ÷ time_scale).
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::coll::{elem_range, Algo, Comm, Op};
+use crate::dtype::{DType, ReduceOp};
+
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub ops: Vec<Op>,
+    pub sizes: Vec<usize>,
+    pub iters: usize,
+    pub warmup: usize,
+    pub algo: Algo,
+    pub dtype: DType,
+    pub redop: ReduceOp,
+    pub root: usize,
+    pub time_scale: f64,
+}
+
+/// One line of results (nccl-tests columns plus the algorithm).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub op: Op,
+    pub algo: String,
+    pub ranks: usize,
+    pub channels: usize,
+    pub size: usize,
+    pub count: usize,
+    pub dtype: DType,
+    pub redop: Option<ReduceOp>,
+    pub root: Option<usize>,
+    /// Fabric-time microseconds per operation.
+    pub time_us: f64,
+    /// GB/s (10⁹ bytes).
+    pub algbw: f64,
+    pub busbw: f64,
+    pub wrong: u64,
+}
+
+/// Parses "8:256M" (sizes doubling from 8 B to 256 MiB), "1M", or "4K,64K,1M".
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
+    fn one(s: &str) -> Result<usize, String> {
+        let s = s.trim();
+        let (num, mult) = match s.char_indices().last() {
+            Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+            Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+            Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+            _ => (s, 1),
+        };
+        let n: usize = num
+            .parse()
+            .map_err(|_| format!("size {s:?} is not a number with an optional K, M or G"))?;
+        n.checked_mul(mult)
+            .filter(|v| *v > 0)
+            .ok_or_else(|| format!("size {s:?} out of range"))
+    }
+    if let Some((a, b)) = s.split_once(':') {
+        let (mut lo, hi) = (one(a)?, one(b)?);
+        if lo > hi {
+            return Err(format!("size range {s:?} goes downward"));
+        }
+        let mut out = Vec::new();
+        while lo <= hi {
+            out.push(lo);
+            lo *= 2;
+        }
+        return Ok(out);
+    }
+    s.split(',').map(one).collect()
+}
+
+/// Input value of element `i` on rank `r`: small integers, exact in bf16 sums of up to
+/// 36 ranks.
+fn input(r: usize, i: usize) -> f32 {
+    ((r + 3 * i) % 7) as f32
+}
+
+/// Input of the all-to-all: element `i` of the block rank `r` sends to rank `to`.
+fn a2a(r: usize, to: usize, i: usize) -> f32 {
+    ((5 * r + 3 * to + i) % 11) as f32
+}
+
+fn reduce_all(op: ReduceOp, n: usize, i: usize) -> f32 {
+    let vals = (0..n).map(|r| input(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<f32>() / n as f32,
+        ReduceOp::Max => vals.fold(f32::MIN, f32::max),
+        ReduceOp::Min => vals.fold(f32::MAX, f32::min),
+    }
+}
+
+/// Input and expected output of `op` for this rank (`None`: not checked here).
+fn prepare(
+    op: Op,
+    dtype: DType,
+    redop: ReduceOp,
+    n: usize,
+    r: usize,
+    root: usize,
+    count: usize,
+) -> (Vec<u8>, Vec<Option<f32>>) {
+    let mut buf = vec![0u8; count * dtype.size()];
+    let mut want = vec![None; count];
+    match op {
+        Op::AllReduce | Op::Reduce => {
+            for (i, w) in want.iter_mut().enumerate() {
+                dtype.put(&mut buf, i, input(r, i));
+                if op == Op::AllReduce || r == root {
+                    *w = Some(reduce_all(redop, n, i));
+                }
+            }
+        }
+        Op::Broadcast => {
+            for (i, w) in want.iter_mut().enumerate() {
+                dtype.put(&mut buf, i, if r == root { input(root, i) } else { -1.0 });
+                *w = Some(input(root, i));
+            }
+        }
+        Op::AllGather => {
+            for j in 0..n {
+                for i in elem_range(count, n, j) {
+                    dtype.put(&mut buf, i, if j == r { input(j, i) } else { -1.0 });
+                    want[i] = Some(input(j, i));
+                }
+            }
+        }
+        Op::ReduceScatter => {
+            for i in 0..count {
+                dtype.put(&mut buf, i, input(r, i));
+            }
+            for i in elem_range(count, n, r) {
+                want[i] = Some(reduce_all(redop, n, i));
+            }
+        }
+        Op::AllToAll => {
+            let c = count / n;
+            for j in 0..n {
+                for k in 0..c {
+                    dtype.put(&mut buf, j * c + k, a2a(r, j, k));
+                    want[j * c + k] = Some(a2a(j, r, k));
+                }
+            }
+        }
+        Op::SendRecv => {
+            for (i, w) in want.iter_mut().enumerate() {
+                dtype.put(&mut buf, i, input(r, i));
+                *w = Some(input((r + n - 1) % n, i));
+            }
+        }
+    }
+    (buf, want)
+}
+
+fn wrong(dtype: DType, got: &[u8], want: &[Option<f32>], tolerance: f32) -> u64 {
+    want.iter()
+        .enumerate()
+        .filter(|(i, w)| {
+            w.is_some_and(|w| (dtype.get(got, *i) - w).abs() > tolerance * w.abs().max(1.0))
+        })
+        .count() as u64
+}
+
+/// The implementation an operation uses, for the report.
+fn algo_name(comm: &Comm, op: Op, algo: Algo, bytes: usize) -> String {
+    match op {
+        Op::AllReduce => match algo {
+            Algo::Auto => comm.auto_algo(bytes).name().to_owned(),
+            a => a.name().to_owned(),
+        },
+        Op::Broadcast | Op::Reduce => "chain".into(),
+        Op::AllGather | Op::ReduceScatter => "ring".into(),
+        Op::AllToAll => "pairwise".into(),
+        Op::SendRecv => "shift".into(),
+    }
+}
+
+/// What to run: an operation with its parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    pub op: Op,
+    pub algo: Algo,
+    pub dtype: DType,
+    pub redop: ReduceOp,
+    pub root: usize,
+}
+
+/// Runs one operation on `buf` (in place; `scratch` receives for out-of-place ops).
+pub fn run_op(comm: &Comm, c: Call, buf: &mut [u8], scratch: &mut [u8]) -> anyhow::Result<()> {
+    let Call {
+        op,
+        algo,
+        dtype,
+        redop,
+        root,
+    } = c;
+    match op {
+        Op::AllReduce => comm.all_reduce(buf, dtype, redop, algo),
+        Op::Broadcast => comm.broadcast(buf, dtype, root),
+        Op::Reduce => comm.reduce(buf, dtype, redop, root),
+        Op::AllGather => comm.all_gather(buf, dtype),
+        Op::ReduceScatter => comm.reduce_scatter(buf, dtype, redop),
+        Op::AllToAll => {
+            comm.all_to_all(buf, scratch, dtype)?;
+            buf.copy_from_slice(scratch);
+            Ok(())
+        }
+        Op::SendRecv => {
+            comm.send_recv(buf, scratch, dtype)?;
+            buf.copy_from_slice(scratch);
+            Ok(())
+        }
+    }
+}
+
+/// Runs the benchmark; `on_row` sees each row (every rank computes the same rows).
+pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Result<Vec<Row>> {
+    let (n, r) = (comm.g.size(), comm.g.rank());
+    let mut rows = Vec::new();
+    for &op in &spec.ops {
+        for &size in &spec.sizes {
+            let count = size / spec.dtype.size();
+            let root = spec.root % n;
+            let (input_buf, want) = prepare(op, spec.dtype, spec.redop, n, r, root, count);
+            let mut buf = input_buf.clone();
+            let mut scratch = vec![0u8; buf.len()];
+            let call = Call {
+                op,
+                algo: spec.algo,
+                dtype: spec.dtype,
+                redop: spec.redop,
+                root,
+            };
+            for _ in 0..spec.warmup {
+                buf.copy_from_slice(&input_buf);
+                run_op(comm, call, &mut buf, &mut scratch)?;
+            }
+            comm.g.barrier()?;
+            let mut total = 0.0f64;
+            for _ in 0..spec.iters.max(1) {
+                buf.copy_from_slice(&input_buf);
+                let t = Instant::now();
+                run_op(comm, call, &mut buf, &mut scratch)?;
+                total += t.elapsed().as_secs_f64();
+            }
+            let tolerance = if spec.redop == ReduceOp::Avg {
+                1e-2
+            } else {
+                0.0
+            };
+            let my_wrong = wrong(spec.dtype, &buf, &want, tolerance);
+            let mean = total / spec.iters.max(1) as f64;
+            // The slowest rank's time and everyone's errors, agreed by all.
+            let (slowest, all_wrong) = agree(comm, mean, my_wrong)?;
+            let time_us = slowest / spec.time_scale * 1e6;
+            let algbw = if time_us > 0.0 {
+                size as f64 / (time_us * 1e3)
+            } else {
+                0.0
+            };
+            let row = Row {
+                op,
+                algo: algo_name(comm, op, spec.algo, size),
+                ranks: n,
+                channels: comm.g.channels(),
+                size,
+                count,
+                dtype: spec.dtype,
+                redop: op.reduces().then_some(spec.redop),
+                root: op.rooted().then_some(root),
+                time_us,
+                algbw,
+                busbw: algbw * op.bus_factor(n),
+                wrong: all_wrong,
+            };
+            on_row(&row);
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Max of `secs` and sum of `wrong` over all ranks, agreed by all (f32 microseconds:
+/// seven significant digits are plenty).
+fn agree(comm: &Comm, secs: f64, wrong: u64) -> anyhow::Result<(f64, u64)> {
+    let mut a = ((secs * 1e6) as f32).to_le_bytes().to_vec();
+    let mut b = (wrong as f32).to_le_bytes().to_vec();
+    comm.all_reduce(&mut a, DType::F32, ReduceOp::Max, Algo::Ring)?;
+    comm.all_reduce(&mut b, DType::F32, ReduceOp::Sum, Algo::Ring)?;
+    let us = f32::from_le_bytes(a[..4].try_into().expect("4 bytes"));
+    let w = f32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+    Ok((us as f64 / 1e6, w as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_size_ranges() {
+        assert_eq!(parse_sizes("8:64").unwrap(), vec![8, 16, 32, 64]);
+        assert_eq!(parse_sizes("1K,1M").unwrap(), vec![1024, 1 << 20]);
+        assert_eq!(parse_sizes("8:256M").unwrap().len(), 26);
+        assert!(parse_sizes("64:8").is_err());
+        assert!(parse_sizes("x").is_err());
+        assert!(parse_sizes("0").is_err());
+    }
+}

@@ -1,0 +1,687 @@
+//! Collective operations on real data over a `Group`.
+//!
+//! Every operation splits its buffer over the group's channels (parallel TCP connections,
+//! one thread each) and moves data in pieces, so that receiving, reducing and forwarding
+//! overlap. Sizes need not divide by the rank or channel count: blocks are balanced
+//! partitions of whole elements.
+//!
+//! AllReduce algorithms: `ring` (reduce-scatter + all-gather, 2(n−1) steps of S/n),
+//! `tree` (double binary tree: two trees, each reducing and broadcasting half the data,
+//! a rank interior in at most one of them), `rhd` (Rabenseifner's recursive halving then
+//! doubling, with the usual fold for non-powers of two), `hier` (intra-node
+//! reduce-scatter → inter-node all-reduce per local rank → intra-node all-gather).
+
+use std::ops::Range;
+
+use anyhow::{bail, Context};
+
+use crate::comm::Group;
+use crate::dtype::{reduce_into, scale, DType, ReduceOp};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    SendRecv,
+}
+
+impl Op {
+    pub const ALL: [Op; 7] = [
+        Op::AllReduce,
+        Op::Broadcast,
+        Op::Reduce,
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::AllToAll,
+        Op::SendRecv,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "allreduce",
+            Op::Broadcast => "broadcast",
+            Op::Reduce => "reduce",
+            Op::AllGather => "allgather",
+            Op::ReduceScatter => "reducescatter",
+            Op::AllToAll => "alltoall",
+            Op::SendRecv => "sendrecv",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|o| o.name() == s)
+    }
+
+    /// nccl-tests' bus bandwidth factor for `n` ranks.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
+            Op::Broadcast | Op::Reduce | Op::SendRecv => 1.0,
+        }
+    }
+
+    /// Whether the operation reduces (has a meaningful reduction operator).
+    pub fn reduces(self) -> bool {
+        matches!(self, Op::AllReduce | Op::Reduce | Op::ReduceScatter)
+    }
+
+    /// Whether the operation has a root rank.
+    pub fn rooted(self) -> bool {
+        matches!(self, Op::Broadcast | Op::Reduce)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algo {
+    Auto,
+    Ring,
+    Tree,
+    Rhd,
+    Hier,
+}
+
+impl Algo {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Auto => "auto",
+            Algo::Ring => "ring",
+            Algo::Tree => "tree",
+            Algo::Rhd => "rhd",
+            Algo::Hier => "hier",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Algo> {
+        [Algo::Auto, Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Hier]
+            .into_iter()
+            .find(|a| a.name() == s)
+    }
+}
+
+/// Balanced partition: the `i`-th of `n` parts of `0..len`.
+pub fn part(len: usize, n: usize, i: usize) -> Range<usize> {
+    (len * i / n)..(len * (i + 1) / n)
+}
+
+/// Elements of block `i` when `count` elements are cut into `n` blocks (all-gather,
+/// reduce-scatter: rank i's block).
+pub fn elem_range(count: usize, n: usize, i: usize) -> Range<usize> {
+    part(count, n, i)
+}
+
+/// A byte range of `count` elements' `i`-th of `n` parts.
+fn elem_part(dtype: DType, base: usize, count: usize, n: usize, i: usize) -> Range<usize> {
+    let r = part(count, n, i);
+    (base + r.start * dtype.size())..(base + r.end * dtype.size())
+}
+
+/// `(&buf[a], &mut buf[b])` for disjoint ranges.
+fn split2(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    assert!(
+        a.end <= b.start || b.end <= a.start,
+        "overlapping ranges {a:?} {b:?}"
+    );
+    if a.end <= b.start {
+        let (x, y) = buf.split_at_mut(b.start);
+        (&x[a], &mut y[..b.end - b.start])
+    } else {
+        let (x, y) = buf.split_at_mut(a.start);
+        let out = &y[..a.end - a.start];
+        (out, &mut x[b])
+    }
+}
+
+/// `(&chunks[a], &mut chunks[b])`, `a != b`.
+fn pair<'c>(chunks: &'c mut [&mut [u8]], a: usize, b: usize) -> (&'c [u8], &'c mut [u8]) {
+    assert_ne!(a, b);
+    if a < b {
+        let (x, y) = chunks.split_at_mut(b);
+        (&*x[a], &mut *y[0])
+    } else {
+        let (x, y) = chunks.split_at_mut(a);
+        (&*y[0], &mut *x[b])
+    }
+}
+
+/// Cuts `buf` (`count` elements) into `blocks` balanced blocks, each into `ch` balanced
+/// parts; returns, per channel, its part of every block (disjoint slices).
+fn carve(
+    buf: &mut [u8],
+    dtype: DType,
+    count: usize,
+    blocks: usize,
+    ch: usize,
+) -> Vec<Vec<&mut [u8]>> {
+    let mut out: Vec<Vec<&mut [u8]>> = (0..ch).map(|_| Vec::with_capacity(blocks)).collect();
+    let mut rest = buf;
+    for b in 0..blocks {
+        let blk = part(count, blocks, b);
+        let n_el = blk.end - blk.start;
+        for (c, o) in out.iter_mut().enumerate() {
+            let len = part(n_el, ch, c).len() * dtype.size();
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            o.push(head);
+            rest = tail;
+        }
+    }
+    out
+}
+
+/// The collectives of one rank.
+#[derive(Debug)]
+pub struct Comm<'g> {
+    pub g: &'g Group,
+    /// Node (scale-up domain) of each rank, for `hier`.
+    pub nodes: Vec<usize>,
+    /// Bytes moved per piece (pipelining granularity).
+    pub piece: usize,
+}
+
+impl<'g> Comm<'g> {
+    pub fn new(g: &'g Group, nodes: Vec<usize>) -> Self {
+        Comm {
+            g,
+            nodes,
+            piece: 256 << 10,
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.g.size()
+    }
+
+    fn r(&self) -> usize {
+        self.g.rank()
+    }
+
+    /// Runs `f(channel, parts)` for each channel in parallel, where `parts` is the
+    /// channel's share of each of `blocks` balanced element blocks of `buf`.
+    fn per_channel(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        blocks: usize,
+        f: impl Fn(usize, Vec<&mut [u8]>) -> anyhow::Result<()> + Sync,
+    ) -> anyhow::Result<()> {
+        let count = buf.len() / dtype.size();
+        let ch = self.g.channels().min(count.max(1));
+        let mut parts = carve(buf, dtype, count, blocks, ch);
+        if ch == 1 {
+            return f(0, parts.pop().expect("one channel"));
+        }
+        std::thread::scope(|s| {
+            let f = &f;
+            let handles: Vec<_> = parts
+                .into_iter()
+                .enumerate()
+                .map(|(c, p)| s.spawn(move || f(c, p)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("channel thread"))
+                .collect::<anyhow::Result<Vec<()>>>()
+                .map(drop)
+        })
+    }
+
+    // ---- ring primitives over a subset of ranks -------------------------------------
+
+    /// Ring reduce-scatter among `members` (ring order): afterwards member i holds the
+    /// fully reduced `chunks[i]`.
+    fn ring_reduce_scatter(
+        &self,
+        members: &[usize],
+        ch: usize,
+        chunks: &mut [&mut [u8]],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> anyhow::Result<()> {
+        let m = members.len();
+        if m == 1 {
+            return Ok(());
+        }
+        let p = members.iter().position(|&x| x == self.r()).expect("member");
+        let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
+        let mut tmp = Vec::new();
+        for s in 0..m - 1 {
+            let (send, recv) = ((p + 2 * m - s - 1) % m, (p + 2 * m - s - 2) % m);
+            tmp.resize(chunks[recv].len(), 0);
+            let (out, acc) = pair(chunks, send, recv);
+            self.g.exchange(
+                ch,
+                (next, out),
+                (prev, &mut tmp),
+                self.piece,
+                |off, piece| reduce_into(dtype, op, &mut acc[off..off + piece.len()], piece),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather among `members`: member i starts with `chunks[i]`, all end with all.
+    fn ring_all_gather(
+        &self,
+        members: &[usize],
+        ch: usize,
+        chunks: &mut [&mut [u8]],
+    ) -> anyhow::Result<()> {
+        let m = members.len();
+        if m == 1 {
+            return Ok(());
+        }
+        let p = members.iter().position(|&x| x == self.r()).expect("member");
+        let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
+        for s in 0..m - 1 {
+            let (send, recv) = ((p + m - s) % m, (p + 2 * m - s - 1) % m);
+            let (out, inp) = pair(chunks, send, recv);
+            self.g
+                .exchange(ch, (next, out), (prev, inp), self.piece, |_, _| {})?;
+        }
+        Ok(())
+    }
+
+    // ---- AllReduce --------------------------------------------------------------------
+
+    /// In-place all-reduce of `buf` (whole elements of `dtype`).
+    pub fn all_reduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algo,
+    ) -> anyhow::Result<()> {
+        let count = buf.len() / dtype.size();
+        let algo = match algo {
+            Algo::Auto => self.auto_algo(buf.len()),
+            a => a,
+        };
+        if self.n() > 1 && count > 0 {
+            match algo {
+                Algo::Ring | Algo::Auto => self.all_reduce_ring(buf, dtype, op, count)?,
+                Algo::Tree => self.all_reduce_tree(buf, dtype, op, count)?,
+                Algo::Rhd => self.all_reduce_rhd(buf, dtype, op)?,
+                Algo::Hier => self.all_reduce_hier(buf, dtype, op, count)?,
+            }
+        }
+        if op == ReduceOp::Avg {
+            scale(dtype, buf, self.n());
+        }
+        Ok(())
+    }
+
+    /// `auto`: latency-bound sizes take the tree (log n steps), mid sizes halving-doubling,
+    /// large sizes the ring (bandwidth-optimal), or the hierarchical ring when the ranks
+    /// span several multi-GPU nodes of equal size.
+    pub fn auto_algo(&self, bytes: usize) -> Algo {
+        if bytes < 64 << 10 {
+            Algo::Tree
+        } else if bytes < 1 << 20 {
+            Algo::Rhd
+        } else if self
+            .hier_shape()
+            .is_ok_and(|(nodes, per)| nodes > 1 && per > 1)
+        {
+            Algo::Hier
+        } else {
+            Algo::Ring
+        }
+    }
+
+    fn all_reduce_ring(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+    ) -> anyhow::Result<()> {
+        let n = self.n();
+        let members: Vec<usize> = (0..n).collect();
+        let _ = count;
+        self.per_channel(buf, dtype, n, |ch, mut chunks| {
+            self.ring_reduce_scatter(&members, ch, &mut chunks, dtype, op)?;
+            self.ring_all_gather(&members, ch, &mut chunks)
+        })
+    }
+
+    fn all_reduce_tree(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+    ) -> anyhow::Result<()> {
+        let n = self.n();
+        let split = part(count, 2, 0).end * dtype.size();
+        let (h0, h1) = buf.split_at_mut(split);
+        let run = |t: usize, buf: &mut [u8]| -> anyhow::Result<()> {
+            // Tree 0 over ranks in order, tree 1 over them reversed: the leaves of one are
+            // the interior of the other.
+            let order: Vec<usize> = if t == 0 {
+                (0..n).collect()
+            } else {
+                (0..n).rev().collect()
+            };
+            let pos = order.iter().position(|&x| x == self.r()).expect("member");
+            let parent = (pos > 0).then(|| order[(pos - 1) / 2]);
+            let children: Vec<usize> = [2 * pos + 1, 2 * pos + 2]
+                .into_iter()
+                .filter(|&c| c < n)
+                .map(|c| order[c])
+                .collect();
+            let ch = t % self.g.channels();
+            let mut tmp = vec![0u8; self.piece.min(buf.len())];
+            let pieces = buf.len().div_ceil(self.piece.max(1)).max(1);
+            for k in 0..pieces {
+                let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
+                for &c in &children {
+                    let t = &mut tmp[..r.len()];
+                    self.g.recv(c, ch, t)?;
+                    reduce_into(dtype, op, &mut buf[r.clone()], t);
+                }
+                if let Some(p) = parent {
+                    self.g.send(p, ch, &buf[r])?;
+                }
+            }
+            for k in 0..pieces {
+                let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
+                if let Some(p) = parent {
+                    self.g.recv(p, ch, &mut buf[r.clone()])?;
+                }
+                for &c in &children {
+                    self.g.send(c, ch, &buf[r.clone()])?;
+                }
+            }
+            Ok(())
+        };
+        if self.g.channels() >= 2 {
+            std::thread::scope(|s| {
+                let h = s.spawn(|| run(1, h1));
+                let a = run(0, h0);
+                a.and(h.join().expect("tree thread"))
+            })
+        } else {
+            run(0, h0)?;
+            run(1, h1)
+        }
+    }
+
+    fn all_reduce_rhd(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
+        self.per_channel(buf, dtype, 1, |ch, mut parts| {
+            self.rhd(ch, parts[0], dtype, op)
+        })
+    }
+
+    /// Recursive halving-doubling on one channel's contiguous region.
+    fn rhd(&self, ch: usize, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
+        let (n, r) = (self.n(), self.r());
+        let pow = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - pow;
+        let count = buf.len() / dtype.size();
+        // Fold: among the first 2·extra ranks, odd ones take their even neighbour's data.
+        let mut tmp = vec![0u8; buf.len()];
+        let vrank = if r < 2 * extra {
+            if r % 2 == 0 {
+                self.g.send(r + 1, ch, buf)?;
+                None
+            } else {
+                self.g.recv(r - 1, ch, &mut tmp)?;
+                reduce_into(dtype, op, buf, &tmp);
+                Some(r / 2)
+            }
+        } else {
+            Some(r - extra)
+        };
+        let real = |v: usize| if v < extra { 2 * v + 1 } else { v + extra };
+        if let Some(v) = vrank {
+            // Halving: keep shrinking the owned range [lo, hi) of elements.
+            let (mut lo, mut hi) = (0usize, count);
+            let mut steps = Vec::new();
+            let mut dist = pow / 2;
+            while dist >= 1 {
+                let partner = v ^ dist;
+                let mid = lo + (hi - lo) / 2;
+                let (keep, give) = if v < partner {
+                    (lo..mid, mid..hi)
+                } else {
+                    (mid..hi, lo..mid)
+                };
+                let bytes = |e: &Range<usize>| (e.start * dtype.size())..(e.end * dtype.size());
+                let (out, acc) = split2(buf, bytes(&give), bytes(&keep));
+                let t = &mut tmp[..acc.len()];
+                self.g.exchange(
+                    ch,
+                    (real(partner), out),
+                    (real(partner), t),
+                    self.piece,
+                    |off, piece| reduce_into(dtype, op, &mut acc[off..off + piece.len()], piece),
+                )?;
+                steps.push((partner, lo, hi, v < partner));
+                (lo, hi) = (keep.start, keep.end);
+                dist /= 2;
+            }
+            // Doubling: retrace the steps, exchanging owned ranges.
+            while let Some((partner, plo, phi, kept_lower)) = steps.pop() {
+                let mid = plo + (phi - plo) / 2;
+                let other = if kept_lower { mid..phi } else { plo..mid };
+                let bytes = |e: &Range<usize>| (e.start * dtype.size())..(e.end * dtype.size());
+                let (out, inp) = split2(buf, bytes(&(lo..hi)), bytes(&other));
+                self.g.exchange(
+                    ch,
+                    (real(partner), out),
+                    (real(partner), inp),
+                    self.piece,
+                    |_, _| {},
+                )?;
+                (lo, hi) = (plo, phi);
+            }
+        }
+        // Unfold: even ranks of the fold get the result back.
+        if r < 2 * extra {
+            if r % 2 == 1 {
+                self.g.send(r - 1, ch, buf)?;
+            } else {
+                self.g.recv(r + 1, ch, buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// (nodes, GPUs per node) when every node has the same number of ranks, in blocks.
+    fn hier_shape(&self) -> anyhow::Result<(usize, usize)> {
+        let n = self.n();
+        if self.nodes.len() != n {
+            bail!(
+                "hier needs the node of every rank ({} given for {n} ranks)",
+                self.nodes.len()
+            );
+        }
+        let mut distinct: Vec<usize> = self.nodes.clone();
+        distinct.dedup();
+        let mut sorted = distinct.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != distinct.len() {
+            bail!("hier needs the ranks of each node to be consecutive");
+        }
+        let per = n / distinct.len();
+        if per * distinct.len() != n
+            || distinct
+                .iter()
+                .any(|d| self.nodes.iter().filter(|x| *x == d).count() != per)
+        {
+            bail!("hier needs the same number of ranks on every node");
+        }
+        Ok((distinct.len(), per))
+    }
+
+    fn all_reduce_hier(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        count: usize,
+    ) -> anyhow::Result<()> {
+        let (nodes, per) = self.hier_shape().context("algorithm hier")?;
+        let r = self.r();
+        let (node, local) = (r / per, r % per);
+        let local_ring: Vec<usize> = (0..per).map(|l| node * per + l).collect();
+        let cross_ring: Vec<usize> = (0..nodes).map(|k| k * per + local).collect();
+        let _ = count;
+        self.per_channel(buf, dtype, per, |ch, mut chunks| {
+            // 1. Intra-node reduce-scatter: local rank l owns chunks[l].
+            self.ring_reduce_scatter(&local_ring, ch, &mut chunks, dtype, op)?;
+            // 2. Inter-node all-reduce of the owned shard among equal local ranks.
+            {
+                let mine = &mut *chunks[local];
+                let n_el = mine.len() / dtype.size();
+                let mut sub = carve(mine, dtype, n_el, nodes, 1)
+                    .pop()
+                    .expect("one channel");
+                self.ring_reduce_scatter(&cross_ring, ch, &mut sub, dtype, op)?;
+                self.ring_all_gather(&cross_ring, ch, &mut sub)?;
+            }
+            // 3. Intra-node all-gather.
+            self.ring_all_gather(&local_ring, ch, &mut chunks)
+        })
+    }
+
+    // ---- the other collectives ---------------------------------------------------------
+
+    /// Pipelined chain from `root` through the ranks in order.
+    pub fn broadcast(&self, buf: &mut [u8], dtype: DType, root: usize) -> anyhow::Result<()> {
+        let n = self.n();
+        if n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let pos = (self.r() + n - root) % n;
+        let (prev, next) = ((self.r() + n - 1) % n, (self.r() + 1) % n);
+        self.per_channel(buf, dtype, 1, |ch, mut parts| {
+            let buf = &mut *parts[0];
+            for k in 0..buf.len().div_ceil(self.piece).max(1) {
+                let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
+                if pos > 0 {
+                    self.g.recv(prev, ch, &mut buf[r.clone()])?;
+                }
+                if pos < n - 1 {
+                    self.g.send(next, ch, &buf[r])?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Pipelined chain toward `root`: the rank after the root in order ends the chain.
+    pub fn reduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> anyhow::Result<()> {
+        let n = self.n();
+        if n > 1 && !buf.is_empty() {
+            let pos = (self.r() + n - root) % n; // 0 = root; data flows from n−1 down to 0
+            let (prev, next) = ((self.r() + n - 1) % n, (self.r() + 1) % n);
+            self.per_channel(buf, dtype, 1, |ch, mut parts| {
+                let buf = &mut *parts[0];
+                let mut tmp = vec![0u8; self.piece.min(buf.len())];
+                for k in 0..buf.len().div_ceil(self.piece).max(1) {
+                    let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
+                    if pos < n - 1 {
+                        let t = &mut tmp[..r.len()];
+                        self.g.recv(next, ch, t)?;
+                        reduce_into(dtype, op, &mut buf[r.clone()], t);
+                    }
+                    if pos > 0 {
+                        self.g.send(prev, ch, &buf[r])?;
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        if op == ReduceOp::Avg && self.r() == root {
+            scale(dtype, buf, n);
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather: rank i contributes block i of `buf` (blocks: balanced partition).
+    pub fn all_gather(&self, buf: &mut [u8], dtype: DType) -> anyhow::Result<()> {
+        let n = self.n();
+        let members: Vec<usize> = (0..n).collect();
+        self.per_channel(buf, dtype, n, |ch, mut chunks| {
+            self.ring_all_gather(&members, ch, &mut chunks)
+        })
+    }
+
+    /// Ring reduce-scatter: afterwards rank i holds the reduced block i of `buf`.
+    pub fn reduce_scatter(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
+        let n = self.n();
+        let members: Vec<usize> = (0..n).collect();
+        self.per_channel(buf, dtype, n, |ch, mut chunks| {
+            self.ring_reduce_scatter(&members, ch, &mut chunks, dtype, op)
+        })?;
+        if op == ReduceOp::Avg {
+            let mine = elem_part(dtype, 0, buf.len() / dtype.size(), n, self.r());
+            scale(dtype, &mut buf[mine], n);
+        }
+        Ok(())
+    }
+
+    /// Pairwise exchange: block j of `send` goes to rank j, arriving as block `self` of
+    /// its `recv`. Blocks hold ⌊count / n⌋ elements; a remainder is not sent (as in
+    /// nccl-tests, whose all-to-all sizes are multiples of the rank count).
+    pub fn all_to_all(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> anyhow::Result<()> {
+        let (n, r) = (self.n(), self.r());
+        assert_eq!(send.len(), recv.len());
+        let block = send.len() / dtype.size() / n;
+        let bytes = block * dtype.size();
+        recv[r * bytes..(r + 1) * bytes].copy_from_slice(&send[r * bytes..(r + 1) * bytes]);
+        if n == 1 || block == 0 {
+            return Ok(());
+        }
+        // The send side is cut like the receive side, so that what a channel sends for
+        // block j is exactly what the peer's same channel expects.
+        // per_channel cuts with min(channels, elements): so must we.
+        let chans = self.g.channels().min(n * block);
+        self.per_channel(&mut recv[..n * bytes], dtype, n, |ch, mut blocks| {
+            let mine = elem_part(dtype, 0, block, chans, ch);
+            for k in 1..n {
+                let (to, from) = ((r + k) % n, (r + n - k) % n);
+                let out = &send[to * bytes + mine.start..to * bytes + mine.end];
+                self.g
+                    .exchange(ch, (to, out), (from, blocks[from]), self.piece, |_, _| {})?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Ring shift: `send` goes to rank r+1, `recv` comes from rank r−1.
+    pub fn send_recv(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> anyhow::Result<()> {
+        let (n, r) = (self.n(), self.r());
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let count = send.len() / dtype.size();
+        let ch_count = self.g.channels().min(count.max(1));
+        self.per_channel(recv, dtype, 1, |ch, mut parts| {
+            let range = elem_part(dtype, 0, count, ch_count, ch);
+            self.g.exchange(
+                ch,
+                ((r + 1) % n, &send[range]),
+                ((r + n - 1) % n, parts[0]),
+                self.piece,
+                |_, _| {},
+            )
+        })
+    }
+}

@@ -1,0 +1,277 @@
+//! Every collective and algorithm, checked element by element, for 1, 2, odd and even
+//! rank counts and sizes that do not divide by the rank count — over loopback, no root.
+
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use closbox_agents::bench::{self, Spec};
+use closbox_agents::{Algo, Comm, DType, Group, GroupConfig, Op, ReduceOp};
+
+/// Listening ports for a group of `n`: below the kernel's ephemeral range (32768–60999),
+/// where outgoing connections would collide with them; a block per process.
+fn ports(n: usize) -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 10_000 + (std::process::id() % 20) as u16 * 1000;
+    let off = NEXT.fetch_add(n as u16, Ordering::Relaxed);
+    assert!(off + (n as u16) < 1000, "test port block exhausted");
+    base + off
+}
+
+/// Runs `f` on `n` ranks (threads), each with its own group over loopback.
+fn with_group<T: Send>(
+    n: usize,
+    channels: usize,
+    nodes: Vec<usize>,
+    f: impl Fn(&Comm) -> T + Sync,
+) -> Vec<T> {
+    let base = ports(n);
+    let peers: Vec<String> = (0..n)
+        .map(|i| format!("127.0.0.1:{}", base + i as u16))
+        .collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (peers, nodes, f) = (peers.clone(), nodes.clone(), &f);
+                s.spawn(move || {
+                    let g = Group::connect(&GroupConfig {
+                        rank,
+                        peers,
+                        channels,
+                        timeout: Duration::from_secs(20),
+                    })
+                    .expect("group forms");
+                    f(&Comm::new(&g, nodes))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// What one `check` runs.
+struct Case<'a> {
+    ops: &'a [Op],
+    algo: Algo,
+    dtype: DType,
+    redop: ReduceOp,
+}
+
+fn check(n: usize, channels: usize, nodes: Vec<usize>, case: Case, sizes: &[usize]) {
+    let Case {
+        ops,
+        algo,
+        dtype,
+        redop,
+    } = case;
+    let results = with_group(n, channels, nodes, |comm| {
+        let mut c = Comm::new(comm.g, comm.nodes.clone());
+        c.piece = 4096; // many pieces even for small sizes
+        let spec = Spec {
+            ops: ops.to_vec(),
+            sizes: sizes.to_vec(),
+            iters: 2,
+            warmup: 1,
+            algo,
+            dtype,
+            redop,
+            root: n / 2,
+            time_scale: 1.0,
+        };
+        bench::run(&c, &spec, |_| {}).expect("bench runs")
+    });
+    for rows in results {
+        for row in rows {
+            assert_eq!(
+                row.wrong, 0,
+                "n={n} ch={channels} {:?} {} {dtype:?} {redop:?} size {}: {} wrong",
+                row.op, row.algo, row.size, row.wrong
+            );
+        }
+    }
+}
+
+/// Byte sizes: 1 element, a few, not divisible by ranks or channels, several pieces.
+fn sizes(dtype: DType) -> Vec<usize> {
+    [1usize, 7, 1000, 30_011]
+        .iter()
+        .map(|e| e * dtype.size())
+        .collect()
+}
+
+#[test]
+fn all_reduce_every_algorithm_and_rank_count() {
+    for n in [1, 2, 3, 4, 5, 8] {
+        for algo in [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Auto] {
+            check(
+                n,
+                2,
+                (0..n).collect(),
+                Case {
+                    ops: &[Op::AllReduce],
+                    algo,
+                    dtype: DType::F32,
+                    redop: ReduceOp::Sum,
+                },
+                &sizes(DType::F32),
+            );
+        }
+    }
+}
+
+#[test]
+fn all_reduce_hierarchical() {
+    for (n, nodes) in [
+        (4, vec![0, 0, 1, 1]),
+        (6, vec![0, 0, 0, 1, 1, 1]),
+        (8, vec![0, 0, 0, 0, 1, 1, 1, 1]),
+        (3, vec![0, 1, 2]),
+    ] {
+        check(
+            n,
+            2,
+            nodes,
+            Case {
+                ops: &[Op::AllReduce],
+                algo: Algo::Hier,
+                dtype: DType::F32,
+                redop: ReduceOp::Sum,
+            },
+            &sizes(DType::F32),
+        );
+    }
+}
+
+#[test]
+fn every_reduction_and_bf16() {
+    for redop in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+        for dtype in [DType::F32, DType::Bf16] {
+            check(
+                5,
+                2,
+                (0..5).collect(),
+                Case {
+                    ops: &[Op::AllReduce, Op::Reduce, Op::ReduceScatter],
+                    algo: Algo::Ring,
+                    dtype,
+                    redop,
+                },
+                &sizes(dtype),
+            );
+        }
+        check(
+            4,
+            1,
+            (0..4).collect(),
+            Case {
+                ops: &[Op::AllReduce],
+                algo: Algo::Rhd,
+                dtype: DType::Bf16,
+                redop,
+            },
+            &sizes(DType::Bf16),
+        );
+        check(
+            3,
+            2,
+            (0..3).collect(),
+            Case {
+                ops: &[Op::AllReduce],
+                algo: Algo::Tree,
+                dtype: DType::Bf16,
+                redop,
+            },
+            &sizes(DType::Bf16),
+        );
+    }
+}
+
+#[test]
+fn every_other_collective() {
+    let others = [
+        Op::Broadcast,
+        Op::Reduce,
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::AllToAll,
+        Op::SendRecv,
+    ];
+    for n in [1, 2, 3, 4, 7] {
+        for channels in [1, 3] {
+            check(
+                n,
+                channels,
+                (0..n).collect(),
+                Case {
+                    ops: &others,
+                    algo: Algo::Auto,
+                    dtype: DType::F32,
+                    redop: ReduceOp::Sum,
+                },
+                &sizes(DType::F32),
+            );
+        }
+    }
+    check(
+        6,
+        2,
+        (0..6).collect(),
+        Case {
+            ops: &others,
+            algo: Algo::Auto,
+            dtype: DType::Bf16,
+            redop: ReduceOp::Max,
+        },
+        &sizes(DType::Bf16),
+    );
+}
+
+#[test]
+fn a_dead_rank_fails_the_others_quickly() {
+    let base = ports(3);
+    let peers: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", base + i)).collect();
+    let started = Instant::now();
+    let errors: Vec<Option<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let peers = peers.clone();
+                s.spawn(move || {
+                    // A long timeout: the failure must come from the closed connection.
+                    let g = Group::connect(&GroupConfig {
+                        rank,
+                        peers,
+                        channels: 2,
+                        timeout: Duration::from_secs(60),
+                    })
+                    .unwrap();
+                    if rank == 2 {
+                        return None; // dies: its sockets close
+                    }
+                    let comm = Comm::new(&g, vec![0, 1, 2]);
+                    let mut buf = vec![0u8; 4 << 20];
+                    comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, Algo::Ring)
+                        .err()
+                        .map(|e| format!("{e:#}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+    for (rank, e) in errors.iter().enumerate().take(2) {
+        let e = e
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank} did not fail"));
+        assert!(e.contains("rank "), "{e}");
+    }
+    assert!(
+        errors[..2].iter().flatten().any(|e| e.contains("rank 2")),
+        "{errors:?}"
+    );
+}
