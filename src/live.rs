@@ -280,6 +280,32 @@ fn print_status(st: &State, v: &serde_json::Value) {
     } else {
         println!("  health    ok");
     }
+    // The busiest ports, and any that dropped or marked.
+    if let Some(ports) = v["ports"].as_array() {
+        let mut ports: Vec<&serde_json::Value> = ports.iter().collect();
+        let key = |p: &serde_json::Value| {
+            (
+                p["drops_buffer"].as_u64().unwrap_or(0) + p["drops_loss"].as_u64().unwrap_or(0),
+                p["ecn_marked"].as_u64().unwrap_or(0),
+                (p["utilization"].as_f64().unwrap_or(0.0) * 1e6) as u64,
+            )
+        };
+        ports.sort_by_key(|p| std::cmp::Reverse(key(p)));
+        if !ports.is_empty() {
+            println!("  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}", "(top 5)", "tx packets", "drops", "ecn", "max queue", "busy");
+        }
+        for p in ports.iter().take(5) {
+            println!(
+                "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}%",
+                p["port"].as_str().unwrap_or("?"),
+                thousands(p["tx_packets"].as_u64().unwrap_or(0)),
+                thousands(p["drops_buffer"].as_u64().unwrap_or(0) + p["drops_loss"].as_u64().unwrap_or(0)),
+                thousands(p["ecn_marked"].as_u64().unwrap_or(0)),
+                thousands(p["max_queue_bytes"].as_u64().unwrap_or(0)),
+                p["utilization"].as_f64().unwrap_or(0.0) * 100.0
+            );
+        }
+    }
     if v["io_errors"].as_u64().unwrap_or(0) > 0 {
         println!("  io errors {}", n("io_errors"));
     }
@@ -361,12 +387,30 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
     Ok(out)
 }
 
+/// Where ranks' output lines go: `(rank, is_stderr, line)`.
+pub type Sink = Arc<dyn Fn(usize, bool, &str) + Send + Sync>;
+
 pub struct RunArgs<'a> {
     pub fabric: Option<&'a str>,
     pub gpus: &'a str,
     pub timeout: Option<Duration>,
     pub master_port: u16,
     pub cmd: &'a [String],
+    /// Default: print with a `[rank]` prefix.
+    pub sink: Option<Sink>,
+}
+
+/// Prints a rank's line with its rank as prefix.
+pub fn print_sink() -> Sink {
+    let lock = Arc::new(Mutex::new(()));
+    Arc::new(move |rank, is_err, line| {
+        let _g = lock.lock();
+        if is_err {
+            eprintln!("[{rank}] {line}");
+        } else {
+            println!("[{rank}] {line}");
+        }
+    })
 }
 
 struct Rank {
@@ -388,6 +432,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let node_rank: BTreeMap<u32, usize> = nodes.keys().enumerate().map(|(i, n)| (*n, i)).collect();
     let master = &st.gpus[sel[0]];
+    let peer_names: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
+    let node_list: Vec<String> = sel.iter().map(|&i| st.gpus[i].node.to_string()).collect();
+    let sink = a.sink.clone().unwrap_or_else(print_sink);
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [
@@ -397,7 +444,6 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     ] {
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
     }
-    let out_lock = Arc::new(Mutex::new(()));
     let mut ranks: Vec<Rank> = Vec::new();
     let mut readers = Vec::new();
     let started = Instant::now();
@@ -427,6 +473,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             .env("NODE_RANK", node_rank[&g.node].to_string())
             .env("MASTER_ADDR", &master.name)
             .env("MASTER_PORT", a.master_port.to_string())
+            .env("CLOSBOX_PEERS", peer_names.join(","))
+            .env("CLOSBOX_NODES", node_list.join(","))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -454,16 +502,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             ),
         ] {
             let Some(pipe) = pipe else { continue };
-            let lock = Arc::clone(&out_lock);
+            let sink = Arc::clone(&sink);
             readers.push(std::thread::spawn(move || {
                 for line in BufReader::new(pipe).lines() {
                     let Ok(line) = line else { break };
-                    let _g = lock.lock();
-                    if is_err {
-                        eprintln!("[{rank}] {line}");
-                    } else {
-                        println!("[{rank}] {line}");
-                    }
+                    sink(rank, is_err, &line);
                 }
             }));
         }

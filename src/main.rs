@@ -156,6 +156,7 @@ fn main() -> ExitCode {
                     timeout: t.map(|t| t.expect("checked")),
                     master_port,
                     cmd: &cmd,
+                    sink: None,
                 }),
             }
         }

@@ -59,6 +59,24 @@ pub struct Status {
     /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
     /// control plane.
     pub tun_tx_dropped: Option<u64>,
+    /// Per egress port counters (ports that carried or dropped anything).
+    pub ports: Vec<PortStatus>,
+}
+
+/// One egress port's counters.
+#[derive(Clone, Debug, Serialize)]
+pub struct PortStatus {
+    /// "leaf0->spine1".
+    pub port: String,
+    pub rx_packets: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub drops_buffer: u64,
+    pub drops_loss: u64,
+    pub ecn_marked: u64,
+    pub max_queue_bytes: u64,
+    /// Busy fraction of fabric time since start.
+    pub utilization: f64,
 }
 
 /// Write lateness in wall-clock microseconds.
@@ -83,6 +101,7 @@ impl Lateness {
 
 pub struct DataPlane {
     name: String,
+    port_names: Vec<String>,
     model: Fabric,
     tuns: Vec<OwnedFd>,
     epoll: Epoll,
@@ -122,9 +141,20 @@ impl DataPlane {
         }
         epoll.add(wake.raw(), WAKE_TOKEN)?;
         let now = StdInstant::now();
+        let model = Fabric::new(topo);
+        let vname = |v: u32| {
+            let h = topo.hosts.len() as u32;
+            if v < h {
+                topo.hosts[v as usize].name.clone()
+            } else {
+                topo.switches[(v - h) as usize].name.clone()
+            }
+        };
+        let port_names = model.routes().ports.iter().map(|p| format!("{}->{}", vname(p.from), vname(p.to))).collect();
         Ok(DataPlane {
             name: topo.fabric.name.clone(),
-            model: Fabric::new(topo),
+            port_names,
+            model,
             tuns,
             epoll,
             wake,
@@ -278,6 +308,25 @@ impl DataPlane {
         let wall = StdInstant::now();
         let now = self.fabric_now(wall);
         let totals = self.model.totals(now);
+        let elapsed = now.as_nanos().max(1) as f64;
+        let ports = self
+            .model
+            .port_counters(now)
+            .iter()
+            .zip(&self.port_names)
+            .filter(|(c, _)| c.rx_packets > 0)
+            .map(|(c, name)| PortStatus {
+                port: name.clone(),
+                rx_packets: c.rx_packets,
+                tx_packets: c.tx_packets,
+                tx_bytes: c.tx_bytes,
+                drops_buffer: c.drops.get(DropReason::BufferFull),
+                drops_loss: c.drops.get(DropReason::Loss),
+                ecn_marked: c.ecn_marked,
+                max_queue_bytes: c.max_queue_bytes,
+                utilization: c.busy.as_nanos() as f64 / elapsed,
+            })
+            .collect();
         // The current window if it has enough samples, else the last full one.
         let recent = if self.window.count() >= 100 {
             &self.window
@@ -305,6 +354,7 @@ impl DataPlane {
             lateness_recent,
             io_errors: self.io_errors,
             tun_tx_dropped: None,
+            ports,
         }
     }
 }
