@@ -274,8 +274,8 @@ fn print_status(st: &State, v: &serde_json::Value) {
     println!("  recent    {}", lat("lateness_recent"));
     if v["behind"].as_bool().unwrap_or(false) {
         println!(
-            "  WARNING   packets leave the fabric late (recent p99 above {} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
-            closbox_switchd::dataplane::BEHIND_P99.as_micros()
+            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
+            v["behind_threshold_us"].as_f64().unwrap_or(0.0)
         );
     } else {
         println!("  health    ok");
@@ -292,14 +292,19 @@ fn print_status(st: &State, v: &serde_json::Value) {
         };
         ports.sort_by_key(|p| std::cmp::Reverse(key(p)));
         if !ports.is_empty() {
-            println!("  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}", "(top 5)", "tx packets", "drops", "ecn", "max queue", "busy");
+            println!(
+                "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}",
+                "(top 5)", "tx packets", "drops", "ecn", "max queue", "busy"
+            );
         }
         for p in ports.iter().take(5) {
             println!(
                 "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}%",
                 p["port"].as_str().unwrap_or("?"),
                 thousands(p["tx_packets"].as_u64().unwrap_or(0)),
-                thousands(p["drops_buffer"].as_u64().unwrap_or(0) + p["drops_loss"].as_u64().unwrap_or(0)),
+                thousands(
+                    p["drops_buffer"].as_u64().unwrap_or(0) + p["drops_loss"].as_u64().unwrap_or(0)
+                ),
                 thousands(p["ecn_marked"].as_u64().unwrap_or(0)),
                 thousands(p["max_queue_bytes"].as_u64().unwrap_or(0)),
                 p["utilization"].as_f64().unwrap_or(0.0) * 100.0

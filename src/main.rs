@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod bench;
 mod live;
 mod plan;
+mod predict;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
 #[derive(Debug, Parser)]
@@ -59,6 +61,69 @@ enum Command {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
+    /// nccl-tests-style benchmark: agents in every GPU, a table with predictions.
+    #[command(
+        after_help = "Example:\n  closbox bench allreduce alltoall --sizes 1M:64M --iters 5"
+    )]
+    Bench {
+        /// Operations: allreduce, broadcast, reduce, allgather, reducescatter, alltoall,
+        /// sendrecv (default allreduce).
+        ops: Vec<String>,
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
+        #[arg(long, default_value = "8:64M")]
+        sizes: String,
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+        /// AllReduce algorithm: auto, ring, tree, rhd, hier.
+        #[arg(long, default_value = "auto")]
+        algo: String,
+        /// f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// sum, max, min, avg.
+        #[arg(long, default_value = "sum")]
+        redop: String,
+        #[arg(long, default_value_t = 0)]
+        root: usize,
+        #[arg(long, conflicts_with = "csv")]
+        json: bool,
+        #[arg(long)]
+        csv: bool,
+        /// Write busbw against size as an SVG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+    /// Data-parallel training steps: gradients all-reduced after backward, and overlapped
+    /// with it; step time, exposed communication, scaling efficiency.
+    Train {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Gradient bytes per step, e.g. 256M.
+        #[arg(long, default_value = "64M")]
+        model: String,
+        /// Bucket size, e.g. 25M.
+        #[arg(long, default_value = "8M")]
+        bucket: String,
+        /// Forward + backward compute per step (fabric ms).
+        #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"])]
+        compute_ms: Option<f64>,
+        /// Model FLOPs per step per GPU (with --gpu-tflops instead of --compute-ms).
+        #[arg(long, requires = "gpu_tflops")]
+        flops: Option<f64>,
+        /// GPU throughput in TFLOP/s.
+        #[arg(long, requires = "flops")]
+        gpu_tflops: Option<f64>,
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        #[arg(long, default_value = "auto")]
+        algo: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a command once per GPU, concurrently, with RANK, WORLD_SIZE, MASTER_ADDR, …
     /// set; `{rank}` in arguments becomes the rank.
     #[command(after_help = "Example:\n  closbox run -- /usr/bin/python3 train.py --rank {rank}")]
@@ -78,6 +143,107 @@ enum Command {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct TargetArgs {
+    /// Fabric (default: the only fabric up).
+    #[arg(long, short)]
+    fabric: Option<String>,
+    /// GPUs: "all", ranks and ranges ("0-3,6") or names.
+    #[arg(long, default_value = "all")]
+    gpus: String,
+    /// Parallel TCP connections per pair of ranks (ECMP can spread them).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    channels: u32,
+    /// Stop the agents after this many seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+}
+
+impl TargetArgs {
+    fn target(&self) -> anyhow::Result<bench::Target<'_>> {
+        let timeout = match self.timeout {
+            Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
+            Some(_) => anyhow::bail!("--timeout must be a positive number of seconds"),
+            None => None,
+        };
+        Ok(bench::Target {
+            fabric: self.fabric.as_deref(),
+            gpus: &self.gpus,
+            channels: self.channels as usize,
+            timeout,
+        })
+    }
+}
+
+fn parse_algo(s: &str) -> anyhow::Result<closbox_agents::Algo> {
+    closbox_agents::Algo::from_name(s)
+        .ok_or_else(|| anyhow::anyhow!("unknown algorithm {s:?}: auto, ring, tree, rhd or hier"))
+}
+
+fn parse_bytes(what: &str, s: &str) -> anyhow::Result<usize> {
+    let v = closbox_agents::bench::parse_sizes(s).map_err(|e| anyhow::anyhow!("--{what}: {e}"))?;
+    match v.as_slice() {
+        [one] => Ok(*one),
+        _ => anyhow::bail!("--{what} takes one size, such as 64M"),
+    }
+}
+
+fn run_bench(
+    ops: Vec<String>,
+    target: &TargetArgs,
+    rest: (
+        String,
+        usize,
+        usize,
+        String,
+        String,
+        String,
+        usize,
+        bool,
+        bool,
+        Option<PathBuf>,
+    ),
+) -> anyhow::Result<()> {
+    let (sizes, iters, warmup, algo, dtype, redop, root, json, csv, plot) = rest;
+    let ops = if ops.is_empty() {
+        vec!["allreduce".to_owned()]
+    } else {
+        ops
+    };
+    let ops = ops
+        .iter()
+        .flat_map(|o| o.split(','))
+        .map(|o| {
+            closbox_agents::Op::from_name(o)
+                .ok_or_else(|| anyhow::anyhow!("unknown operation {o:?}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    dtype
+        .parse::<closbox_agents::DType>()
+        .map_err(anyhow::Error::msg)?;
+    redop
+        .parse::<closbox_agents::ReduceOp>()
+        .map_err(anyhow::Error::msg)?;
+    closbox_agents::bench::parse_sizes(&sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?;
+    if let Some(p) = &plot {
+        bench::check_plot_path(p)?;
+    }
+    bench::bench(bench::BenchArgs {
+        target: target.target()?,
+        ops,
+        sizes: &sizes,
+        iters,
+        warmup,
+        algo: parse_algo(&algo)?,
+        dtype: &dtype,
+        redop: &redop,
+        root,
+        json,
+        csv,
+        plot,
+    })
 }
 
 #[derive(Debug, clap::Args)]
@@ -133,6 +299,60 @@ fn main() -> ExitCode {
         }
         Command::Status { fabric, json } => live::status(fabric.as_deref(), json),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_deref(), &gpu, &cmd),
+        Command::Bench {
+            ops,
+            target,
+            sizes,
+            iters,
+            warmup,
+            algo,
+            dtype,
+            redop,
+            root,
+            json,
+            csv,
+            plot,
+        } => run_bench(
+            ops,
+            &target,
+            (
+                sizes, iters, warmup, algo, dtype, redop, root, json, csv, plot,
+            ),
+        )
+        .map(|()| ExitCode::SUCCESS),
+        Command::Train {
+            target,
+            model,
+            bucket,
+            compute_ms,
+            flops,
+            gpu_tflops,
+            steps,
+            algo,
+            json,
+        } => (|| {
+            let compute_ms = match (compute_ms, flops, gpu_tflops) {
+                (Some(ms), _, _) => ms,
+                (None, Some(f), Some(t)) if f > 0.0 && t > 0.0 => f / (t * 1e12) * 1e3,
+                (None, Some(_), Some(_)) => {
+                    anyhow::bail!("--flops and --gpu-tflops must be positive")
+                }
+                _ => 200.0,
+            };
+            if !(compute_ms.is_finite() && compute_ms >= 0.0) {
+                anyhow::bail!("--compute-ms must be a non-negative number");
+            }
+            bench::train(bench::TrainArgs {
+                target: target.target()?,
+                model_bytes: parse_bytes("model", &model)?,
+                bucket_bytes: parse_bytes("bucket", &bucket)?,
+                compute_ms,
+                steps,
+                algo: parse_algo(&algo)?,
+                json,
+            })
+        })()
+        .map(|()| ExitCode::SUCCESS),
         Command::Run {
             fabric,
             gpus,

@@ -2,8 +2,9 @@
 //! runs, check every element, and report time, algorithm and bus bandwidth.
 //!
 //! Each run starts from a pristine copy of the input (out-of-place semantics, as
-//! nccl-tests), copied outside the timed region. Times are per operation, averaged over
-//! iterations, the slowest rank's, converted to fabric time (wall ÷ time_scale).
+//! nccl-tests), copied outside the timed region, after a barrier. Times are per operation,
+//! averaged over iterations, the slowest rank's, converted to fabric time
+//! (wall ÷ time_scale).
 
 use std::time::Instant;
 
@@ -243,10 +244,12 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 buf.copy_from_slice(&input_buf);
                 run_op(comm, call, &mut buf, &mut scratch)?;
             }
-            comm.g.barrier()?;
             let mut total = 0.0f64;
             for _ in 0..spec.iters.max(1) {
                 buf.copy_from_slice(&input_buf);
+                // Everyone starts together, so that no rank's time hides a part of the
+                // operation that happened before it looked (data already buffered).
+                comm.g.barrier()?;
                 let t = Instant::now();
                 run_op(comm, call, &mut buf, &mut scratch)?;
                 total += t.elapsed().as_secs_f64();

@@ -106,6 +106,44 @@ impl Algo {
     }
 }
 
+/// `auto`: latency-bound sizes take the tree (log n steps), mid sizes halving-doubling,
+/// large sizes the ring (bandwidth-optimal), or the hierarchical ring when the ranks span
+/// several multi-GPU nodes of equal size (`nodes`: node of each rank).
+pub fn auto_choice(bytes: usize, nodes: &[usize]) -> Algo {
+    if bytes < 64 << 10 {
+        Algo::Tree
+    } else if bytes < 1 << 20 {
+        Algo::Rhd
+    } else if hier_shape(nodes).is_ok_and(|(k, per)| k > 1 && per > 1) {
+        Algo::Hier
+    } else {
+        Algo::Ring
+    }
+}
+
+/// (nodes, ranks per node) when every node has the same number of ranks and each node's
+/// ranks are consecutive.
+pub fn hier_shape(nodes: &[usize]) -> anyhow::Result<(usize, usize)> {
+    let n = nodes.len();
+    let mut distinct: Vec<usize> = nodes.to_vec();
+    distinct.dedup();
+    let mut sorted = distinct.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if n == 0 || sorted.len() != distinct.len() {
+        bail!("hier needs the ranks of each node to be consecutive");
+    }
+    let per = n / distinct.len();
+    if per * distinct.len() != n
+        || distinct
+            .iter()
+            .any(|d| nodes.iter().filter(|x| *x == d).count() != per)
+    {
+        bail!("hier needs the same number of ranks on every node");
+    }
+    Ok((distinct.len(), per))
+}
+
 /// Balanced partition: the `i`-th of `n` parts of `0..len`.
 pub fn part(len: usize, n: usize, i: usize) -> Range<usize> {
     (len * i / n)..(len * (i + 1) / n)
@@ -288,6 +326,89 @@ impl<'g> Comm<'g> {
         Ok(())
     }
 
+    /// Streaming ring: reduce-scatter (with `reduce`) and/or all-gather among `members`,
+    /// moving pieces instead of whole steps. A piece received and reduced in one step is
+    /// exactly what the next step sends, so it is forwarded at once by a sender thread:
+    /// every link carries a continuous stream and the per-step latency is paid once, not
+    /// 2(n−1) times. Forwarded pieces are copies (the sender never touches `chunks`).
+    fn ring_stream(
+        &self,
+        members: &[usize],
+        ch: usize,
+        chunks: &mut [&mut [u8]],
+        dtype: DType,
+        reduce: Option<ReduceOp>,
+        all_gather: bool,
+    ) -> anyhow::Result<()> {
+        let m = members.len();
+        if m == 1 {
+            return Ok(());
+        }
+        let p = members.iter().position(|&x| x == self.r()).expect("member");
+        let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
+        let piece = (self.piece / dtype.size()).max(1) * dtype.size();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(64);
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || -> anyhow::Result<()> {
+                for data in rx {
+                    self.g.send(next, ch, &data)?;
+                }
+                Ok(())
+            });
+            let received = (|| -> anyhow::Result<()> {
+                let first = if reduce.is_some() { (p + m - 1) % m } else { p };
+                for part in chunks[first].chunks(piece) {
+                    if tx.send(part.to_vec()).is_err() {
+                        return Ok(()); // the sender failed: its error is reported
+                    }
+                }
+                let mut tmp = vec![0u8; piece];
+                if let Some(op) = reduce {
+                    for step in 0..m - 1 {
+                        let c = (p + 2 * m - step - 2) % m;
+                        let forward = step < m - 2 || all_gather;
+                        let chunk = &mut *chunks[c];
+                        let mut off = 0;
+                        while off < chunk.len() {
+                            let end = (off + piece).min(chunk.len());
+                            let t = &mut tmp[..end - off];
+                            self.g.recv(prev, ch, t)?;
+                            reduce_into(dtype, op, &mut chunk[off..end], t);
+                            if forward && tx.send(chunk[off..end].to_vec()).is_err() {
+                                return Ok(());
+                            }
+                            off = end;
+                        }
+                    }
+                }
+                if all_gather {
+                    for step in 0..m - 1 {
+                        let c = (p + 2 * m - step - 1) % m;
+                        let forward = step < m - 2;
+                        let chunk = &mut *chunks[c];
+                        let mut off = 0;
+                        while off < chunk.len() {
+                            let end = (off + piece).min(chunk.len());
+                            self.g.recv(prev, ch, &mut chunk[off..end])?;
+                            if forward && tx.send(chunk[off..end].to_vec()).is_err() {
+                                return Ok(());
+                            }
+                            off = end;
+                        }
+                    }
+                }
+                Ok(())
+            })();
+            drop(tx);
+            if received.is_err() {
+                // Unblock the sender if the next rank is gone or stuck.
+                let _ = self.g.shutdown(next, ch);
+            }
+            let sent = sender.join().expect("sender thread");
+            received.and(sent)
+        })
+    }
+
     // ---- AllReduce --------------------------------------------------------------------
 
     /// In-place all-reduce of `buf` (whole elements of `dtype`).
@@ -317,22 +438,9 @@ impl<'g> Comm<'g> {
         Ok(())
     }
 
-    /// `auto`: latency-bound sizes take the tree (log n steps), mid sizes halving-doubling,
-    /// large sizes the ring (bandwidth-optimal), or the hierarchical ring when the ranks
-    /// span several multi-GPU nodes of equal size.
+    /// The algorithm `auto` picks for this group (see `auto_choice`).
     pub fn auto_algo(&self, bytes: usize) -> Algo {
-        if bytes < 64 << 10 {
-            Algo::Tree
-        } else if bytes < 1 << 20 {
-            Algo::Rhd
-        } else if self
-            .hier_shape()
-            .is_ok_and(|(nodes, per)| nodes > 1 && per > 1)
-        {
-            Algo::Hier
-        } else {
-            Algo::Ring
-        }
+        auto_choice(bytes, &self.nodes)
     }
 
     fn all_reduce_ring(
@@ -346,8 +454,7 @@ impl<'g> Comm<'g> {
         let members: Vec<usize> = (0..n).collect();
         let _ = count;
         self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_reduce_scatter(&members, ch, &mut chunks, dtype, op)?;
-            self.ring_all_gather(&members, ch, &mut chunks)
+            self.ring_stream(&members, ch, &mut chunks, dtype, Some(op), true)
         })
     }
 
@@ -494,32 +601,15 @@ impl<'g> Comm<'g> {
         Ok(())
     }
 
-    /// (nodes, GPUs per node) when every node has the same number of ranks, in blocks.
     fn hier_shape(&self) -> anyhow::Result<(usize, usize)> {
-        let n = self.n();
-        if self.nodes.len() != n {
+        if self.nodes.len() != self.n() {
             bail!(
-                "hier needs the node of every rank ({} given for {n} ranks)",
-                self.nodes.len()
+                "hier needs the node of every rank ({} given for {} ranks)",
+                self.nodes.len(),
+                self.n()
             );
         }
-        let mut distinct: Vec<usize> = self.nodes.clone();
-        distinct.dedup();
-        let mut sorted = distinct.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != distinct.len() {
-            bail!("hier needs the ranks of each node to be consecutive");
-        }
-        let per = n / distinct.len();
-        if per * distinct.len() != n
-            || distinct
-                .iter()
-                .any(|d| self.nodes.iter().filter(|x| *x == d).count() != per)
-        {
-            bail!("hier needs the same number of ranks on every node");
-        }
-        Ok((distinct.len(), per))
+        hier_shape(&self.nodes)
     }
 
     fn all_reduce_hier(
@@ -618,7 +708,7 @@ impl<'g> Comm<'g> {
         let n = self.n();
         let members: Vec<usize> = (0..n).collect();
         self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_all_gather(&members, ch, &mut chunks)
+            self.ring_stream(&members, ch, &mut chunks, dtype, None, true)
         })
     }
 
@@ -627,7 +717,7 @@ impl<'g> Comm<'g> {
         let n = self.n();
         let members: Vec<usize> = (0..n).collect();
         self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_reduce_scatter(&members, ch, &mut chunks, dtype, op)
+            self.ring_stream(&members, ch, &mut chunks, dtype, Some(op), false)
         })?;
         if op == ReduceOp::Avg {
             let mine = elem_part(dtype, 0, buf.len() / dtype.size(), n, self.r());

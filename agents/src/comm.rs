@@ -213,6 +213,11 @@ impl Group {
         })
     }
 
+    /// Shuts a connection down (both directions): a peer blocked on it fails at once.
+    pub fn shutdown(&self, peer: usize, ch: usize) -> io::Result<()> {
+        self.stream(peer, ch).shutdown(std::net::Shutdown::Both)
+    }
+
     /// Everyone waits for everyone (a 1-byte ring, twice around).
     pub fn barrier(&self) -> anyhow::Result<()> {
         if self.size == 1 {

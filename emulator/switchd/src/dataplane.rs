@@ -24,7 +24,9 @@ use crate::sys::{self, Epoll, EventFd};
 const SPIN: StdDuration = StdDuration::from_micros(40);
 /// Packets read from one TUN before looking at the others (fairness).
 const READ_BATCH: usize = 64;
-/// Lateness above which the fabric is reported as not keeping up (p99 of the last window).
+/// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
+/// in real time; with dilated time the bar is also a quarter of the shortest hop latency
+/// in fabric time (whichever is larger): lateness shifts fabric timings by lateness / k.
 pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 /// Length of the "recent" lateness window.
 const WINDOW: StdDuration = StdDuration::from_secs(5);
@@ -55,6 +57,8 @@ pub struct Status {
     pub lateness: Lateness,
     pub lateness_recent: Lateness,
     pub behind: bool,
+    /// The p99 lateness (µs, wall) above which `behind` is set.
+    pub behind_threshold_us: f64,
     pub io_errors: u64,
     /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
     /// control plane.
@@ -117,6 +121,8 @@ pub struct DataPlane {
     window_start: StdInstant,
     io_errors: u64,
     warned: Option<StdInstant>,
+    /// p99 lateness (wall ns) above which the fabric is behind.
+    behind_ns: u64,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -150,7 +156,29 @@ impl DataPlane {
                 topo.switches[(v - h) as usize].name.clone()
             }
         };
-        let port_names = model.routes().ports.iter().map(|p| format!("{}->{}", vname(p.from), vname(p.to))).collect();
+        let port_names = model
+            .routes()
+            .ports
+            .iter()
+            .map(|p| format!("{}->{}", vname(p.from), vname(p.to)))
+            .collect();
+        let h = topo.hosts.len() as u32;
+        let min_hop_ns = model
+            .routes()
+            .ports
+            .iter()
+            .map(|p| {
+                let next = if p.to < h {
+                    0
+                } else {
+                    topo.switches[(p.to - h) as usize].params.latency.as_nanos()
+                };
+                topo.links[p.link as usize].params.delay.as_nanos() + next
+            })
+            .min()
+            .unwrap_or(0);
+        let behind_ns = (BEHIND_P99.as_nanos() as u64)
+            .max((min_hop_ns as f64 / 4.0 * topo.fabric.time_scale) as u64);
         Ok(DataPlane {
             name: topo.fabric.name.clone(),
             port_names,
@@ -169,6 +197,7 @@ impl DataPlane {
             window_start: now,
             io_errors: 0,
             warned: None,
+            behind_ns,
         })
     }
 
@@ -275,7 +304,7 @@ impl DataPlane {
         self.last_window = std::mem::take(&mut self.window);
         self.window_start = wall;
         let p99 = self.last_window.quantile(0.99);
-        if self.last_window.count() > 100 && p99 > BEHIND_P99.as_nanos() as u64 {
+        if self.last_window.count() > 100 && p99 > self.behind_ns {
             let quiet = self
                 .warned
                 .is_none_or(|w| wall.duration_since(w) > StdDuration::from_secs(30));
@@ -349,8 +378,8 @@ impl DataPlane {
                 .map(|r| (r.name().to_owned(), totals.drops.get(*r)))
                 .collect(),
             lateness: Lateness::of(&self.lateness),
-            behind: recent.count() >= 100
-                && lateness_recent.p99_us * 1e3 > BEHIND_P99.as_nanos() as f64,
+            behind: recent.count() >= 100 && lateness_recent.p99_us * 1e3 > self.behind_ns as f64,
+            behind_threshold_us: self.behind_ns as f64 / 1e3,
             lateness_recent,
             io_errors: self.io_errors,
             tun_tx_dropped: None,

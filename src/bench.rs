@@ -1,0 +1,530 @@
+//! `closbox bench` and `closbox train`: agents in every GPU of a fabric that is up, results
+//! as nccl-tests tables next to what the fabric model predicts.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use closbox_agents::bench::{parse_sizes, Row};
+use closbox_agents::train::Report;
+use closbox_agents::{Algo, Op};
+use closbox_fabric::Topology;
+use closbox_switchd::state::State;
+
+use crate::live::{self, RunArgs};
+use crate::predict::Predictor;
+
+/// What both commands share: where to run and how agents connect.
+pub struct Target<'a> {
+    pub fabric: Option<&'a str>,
+    pub gpus: &'a str,
+    pub channels: usize,
+    pub timeout: Option<Duration>,
+}
+
+pub struct BenchArgs<'a> {
+    pub target: Target<'a>,
+    pub ops: Vec<Op>,
+    pub sizes: &'a str,
+    pub iters: usize,
+    pub warmup: usize,
+    pub algo: Algo,
+    pub dtype: &'a str,
+    pub redop: &'a str,
+    pub root: usize,
+    pub json: bool,
+    pub csv: bool,
+    pub plot: Option<PathBuf>,
+}
+
+pub struct TrainArgs<'a> {
+    pub target: Target<'a>,
+    pub model_bytes: usize,
+    pub bucket_bytes: usize,
+    pub compute_ms: f64,
+    pub steps: usize,
+    pub algo: Algo,
+    pub json: bool,
+}
+
+/// The agent binary, installed next to `closbox`.
+fn agent_path() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating closbox")?;
+    let agent = exe.with_file_name("closbox-agent");
+    if !agent.exists() {
+        bail!(
+            "{} not found: build the whole workspace (`make build`)",
+            agent.display()
+        );
+    }
+    Ok(agent)
+}
+
+/// The fabric's topology as it was brought up, and the host index of each selected rank.
+fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)> {
+    let topo = closbox_fabric::load(&st.config).with_context(|| {
+        format!(
+            "re-reading the topology of fabric {} for predictions",
+            st.fabric
+        )
+    })?;
+    let same = topo.hosts.len() == st.gpus.len()
+        && topo
+            .hosts
+            .iter()
+            .zip(&st.gpus)
+            .all(|(h, g)| h.name == g.name && h.addr == g.addr);
+    if !same {
+        bail!(
+            "{} changed since fabric {} came up; bring it down and up again",
+            st.config.display(),
+            st.fabric
+        );
+    }
+    let ranks = sel.iter().map(|&i| i as u32).collect();
+    Ok((topo, ranks))
+}
+
+/// Runs the agent in every selected GPU; returns rank 0's JSON lines.
+fn run_agents(
+    st: &State,
+    t: &Target,
+    agent_args: Vec<String>,
+    mut on_json: impl FnMut(&str) + Send + 'static,
+) -> anyhow::Result<()> {
+    let agent = agent_path()?;
+    let mut cmd = vec![
+        agent.display().to_string(),
+        "--channels".into(),
+        t.channels.to_string(),
+    ];
+    cmd.extend(agent_args);
+    let on_json = Arc::new(Mutex::new(move |l: &str| on_json(l)));
+    let sink: live::Sink = Arc::new(move |rank, is_err, line: &str| {
+        if rank == 0 && !is_err && line.starts_with('{') {
+            (on_json.lock().expect("sink lock"))(line);
+        } else if is_err || rank == 0 {
+            eprintln!("[{rank}] {line}");
+        }
+    });
+    let code = live::run(RunArgs {
+        fabric: Some(&st.fabric),
+        gpus: t.gpus,
+        timeout: t.timeout,
+        master_port: 29500,
+        cmd: &cmd,
+        sink: Some(sink),
+    })?;
+    if code != ExitCode::SUCCESS {
+        bail!("the agents failed (see above)");
+    }
+    Ok(())
+}
+
+fn human(bytes: usize) -> String {
+    closbox_fabric::Bytes::new(bytes as u64).to_string()
+}
+
+pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
+    closbox_switchd::require_root("closbox bench")?;
+    let st = live::resolve(a.target.fabric)?;
+    let sel = live::select(&st, a.target.gpus)?;
+    let (topo, ranks) = topology_of(&st, &sel)?;
+    let sizes = parse_sizes(a.sizes).map_err(anyhow::Error::msg)?;
+    let predictor = Predictor::new(&topo, ranks);
+    let total = a.ops.len() * sizes.len();
+    let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
+    let args: Vec<String> = [
+        "bench",
+        "--ops",
+        &ops.join(","),
+        "--sizes",
+        a.sizes,
+        "--iters",
+        &a.iters.to_string(),
+        "--warmup",
+        &a.warmup.to_string(),
+        "--algo",
+        a.algo.name(),
+        "--dtype",
+        a.dtype,
+        "--redop",
+        a.redop,
+        "--root",
+        &a.root.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
+    let progress = std::io::stderr().is_terminal();
+    let collected = Arc::clone(&rows);
+    run_agents(&st, &a.target, args, move |line| {
+        if let Ok(row) = serde_json::from_str::<Row>(line) {
+            let mut rows = collected.lock().expect("rows");
+            rows.push(row.clone());
+            if progress {
+                let done = rows.len();
+                let bar = "=".repeat(done * 30 / total.max(1));
+                eprint!(
+                    "\r[{bar:<30}] {done}/{total} {} {}   ",
+                    row.op.name(),
+                    human(row.size)
+                );
+            }
+        }
+    })?;
+    if progress {
+        eprintln!();
+    }
+    let rows = Arc::try_unwrap(rows)
+        .map_err(|_| anyhow::anyhow!("rows still shared"))?
+        .into_inner()
+        .expect("rows");
+    if rows.len() != total {
+        bail!("the agents reported {} of {total} results", rows.len());
+    }
+    let predicted: Vec<f64> = rows
+        .iter()
+        .map(|r| {
+            predictor.predict(
+                r.op,
+                Algo::from_name(&r.algo).unwrap_or(a.algo),
+                r.size,
+                a.root,
+            ) * 1e6
+        })
+        .collect();
+    if let Some(path) = &a.plot {
+        std::fs::write(path, plot(&rows)).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if a.json {
+        let out: Vec<serde_json::Value> = rows
+            .iter()
+            .zip(&predicted)
+            .map(|(r, p)| {
+                let mut v = serde_json::to_value(r).expect("row");
+                v["predicted_us"] = (*p).into();
+                v["measured_over_predicted"] = (r.time_us / p).into();
+                v
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else if a.csv {
+        println!("op,algo,ranks,channels,size,count,type,redop,root,time_us,algbw_gbs,busbw_gbs,wrong,predicted_us,measured_over_predicted");
+        for (r, p) in rows.iter().zip(&predicted) {
+            println!(
+                "{},{},{},{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{:.2},{:.3}",
+                r.op.name(),
+                r.algo,
+                r.ranks,
+                r.channels,
+                r.size,
+                r.count,
+                r.dtype.name(),
+                r.redop.map_or("", |o| o.name()),
+                r.root.map_or(String::new(), |x| x.to_string()),
+                r.time_us,
+                r.algbw,
+                r.busbw,
+                r.wrong,
+                p,
+                r.time_us / p
+            );
+        }
+    } else {
+        print!("{}", table(&st, &rows, &predicted));
+    }
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        bail!("{wrong} elements were wrong");
+    }
+    Ok(())
+}
+
+fn table(st: &State, rows: &[Row], predicted: &[f64]) -> String {
+    let mut s = String::new();
+    if let Some(r) = rows.first() {
+        let _ = writeln!(
+            s,
+            "# closbox bench: fabric {}, {} ranks, {} channels, time_scale {} (times are fabric time)",
+            st.fabric, r.ranks, r.channels, st.time_scale
+        );
+    }
+    let _ = writeln!(s, "#");
+    let _ = writeln!(
+        s,
+        "# {:>10} {:>11} {:>8} {:>6} {:>5} {:>12} {:>8} {:>8} {:>7} {:>12} {:>9}  algo",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "predicted",
+        "meas/pred"
+    );
+    let _ = writeln!(
+        s,
+        "# {:>10} {:>11} {:>8} {:>6} {:>5} {:>12} {:>8} {:>8} {:>7} {:>12} {:>9}",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", ""
+    );
+    let mut last = None;
+    for (r, p) in rows.iter().zip(predicted) {
+        if last != Some(r.op) {
+            let _ = writeln!(s, "# {}", r.op.name());
+            last = Some(r.op);
+        }
+        let _ = writeln!(
+            s,
+            "  {:>10} {:>11} {:>8} {:>6} {:>5} {:>12.1} {:>8.3} {:>8.3} {:>7} {:>12.1} {:>9.2}  {}",
+            r.size,
+            r.count,
+            r.dtype.name(),
+            r.redop.map_or("-", |o| o.name()),
+            r.root.map_or("-".into(), |x| x.to_string()),
+            r.time_us,
+            r.algbw,
+            r.busbw,
+            r.wrong,
+            p,
+            r.time_us / p,
+            r.algo
+        );
+    }
+    s
+}
+
+/// busbw against size (log₂ axis), one line per operation and algorithm.
+fn plot(rows: &[Row]) -> String {
+    let (w, h, l, b) = (720.0, 420.0, 70.0, 50.0);
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for r in rows {
+        let key = format!("{} ({})", r.op.name(), r.algo);
+        let point = ((r.size as f64).log2(), r.busbw);
+        match series.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, pts)) => pts.push(point),
+            None => series.push((key, vec![point])),
+        }
+    }
+    let xs = rows.iter().map(|r| (r.size as f64).log2());
+    let (x0, x1) = (
+        xs.clone().fold(f64::MAX, f64::min),
+        xs.fold(f64::MIN, f64::max).max(1.0),
+    );
+    let y1 = rows.iter().map(|r| r.busbw).fold(0.0, f64::max).max(1e-9) * 1.1;
+    let px = |x: f64| l + (x - x0) / (x1 - x0).max(1.0) * (w - l - 20.0);
+    let py = |y: f64| h - b - y / y1 * (h - b - 20.0);
+    let colors = [
+        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    ];
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{l}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - b,
+        w - 20.0,
+        h - b
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{l}\" y1=\"20\" x2=\"{l}\" y2=\"{}\" stroke=\"black\"/>",
+        h - b
+    );
+    for i in 0..=4 {
+        let y = y1 * i as f64 / 4.0;
+        let _ = writeln!(
+            s,
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{y:.3}</text>",
+            l - 6.0,
+            py(y) + 4.0
+        );
+    }
+    let mut x = x0.ceil();
+    while x <= x1 {
+        let _ = writeln!(
+            s,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            px(x),
+            h - b + 16.0,
+            human(2f64.powf(x) as usize)
+        );
+        x += ((x1 - x0) / 8.0).ceil().max(1.0);
+    }
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size</text>",
+        (l + w) / 2.0,
+        h - 10.0
+    );
+    let _ = writeln!(s, "<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">busbw (GB/s, fabric time)</text>", h / 2.0, h / 2.0);
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        let path: Vec<String> = pts
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>",
+            path.join(" ")
+        );
+        let _ = writeln!(
+            s,
+            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{name}</text>",
+            l + 10.0,
+            34 + 16 * i
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Overlap simulation for the prediction: backward produces buckets one by one; with
+/// overlap each is all-reduced as soon as it exists and the link is free.
+fn predict_step(compute: f64, comm: &[f64], overlap: bool) -> f64 {
+    let forward = compute / 3.0;
+    let per_bucket = (compute - forward) / comm.len().max(1) as f64;
+    if !overlap {
+        return compute + comm.iter().sum::<f64>();
+    }
+    let (mut t, mut free) = (forward, forward);
+    for c in comm {
+        t += per_bucket;
+        free = free.max(t) + c;
+    }
+    t.max(free)
+}
+
+pub fn train(a: TrainArgs) -> anyhow::Result<()> {
+    closbox_switchd::require_root("closbox train")?;
+    let st = live::resolve(a.target.fabric)?;
+    let sel = live::select(&st, a.target.gpus)?;
+    let (topo, ranks) = topology_of(&st, &sel)?;
+    let predictor = Predictor::new(&topo, ranks);
+    let args: Vec<String> = [
+        "train",
+        "--model-bytes",
+        &a.model_bytes.to_string(),
+        "--bucket-bytes",
+        &a.bucket_bytes.to_string(),
+        "--compute-ms",
+        &a.compute_ms.to_string(),
+        "--steps",
+        &a.steps.to_string(),
+        "--overlap",
+        "both",
+        "--algo",
+        a.algo.name(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
+    let collected = Arc::clone(&reports);
+    run_agents(&st, &a.target, args, move |line| {
+        if let Ok(r) = serde_json::from_str::<Report>(line) {
+            collected.lock().expect("reports").push(r);
+        }
+    })?;
+    let reports = reports.lock().expect("reports").clone();
+    if reports.len() != 2 {
+        bail!("the agents reported {} of 2 training modes", reports.len());
+    }
+    let buckets: Vec<usize> = {
+        let mut left = a.model_bytes;
+        let mut v = Vec::new();
+        while left > 0 {
+            let b = a.bucket_bytes.min(left);
+            v.push(b);
+            left -= b;
+        }
+        v
+    };
+    let comm: Vec<f64> = buckets
+        .iter()
+        .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
+        .collect();
+    let predicted: Vec<f64> = reports
+        .iter()
+        .map(|r| predict_step(a.compute_ms, &comm, r.overlap))
+        .collect();
+    if a.json {
+        let out: Vec<serde_json::Value> = reports
+            .iter()
+            .zip(&predicted)
+            .map(|(r, p)| {
+                let mut v = serde_json::to_value(r).expect("report");
+                v["predicted_step_ms"] = (*p).into();
+                v
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "# closbox train: fabric {}, {} ranks, {} of gradients in {} buckets of {}, {:.1} ms compute per step (fabric time)",
+        st.fabric,
+        reports[0].ranks,
+        human(a.model_bytes),
+        reports[0].buckets,
+        human(a.bucket_bytes),
+        a.compute_ms
+    );
+    println!(
+        "# {:<12} {:>10} {:>12} {:>14} {:>10} {:>11} {:>15}",
+        "mode",
+        "step (ms)",
+        "compute (ms)",
+        "exposed comm",
+        "comm (ms)",
+        "efficiency",
+        "predicted step"
+    );
+    for (r, p) in reports.iter().zip(&predicted) {
+        println!(
+            "  {:<12} {:>10.1} {:>12.1} {:>14.1} {:>10.1} {:>10.1}% {:>15.1}",
+            if r.overlap { "overlapped" } else { "after bwd" },
+            r.step_ms,
+            r.compute_ms,
+            r.exposed_comm_ms,
+            r.comm_ms,
+            r.efficiency * 100.0,
+            p
+        );
+    }
+    let (off, on) = (&reports[0], &reports[1]);
+    println!(
+        "# overlap hides {:.1} ms of {:.1} ms exposed communication per step ({:.0}% → {:.0}% scaling efficiency)",
+        (off.exposed_comm_ms - on.exposed_comm_ms).max(0.0),
+        off.exposed_comm_ms,
+        off.efficiency * 100.0,
+        on.efficiency * 100.0
+    );
+    Ok(())
+}
+
+/// For `--plot`: checks the file can be written before a long sweep.
+pub fn check_plot_path(p: &Path) -> anyhow::Result<()> {
+    let dir = p
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        bail!(
+            "--plot {}: directory {} does not exist",
+            p.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}

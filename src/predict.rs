@@ -1,0 +1,331 @@
+//! What the fabric model predicts a collective takes: an alpha-beta model built from the
+//! topology.
+//!
+//! An algorithm is a sequence of phases; in a phase, a set of flows (rank → rank, bytes)
+//! run concurrently (rings stream: see `stream`). Each flow spreads evenly over its equal-cost paths (what ECMP does on
+//! average over several channels). A phase lasts as long as its most loaded link needs to
+//! carry its bytes, plus the longest path latency:
+//!
+//!   t(phase) = max over flows (Σ hops: propagation + switch latency + one frame's
+//!              serialization) + max over links (bytes on link / effective rate)
+//!
+//! The effective rate is the link rate × TCP payload per frame / wire bytes per frame
+//! ((mtu − 52) / (mtu + l2_overhead): 94.1 % for 1500-byte frames on Ethernet). It is a
+//! fabric-only prediction: host software costs are not in it, so measured/predicted
+//! above 1 is what the hosts (and the box emulating them) add.
+
+use std::collections::BTreeMap;
+
+use closbox_agents::coll::{auto_choice, hier_shape};
+use closbox_agents::{Algo, Op};
+use closbox_fabric::routing::{PortId, Routes};
+use closbox_fabric::{HostId, Topology};
+
+/// Bytes per piece the agents pipeline with (`Comm::piece`).
+const PIECE: f64 = (256 << 10) as f64;
+
+pub struct Predictor {
+    routes: Routes,
+    /// Host index of each rank.
+    ranks: Vec<u32>,
+    /// Node of each rank.
+    nodes: Vec<usize>,
+    /// Effective bytes/s of each port.
+    cap: Vec<f64>,
+    /// Seconds a port adds to a packet's latency (propagation, next switch, one frame).
+    hop_latency: Vec<f64>,
+}
+
+/// A flow: from rank, to rank, bytes.
+type Flow = (usize, usize, f64);
+
+impl Predictor {
+    pub fn new(topo: &Topology, ranks: Vec<u32>) -> Predictor {
+        let routes = Routes::new(topo);
+        let f = &topo.fabric;
+        let eff = (f.mtu as f64 - 52.0) / (f.mtu as f64 + f.l2_overhead as f64);
+        let frame_bits = (f.mtu as f64 + f.l2_overhead as f64) * 8.0;
+        let h = topo.hosts.len() as u32;
+        let (cap, hop_latency) = routes
+            .ports
+            .iter()
+            .map(|p| {
+                let link = topo.links[p.link as usize].params;
+                let rate = link.rate.bps() as f64;
+                let next = if p.to < h {
+                    0.0
+                } else {
+                    topo.switches[(p.to - h) as usize]
+                        .params
+                        .latency
+                        .as_secs_f64()
+                };
+                (
+                    rate / 8.0 * eff,
+                    link.delay.as_secs_f64() + next + frame_bits / rate,
+                )
+            })
+            .unzip();
+        let nodes = ranks
+            .iter()
+            .map(|&r| topo.hosts[r as usize].node as usize)
+            .collect();
+        Predictor {
+            routes,
+            ranks,
+            nodes,
+            cap,
+            hop_latency,
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Share of a flow a→b on each port (even split over equal-cost next hops).
+    fn spread(&self, a: usize, b: usize) -> Vec<(PortId, f64)> {
+        let (src, dst) = (self.ranks[a], HostId(self.ranks[b]));
+        let mut out = BTreeMap::<PortId, f64>::new();
+        let mut layer = BTreeMap::from([(src, 1.0f64)]);
+        while !layer.is_empty() {
+            let mut next = BTreeMap::new();
+            for (v, f) in layer {
+                let group = self.routes.next_hops(v, dst);
+                for &p in group {
+                    let share = f / group.len() as f64;
+                    *out.entry(p).or_default() += share;
+                    let to = self.routes.port(p).to;
+                    if to != dst.0 {
+                        *next.entry(to).or_default() += share;
+                    }
+                }
+            }
+            layer = next;
+        }
+        out.into_iter().collect()
+    }
+
+    /// (transfer seconds of the most loaded link, mean path latency) for concurrent flows.
+    fn loads(&self, flows: &[Flow]) -> (f64, f64) {
+        let mut load = vec![0.0f64; self.cap.len()];
+        let (mut lat_sum, mut k) = (0.0, 0);
+        for &(a, b, bytes) in flows.iter().filter(|f| f.0 != f.1 && f.2 > 0.0) {
+            for (p, share) in self.spread(a, b) {
+                load[p.0 as usize] += bytes * share;
+                lat_sum += share * self.hop_latency[p.0 as usize];
+            }
+            k += 1;
+        }
+        let transfer = load
+            .iter()
+            .zip(&self.cap)
+            .map(|(l, c)| l / c)
+            .fold(0.0, f64::max);
+        (transfer, if k > 0 { lat_sum / k as f64 } else { 0.0 })
+    }
+
+    /// A streaming ring of `steps` steps, `chunk` bytes each (the agents' ring: a piece
+    /// is forwarded as soon as it arrives). Each step starts when the previous one's first
+    /// piece has come round (latency) or the link is free (transfer), whichever is later.
+    fn stream(&self, members: &[usize], steps: usize, chunk: f64) -> f64 {
+        let (transfer, alpha) = self.loads(&self.ring(members, chunk));
+        let (piece_time, _) = self.loads(&self.ring(members, PIECE.min(chunk)));
+        steps as f64 * transfer.max(alpha + piece_time) + alpha
+    }
+
+    /// Seconds for one phase of concurrent flows.
+    fn phase(&self, flows: &[Flow]) -> f64 {
+        let mut load = vec![0.0f64; self.cap.len()];
+        let mut latency = 0.0f64;
+        for &(a, b, bytes) in flows.iter().filter(|f| f.0 != f.1 && f.2 > 0.0) {
+            let mut lat = 0.0;
+            for (p, share) in self.spread(a, b) {
+                load[p.0 as usize] += bytes * share;
+                lat += share * self.hop_latency[p.0 as usize];
+            }
+            latency = latency.max(lat);
+        }
+        let transfer = load
+            .iter()
+            .zip(&self.cap)
+            .map(|(l, c)| l / c)
+            .fold(0.0, f64::max);
+        latency + transfer
+    }
+
+    fn ring(&self, members: &[usize], bytes: f64) -> Vec<Flow> {
+        let m = members.len();
+        (0..m)
+            .map(|i| (members[i], members[(i + 1) % m], bytes))
+            .collect()
+    }
+
+    /// Predicted seconds (fabric time) for `op` on `size` bytes.
+    pub fn predict(&self, op: Op, algo: Algo, size: usize, root: usize) -> f64 {
+        let n = self.n();
+        if n < 2 {
+            return 0.0;
+        }
+        let s = size as f64;
+        let all: Vec<usize> = (0..n).collect();
+        match op {
+            Op::AllReduce => {
+                let algo = match algo {
+                    Algo::Auto => auto_choice(size, &self.nodes),
+                    a => a,
+                };
+                match algo {
+                    Algo::Tree => self.tree(s),
+                    Algo::Rhd => self.rhd(s),
+                    Algo::Hier => self
+                        .hier(s)
+                        .unwrap_or_else(|| self.stream(&all, 2 * (n - 1), s / n as f64)),
+                    Algo::Ring | Algo::Auto => self.stream(&all, 2 * (n - 1), s / n as f64),
+                }
+            }
+            Op::AllGather | Op::ReduceScatter => self.stream(&all, n - 1, s / n as f64),
+            Op::Broadcast | Op::Reduce => {
+                // A pipelined chain: every hop carries everything, all at once, plus the
+                // time for the first piece to reach the end.
+                let order: Vec<usize> = (0..n).map(|i| (root + i) % n).collect();
+                let hops: Vec<Flow> = order.windows(2).map(|w| (w[0], w[1], s)).collect();
+                let fill: f64 = hops
+                    .iter()
+                    .skip(1)
+                    .map(|&(a, b, _)| self.phase(&[(a, b, PIECE.min(s))]))
+                    .sum();
+                self.phase(&hops) + fill
+            }
+            Op::AllToAll => {
+                let block = (size / n) as f64;
+                (1..n)
+                    .map(|k| {
+                        self.phase(&(0..n).map(|r| (r, (r + k) % n, block)).collect::<Vec<_>>())
+                    })
+                    .sum()
+            }
+            Op::SendRecv => self.phase(&self.ring(&all, s)),
+        }
+    }
+
+    /// Double binary tree: both trees reduce half the data up, then broadcast it down.
+    fn tree(&self, s: f64) -> f64 {
+        let n = self.n();
+        let mut up = Vec::new();
+        let mut depth = 0u32;
+        for t in 0..2 {
+            let order: Vec<usize> = if t == 0 {
+                (0..n).collect()
+            } else {
+                (0..n).rev().collect()
+            };
+            for pos in 1..n {
+                up.push((order[pos], order[(pos - 1) / 2], s / 2.0));
+            }
+            depth = depth.max(usize::BITS - n.leading_zeros());
+        }
+        let down: Vec<Flow> = up.iter().map(|&(a, b, x)| (b, a, x)).collect();
+        let piece = PIECE.min(s / 2.0);
+        let fill = (depth.saturating_sub(1)) as f64 * self.phase(&[(up[0].0, up[0].1, piece)]);
+        self.phase(&up) + self.phase(&down) + 2.0 * fill
+    }
+
+    /// Recursive halving-doubling with the fold for non-powers of two.
+    fn rhd(&self, s: f64) -> f64 {
+        let n = self.n();
+        let pow = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - pow;
+        let real = |v: usize| if v < extra { 2 * v + 1 } else { v + extra };
+        let fold: Vec<Flow> = (0..extra).map(|i| (2 * i, 2 * i + 1, s)).collect();
+        let mut t = 2.0 * self.phase(&fold);
+        let (mut dist, mut bytes) = (pow / 2, s / 2.0);
+        while dist >= 1 {
+            let flows: Vec<Flow> = (0..pow).map(|v| (real(v), real(v ^ dist), bytes)).collect();
+            t += 2.0 * self.phase(&flows); // halving step, and its mirror while doubling
+            dist /= 2;
+            bytes /= 2.0;
+        }
+        t
+    }
+
+    fn hier(&self, s: f64) -> Option<f64> {
+        let (nodes, per) = hier_shape(&self.nodes).ok()?;
+        let local: Vec<Flow> = (0..nodes)
+            .flat_map(|k| {
+                self.ring(
+                    &(k * per..(k + 1) * per).collect::<Vec<_>>(),
+                    s / per as f64,
+                )
+            })
+            .collect();
+        let cross: Vec<Flow> = (0..per)
+            .flat_map(|l| {
+                self.ring(
+                    &(0..nodes).map(|k| k * per + l).collect::<Vec<_>>(),
+                    s / (per * nodes) as f64,
+                )
+            })
+            .collect();
+        let intra = if per > 1 {
+            (per - 1) as f64 * self.phase(&local)
+        } else {
+            0.0
+        };
+        let inter = if nodes > 1 {
+            2.0 * (nodes - 1) as f64 * self.phase(&cross)
+        } else {
+            0.0
+        };
+        Some(2.0 * intra + inter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo(body: &str) -> Topology {
+        closbox_fabric::parse(
+            &format!("[fabric]\nname = \"p\"\nl2_overhead = 0\nmtu = 1552\n{body}"),
+            "t",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn ring_all_reduce_on_a_single_switch_is_textbook() {
+        // 1552-byte frames carry 1500 bytes: efficiency 1500/1552; 8 ranks at 1 Gbit/s.
+        let t = topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"0ns\"\n[switches.leaf]\nlatency = \"0ns\"\n");
+        let p = Predictor::new(&t, (0..8).collect());
+        let s = 8e6;
+        let cap = 1e9 / 8.0 * 1500.0 / 1552.0;
+        let frame = 1552.0 * 8.0 / 1e9;
+        // Streaming: 14 steps of a 1 MB chunk each (transfer-bound), plus one latency.
+        let want = 14.0 * ((s / 8.0) / cap) + 2.0 * frame;
+        let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
+        assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    }
+
+    #[test]
+    fn oversubscription_slows_all_to_all_but_not_the_ring() {
+        let ls = |spines: u32| {
+            topo(&format!("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = {spines}\ngpus_per_leaf = 6\n[links.nic]\nrate = \"1Gbit\"\n[links.leaf-spine]\nrate = \"1Gbit\"\n"))
+        };
+        let (full, over) = (ls(6), ls(2));
+        let (pf, po) = (
+            Predictor::new(&full, (0..12).collect()),
+            Predictor::new(&over, (0..12).collect()),
+        );
+        let s = 12 << 20;
+        let ring = po.predict(Op::AllReduce, Algo::Ring, s, 0)
+            / pf.predict(Op::AllReduce, Algo::Ring, s, 0);
+        let a2a =
+            po.predict(Op::AllToAll, Algo::Auto, s, 0) / pf.predict(Op::AllToAll, Algo::Auto, s, 0);
+        // The ring crosses each leaf's uplinks once per direction: 2 flows on 2 uplinks.
+        assert!((ring - 1.0).abs() < 0.01, "ring {ring}");
+        // All-to-all: in step k, min(k, 12 − k) flows leave each leaf over 2 uplinks,
+        // Σ max(1, c/2) = 19 phase units against 11 without oversubscription.
+        assert!((a2a - 19.0 / 11.0).abs() < 0.05, "alltoall {a2a}");
+    }
+}
