@@ -8,11 +8,16 @@ all: build
 build:
 	$(CARGO) build --release --workspace
 
-# The main job on the default fabric (see README).
+# The main job on the default fabric (see README): up, an AllReduce sweep, a training-step
+# comparison with and without overlap, down. Needs root.
+CLOSBOX = ./target/release/closbox
 demo: build
-	./target/release/closbox plan configs/superpod-su.toml
-	@echo
-	./target/release/closbox plan --gpus 200000 --topology fat-tree --radix 64
+	$(CLOSBOX) plan configs/default.toml
+	$(CLOSBOX) up configs/default.toml --detach
+	$(CLOSBOX) bench allreduce --fabric default --sizes 64K:32M --iters 2 --plot allreduce.svg || { $(CLOSBOX) down default; exit 1; }
+	$(CLOSBOX) train --fabric default --model 64M --bucket 8M --compute-ms 2 --steps 2 || { $(CLOSBOX) down default; exit 1; }
+	$(CLOSBOX) status default
+	$(CLOSBOX) down default
 
 # Every test: unit, virtual-clock model tests, CLI tests (and, as root, live fabrics).
 test:

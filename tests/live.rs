@@ -455,3 +455,100 @@ fn torch_gloo_all_reduce_runs_unmodified() {
     }
     assert!(st["delivered"].as_u64().unwrap() > 1000, "{st}");
 }
+
+/// The agents through a live fabric: every collective correct, predictions alongside,
+/// training steps in both modes. (Speeds are for the benchmarks and the note, not here.)
+#[test]
+fn bench_and_train_through_the_fabric() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let body =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.toml"))
+            .unwrap();
+    let body = body
+        .split_once("[topology]")
+        .map(|(_, rest)| format!("time_scale = 4000\n[topology]{rest}"))
+        .unwrap();
+    let f = TestFabric::up("lt-bench", &body);
+    let out = closbox(&[
+        "bench",
+        "allreduce",
+        "broadcast,reduce",
+        "allgather",
+        "reducescatter",
+        "alltoall",
+        "sendrecv",
+        "--fabric",
+        "lt-bench",
+        "--sizes",
+        "4K,1M",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&o).unwrap();
+    assert_eq!(rows.len(), 7 * 2);
+    for r in &rows {
+        assert_eq!(r["wrong"], 0, "{r}");
+        assert_eq!(r["ranks"], 8);
+        assert!(r["predicted_us"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["time_us"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for algo in ["tree", "rhd", "hier", "ring"] {
+        let out = closbox(&[
+            "bench", "--fabric", "lt-bench", "--gpus", "0-4", "--sizes", "100K", "--iters", "1",
+            "--algo", algo, "--dtype", "bf16", "--redop", "max", "--csv",
+        ]);
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{algo}: {o}\n{e}");
+        let line = o.lines().nth(1).unwrap();
+        assert!(line.starts_with(&format!("allreduce,{algo},5,")), "{line}");
+        assert_eq!(line.split(',').nth(12), Some("0"), "{line}");
+    }
+    let out = closbox(&[
+        "train",
+        "--fabric",
+        "lt-bench",
+        "--model",
+        "8M",
+        "--bucket",
+        "2M",
+        "--compute-ms",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    let reports: Vec<serde_json::Value> = serde_json::from_str(&o).unwrap();
+    assert_eq!(reports.len(), 2);
+    assert_eq!(
+        (
+            reports[0]["overlap"].as_bool(),
+            reports[1]["overlap"].as_bool()
+        ),
+        (Some(false), Some(true))
+    );
+    for r in &reports {
+        assert_eq!(r["buckets"], 4);
+        assert!(
+            r["step_ms"].as_f64().unwrap() >= r["compute_ms"].as_f64().unwrap() * 0.9,
+            "{r}"
+        );
+        assert!(r["predicted_step_ms"].as_f64().unwrap() > 0.0);
+    }
+    let out = closbox(&["bench", "nosuchop", "--fabric", "lt-bench"]);
+    assert!(
+        text(&out).1.contains("unknown operation \"nosuchop\""),
+        "{:?}",
+        text(&out)
+    );
+    f.down();
+}

@@ -154,6 +154,8 @@ struct RawNode {
 struct RawQueue {
     buffer: Option<Spanned<Bytes>>,
     ecn: Option<RawEcn>,
+    tcp_congestion: Option<Spanned<String>>,
+    tcp_ecn: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -466,7 +468,24 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
             ecn: None,
         },
     )?;
+    let congestion = match nic.and_then(|n| n.tcp_congestion.as_ref()) {
+        Some(c) => {
+            let v = c.get_ref();
+            if v.is_empty()
+                || v.len() > 15
+                || !v.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
+            {
+                return Err(cx.err(c, format!("`tcp_congestion` {v:?} is not a congestion control name (cubic, bbr, reno, …)")));
+            }
+            Some(v.clone())
+        }
+        None => None,
+    };
     Ok(FabricParams {
+        host_tcp: crate::topology::HostTcp {
+            congestion,
+            ecn: nic.and_then(|n| n.tcp_ecn).unwrap_or(true),
+        },
         name: name.clone(),
         seed: f.seed,
         time_scale,

@@ -234,6 +234,18 @@ pub struct FabricParams {
     pub l2_overhead: u32,
     /// The GPU NIC's egress queue.
     pub nic_queue: QueueParams,
+    /// TCP settings of the GPUs' own network stacks.
+    pub host_tcp: HostTcp,
+}
+
+/// Kernel TCP settings applied inside every GPU namespace (they are per namespace).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostTcp {
+    /// `net.ipv4.tcp_congestion_control`: "cubic", "bbr", "reno", … (what the kernel
+    /// allows as a namespace default); `None` keeps the host's default.
+    pub congestion: Option<String>,
+    /// `net.ipv4.tcp_ecn = 1`: connections request ECN, so marks slow senders down.
+    pub ecn: bool,
 }
 
 /// An IPv4 prefix.

@@ -46,6 +46,8 @@ pub fn plan_state(topo: &Topology, config: &Path) -> State {
         time_scale: topo.fabric.time_scale,
         prefix_len: topo.fabric.pool.prefix,
         tun: TUN_NAME.into(),
+        tcp_congestion: topo.fabric.host_tcp.congestion.clone(),
+        tcp_ecn: topo.fabric.host_tcp.ecn,
         gpus: topo
             .hosts
             .iter()

@@ -62,6 +62,26 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
     sys::sethostname(&g.name).context("sethostname")?;
     sys::if_configure("lo", None, None, None).context("bringing lo up")?;
     let tun = sys::tun_create(&state.tun).context("creating TUN (is /dev/net/tun there?)")?;
+    // The GPUs' TCP, as the topology file asks (these sysctls are per namespace).
+    // A new namespace starts with the host's default; the kernel lets a namespace pick
+    // only algorithms the host lists in tcp_allowed_congestion_control.
+    if let Some(want) = &state.tcp_congestion {
+        let cc = "/proc/sys/net/ipv4/tcp_congestion_control";
+        if fs::read_to_string(cc).unwrap_or_default().trim() != want {
+            fs::write(cc, want).map_err(|e| {
+                let allowed = fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control").unwrap_or_default();
+                anyhow::anyhow!(
+                    "tcp_congestion = {want:?}: {e}; a GPU namespace may use only what the host allows ({}), see net.ipv4.tcp_allowed_congestion_control",
+                    allowed.trim()
+                )
+            })?;
+        }
+    }
+    fs::write(
+        "/proc/sys/net/ipv4/tcp_ecn",
+        if state.tcp_ecn { "1" } else { "2" },
+    )
+    .context("writing tcp_ecn")?;
     // The fabric carries IPv4 only: keep the kernel's IPv6 chatter off the TUN.
     let v6 = format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", state.tun);
     if Path::new(&v6).exists() {

@@ -52,6 +52,11 @@ pub struct State {
     pub time_scale: f64,
     pub prefix_len: u8,
     pub tun: String,
+    /// TCP congestion control and ECN inside the GPU namespaces.
+    #[serde(default)]
+    pub tcp_congestion: Option<String>,
+    #[serde(default)]
+    pub tcp_ecn: bool,
     pub gpus: Vec<GpuState>,
 }
 
