@@ -71,31 +71,8 @@ enum Command {
         ops: Vec<String>,
         #[command(flatten)]
         target: TargetArgs,
-        /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
-        #[arg(long, default_value = "8:64M")]
-        sizes: String,
-        #[arg(long, default_value_t = 5)]
-        iters: usize,
-        #[arg(long, default_value_t = 1)]
-        warmup: usize,
-        /// AllReduce algorithm: auto, ring, tree, rhd, hier.
-        #[arg(long, default_value = "auto")]
-        algo: String,
-        /// f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        /// sum, max, min, avg.
-        #[arg(long, default_value = "sum")]
-        redop: String,
-        #[arg(long, default_value_t = 0)]
-        root: usize,
-        #[arg(long, conflicts_with = "csv")]
-        json: bool,
-        #[arg(long)]
-        csv: bool,
-        /// Write busbw against size as an SVG.
-        #[arg(long)]
-        plot: Option<PathBuf>,
+        #[command(flatten)]
+        opts: BenchOpts,
     },
     /// Data-parallel training steps: gradients all-reduced after backward, and overlapped
     /// with it; step time, exposed communication, scaling efficiency.
@@ -161,6 +138,35 @@ struct TargetArgs {
     timeout: Option<f64>,
 }
 
+#[derive(Debug, clap::Args)]
+struct BenchOpts {
+    /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
+    #[arg(long, default_value = "8:64M")]
+    sizes: String,
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// AllReduce algorithm: auto, ring, tree, rhd, hier.
+    #[arg(long, default_value = "auto")]
+    algo: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// sum, max, min, avg.
+    #[arg(long, default_value = "sum")]
+    redop: String,
+    #[arg(long, default_value_t = 0)]
+    root: usize,
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    #[arg(long)]
+    csv: bool,
+    /// Write busbw against size as an SVG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
 impl TargetArgs {
     fn target(&self) -> anyhow::Result<bench::Target<'_>> {
         let timeout = match self.timeout {
@@ -190,23 +196,19 @@ fn parse_bytes(what: &str, s: &str) -> anyhow::Result<usize> {
     }
 }
 
-fn run_bench(
-    ops: Vec<String>,
-    target: &TargetArgs,
-    rest: (
-        String,
-        usize,
-        usize,
-        String,
-        String,
-        String,
-        usize,
-        bool,
-        bool,
-        Option<PathBuf>,
-    ),
-) -> anyhow::Result<()> {
-    let (sizes, iters, warmup, algo, dtype, redop, root, json, csv, plot) = rest;
+fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Result<()> {
+    let BenchOpts {
+        sizes,
+        iters,
+        warmup,
+        algo,
+        dtype,
+        redop,
+        root,
+        json,
+        csv,
+        plot,
+    } = o;
     let ops = if ops.is_empty() {
         vec!["allreduce".to_owned()]
     } else {
@@ -299,27 +301,9 @@ fn main() -> ExitCode {
         }
         Command::Status { fabric, json } => live::status(fabric.as_deref(), json),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_deref(), &gpu, &cmd),
-        Command::Bench {
-            ops,
-            target,
-            sizes,
-            iters,
-            warmup,
-            algo,
-            dtype,
-            redop,
-            root,
-            json,
-            csv,
-            plot,
-        } => run_bench(
-            ops,
-            &target,
-            (
-                sizes, iters, warmup, algo, dtype, redop, root, json, csv, plot,
-            ),
-        )
-        .map(|()| ExitCode::SUCCESS),
+        Command::Bench { ops, target, opts } => {
+            run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)
+        }
         Command::Train {
             target,
             model,
