@@ -5,7 +5,7 @@ use std::fs;
 use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -441,14 +441,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let node_list: Vec<String> = sel.iter().map(|&i| st.gpus[i].node.to_string()).collect();
     let sink = a.sink.clone().unwrap_or_else(print_sink);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ] {
-        signal_hook::flag::register(sig, Arc::clone(&stop))?;
-    }
+    let stop = closbox_switchd::stop_on_signals()?;
     let mut ranks: Vec<Rank> = Vec::new();
     let mut readers = Vec::new();
     let started = Instant::now();

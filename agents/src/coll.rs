@@ -177,18 +177,6 @@ fn split2(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]
     }
 }
 
-/// `(&chunks[a], &mut chunks[b])`, `a != b`.
-fn pair<'c>(chunks: &'c mut [&mut [u8]], a: usize, b: usize) -> (&'c [u8], &'c mut [u8]) {
-    assert_ne!(a, b);
-    if a < b {
-        let (x, y) = chunks.split_at_mut(b);
-        (&*x[a], &mut *y[0])
-    } else {
-        let (x, y) = chunks.split_at_mut(a);
-        (&*y[0], &mut *x[b])
-    }
-}
-
 /// Cuts `buf` (`count` elements) into `blocks` balanced blocks, each into `ch` balanced
 /// parts; returns, per channel, its part of every block (disjoint slices).
 fn carve(
@@ -271,60 +259,6 @@ impl<'g> Comm<'g> {
     }
 
     // ---- ring primitives over a subset of ranks -------------------------------------
-
-    /// Ring reduce-scatter among `members` (ring order): afterwards member i holds the
-    /// fully reduced `chunks[i]`.
-    fn ring_reduce_scatter(
-        &self,
-        members: &[usize],
-        ch: usize,
-        chunks: &mut [&mut [u8]],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> anyhow::Result<()> {
-        let m = members.len();
-        if m == 1 {
-            return Ok(());
-        }
-        let p = members.iter().position(|&x| x == self.r()).expect("member");
-        let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
-        let mut tmp = Vec::new();
-        for s in 0..m - 1 {
-            let (send, recv) = ((p + 2 * m - s - 1) % m, (p + 2 * m - s - 2) % m);
-            tmp.resize(chunks[recv].len(), 0);
-            let (out, acc) = pair(chunks, send, recv);
-            self.g.exchange(
-                ch,
-                (next, out),
-                (prev, &mut tmp),
-                self.piece,
-                |off, piece| reduce_into(dtype, op, &mut acc[off..off + piece.len()], piece),
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Ring all-gather among `members`: member i starts with `chunks[i]`, all end with all.
-    fn ring_all_gather(
-        &self,
-        members: &[usize],
-        ch: usize,
-        chunks: &mut [&mut [u8]],
-    ) -> anyhow::Result<()> {
-        let m = members.len();
-        if m == 1 {
-            return Ok(());
-        }
-        let p = members.iter().position(|&x| x == self.r()).expect("member");
-        let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
-        for s in 0..m - 1 {
-            let (send, recv) = ((p + m - s) % m, (p + 2 * m - s - 1) % m);
-            let (out, inp) = pair(chunks, send, recv);
-            self.g
-                .exchange(ch, (next, out), (prev, inp), self.piece, |_, _| {})?;
-        }
-        Ok(())
-    }
 
     /// Streaming ring: reduce-scatter (with `reduce`) and/or all-gather among `members`,
     /// moving pieces instead of whole steps. A piece received and reduced in one step is
@@ -627,7 +561,7 @@ impl<'g> Comm<'g> {
         let _ = count;
         self.per_channel(buf, dtype, per, |ch, mut chunks| {
             // 1. Intra-node reduce-scatter: local rank l owns chunks[l].
-            self.ring_reduce_scatter(&local_ring, ch, &mut chunks, dtype, op)?;
+            self.ring_stream(&local_ring, ch, &mut chunks, dtype, Some(op), false)?;
             // 2. Inter-node all-reduce of the owned shard among equal local ranks.
             {
                 let mine = &mut *chunks[local];
@@ -635,11 +569,10 @@ impl<'g> Comm<'g> {
                 let mut sub = carve(mine, dtype, n_el, nodes, 1)
                     .pop()
                     .expect("one channel");
-                self.ring_reduce_scatter(&cross_ring, ch, &mut sub, dtype, op)?;
-                self.ring_all_gather(&cross_ring, ch, &mut sub)?;
+                self.ring_stream(&cross_ring, ch, &mut sub, dtype, Some(op), true)?;
             }
             // 3. Intra-node all-gather.
-            self.ring_all_gather(&local_ring, ch, &mut chunks)
+            self.ring_stream(&local_ring, ch, &mut chunks, dtype, None, true)
         })
     }
 

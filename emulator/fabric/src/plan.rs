@@ -297,6 +297,28 @@ pub struct Design {
     pub hops: Option<HopStats>,
 }
 
+impl Design {
+    fn new(kind: &str, radix: u64, max_gpus: u64, n: u64) -> Design {
+        Design {
+            kind: kind.into(),
+            radix,
+            max_gpus,
+            fits: n <= max_gpus && n > 0,
+            switches: vec![],
+            switches_total: 0,
+            cables: vec![],
+            cables_total: 0,
+            hops: None,
+        }
+    }
+
+    fn with_totals(mut self) -> Design {
+        self.switches_total = self.switches.iter().map(|s| s.1).sum();
+        self.cables_total = self.cables.iter().map(|s| s.1).sum();
+        self
+    }
+}
+
 impl Sizing {
     pub fn new(gpus: u64, radix: u64) -> Sizing {
         let ls = leaf_spine_design(gpus, radix);
@@ -325,31 +347,17 @@ impl Sizing {
 /// Two tiers: leaves with k/2 GPUs and k/2 uplinks; ⌈leaves/2⌉ spines (k ports each).
 pub fn leaf_spine_design(n: u64, k: u64) -> Design {
     let half = k / 2;
-    let max = k * half;
-    let fits = n <= max && n > 0;
     let leaves = n.div_ceil(half);
     let spines = leaves.div_ceil(2);
-    let mut d = Design {
-        kind: "leaf-spine".into(),
-        radix: k,
-        max_gpus: max,
-        fits,
-        switches: vec![],
-        switches_total: 0,
-        cables: vec![],
-        cables_total: 0,
-        hops: None,
-    };
-    if fits {
+    let mut d = Design::new("leaf-spine", k, k * half, n);
+    if d.fits {
         d.switches = vec![("leaf".into(), leaves), ("spine".into(), spines)];
         d.cables = vec![("nic".into(), n), ("leaf-spine".into(), leaves * half)];
         // Same leaf: 2 links; different leaves: 4.
         let same: u64 = (0..leaves).map(|l| pairs(per_group(n, half, l))).sum();
         d.hops = hop_mix(n, &[(2, same), (4, pairs(n) - same)]);
     }
-    d.switches_total = d.switches.iter().map(|s| s.1).sum();
-    d.cables_total = d.cables.iter().map(|s| s.1).sum();
-    d
+    d.with_totals()
 }
 
 /// Three-tier fat-tree (k pods of k/2 leaves and k/2 spines, (k/2)² cores when full),
@@ -357,20 +365,8 @@ pub fn leaf_spine_design(n: u64, k: u64) -> Design {
 pub fn fat_tree_design(n: u64, k: u64) -> Design {
     let half = k / 2;
     let pod = half * half;
-    let max = k * pod;
-    let fits = n <= max && n > 0;
-    let mut d = Design {
-        kind: "fat-tree".into(),
-        radix: k,
-        max_gpus: max,
-        fits,
-        switches: vec![],
-        switches_total: 0,
-        cables: vec![],
-        cables_total: 0,
-        hops: None,
-    };
-    if fits {
+    let mut d = Design::new("fat-tree", k, k * pod, n);
+    if d.fits {
         let pods = n.div_ceil(pod);
         let leaves = n.div_ceil(half);
         let spines = pods * half;
@@ -398,9 +394,7 @@ pub fn fat_tree_design(n: u64, k: u64) -> Design {
             ],
         );
     }
-    d.switches_total = d.switches.iter().map(|s| s.1).sum();
-    d.cables_total = d.cables.iter().map(|s| s.1).sum();
-    d
+    d.with_totals()
 }
 
 /// Members of group `i` when `n` items fill groups of `size` in order.

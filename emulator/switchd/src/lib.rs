@@ -34,6 +34,20 @@ pub fn require_root(what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A flag that SIGINT, SIGTERM or SIGHUP set (instead of killing the process), so that a
+/// command can clean up what it started.
+pub fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    Ok(stop)
+}
+
 /// The state a topology will have once up, recording this process as its daemon.
 pub fn plan_state(topo: &Topology, config: &Path) -> State {
     let name = &topo.fabric.name;
@@ -83,14 +97,7 @@ pub fn run_fabric(
         state::kill_gpu_processes(&old, Duration::from_secs(2));
         state::remove_objects(&old)?;
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ] {
-        signal_hook::flag::register(sig, Arc::clone(&stop))?;
-    }
+    let stop = stop_on_signals()?;
 
     let started = Instant::now();
     let mut st = plan_state(topo, config);
