@@ -552,3 +552,65 @@ fn bench_and_train_through_the_fabric() {
     );
     f.down();
 }
+
+/// Unmodified Open MPI + mpi4py: mpirun inside GPU 0 starts its remote daemons through
+/// `closbox exec` (tests/scripts/closbox-rsh as plm_rsh_agent).
+#[test]
+fn mpi_all_reduce_runs_unmodified() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-mpi", &leaf_spine_4("1Gbit", "5us"));
+    let scripts = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts");
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_closbox"))
+        .parent()
+        .unwrap()
+        .display()
+        .to_string();
+    let path = format!("{bin_dir}:{}", std::env::var("PATH").unwrap_or_default());
+    let rsh = format!("{scripts}/closbox-rsh");
+    let script = format!("{scripts}/allreduce_mpi.py");
+    let out = f.exec(
+        "gpu0",
+        &[
+            "env",
+            &format!("PATH={path}"),
+            "mpirun",
+            "--allow-run-as-root",
+            "--host",
+            "gpu0,gpu1,gpu2,gpu3",
+            "-np",
+            "4",
+            "--mca",
+            "plm_rsh_agent",
+            &rsh,
+            "--mca",
+            "pml",
+            "ob1",
+            "--mca",
+            "btl",
+            "tcp,self",
+            "--mca",
+            "btl_tcp_if_include",
+            "cb0",
+            "--mca",
+            "oob_tcp_if_include",
+            "cb0",
+            "--mca",
+            "mpi_yield_when_idle",
+            "1",
+            "/usr/bin/python3",
+            &script,
+        ],
+    );
+    let (o, e) = text(&out);
+    f.down();
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..4 {
+        assert!(
+            o.contains(&format!("rank {r}/4 on gpu{r}: ok")),
+            "rank {r} missing:\n{o}\n{e}"
+        );
+    }
+}
