@@ -135,7 +135,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     let sizes = parse_sizes(a.sizes).map_err(anyhow::Error::msg)?;
-    let predictor = Predictor::new(&topo, ranks);
+    let predictor = Predictor::new(&topo, ranks, a.target.channels);
     let total = a.ops.len() * sizes.len();
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
     let args: Vec<String> = [
@@ -410,7 +410,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
-    let predictor = Predictor::new(&topo, ranks);
+    let predictor = Predictor::new(&topo, ranks, a.target.channels);
     let args: Vec<String> = [
         "train",
         "--model-bytes",

@@ -19,7 +19,7 @@ use crate::state::{GpuState, State, NETNS_DIR};
 use crate::sys;
 
 /// Transmit queue of each TUN (packets the kernel holds for the daemon to read).
-const TUN_TXQUEUELEN: u32 = 1000;
+const TUN_TXQUEUELEN: u32 = 8192;
 /// GPUs set up at once.
 const PARALLEL: usize = 4;
 
