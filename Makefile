@@ -16,7 +16,7 @@ demo: build
 	$(CLOSBOX) up configs/default.toml --detach
 	$(CLOSBOX) bench allreduce --fabric default --sizes 64K:32M --iters 2 --plot allreduce.svg || { $(CLOSBOX) down default; exit 1; }
 	$(CLOSBOX) train --fabric default --model 64M --bucket 8M --compute-ms 2 --steps 2 || { $(CLOSBOX) down default; exit 1; }
-	$(CLOSBOX) status default
+	-$(CLOSBOX) status default
 	$(CLOSBOX) down default
 
 # Every test: unit, virtual-clock model tests, CLI tests (and, as root, live fabrics).

@@ -262,10 +262,17 @@ fn print_status(st: &State, v: &serde_json::Value) {
     println!("  drops     {}", drops.join("  "));
     let lat = |k: &str| {
         let l = &v[k];
+        let p99 = l["p99_us"].as_f64().unwrap_or(0.0);
+        // Lateness is wall time; in dilated time it shifts fabric timings by lateness / k.
+        let fabric = if st.time_scale > 1.0 {
+            format!(", p99 = {:.3} µs of fabric time", p99 / st.time_scale)
+        } else {
+            String::new()
+        };
         format!(
-            "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} writes)",
+            "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} writes{fabric})",
             l["p50_us"].as_f64().unwrap_or(0.0),
-            l["p99_us"].as_f64().unwrap_or(0.0),
+            p99,
             l["max_us"].as_f64().unwrap_or(0.0),
             thousands(l["samples"].as_u64().unwrap_or(0))
         )
