@@ -156,6 +156,7 @@ struct RawQueue {
     ecn: Option<RawEcn>,
     tcp_congestion: Option<Spanned<String>>,
     tcp_ecn: Option<bool>,
+    tcp_slow_start_after_idle: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -485,6 +486,9 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
         host_tcp: crate::topology::HostTcp {
             congestion,
             ecn: nic.and_then(|n| n.tcp_ecn).unwrap_or(true),
+            slow_start_after_idle: nic
+                .and_then(|n| n.tcp_slow_start_after_idle)
+                .unwrap_or(false),
         },
         name: name.clone(),
         seed: f.seed,

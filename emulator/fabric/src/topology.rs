@@ -246,6 +246,10 @@ pub struct HostTcp {
     pub congestion: Option<String>,
     /// `net.ipv4.tcp_ecn = 1`: connections request ECN, so marks slow senders down.
     pub ecn: bool,
+    /// `net.ipv4.tcp_slow_start_after_idle`: Linux restarts slow start on a connection
+    /// idle for an RTO, which throttles every step of a collective that reuses idle
+    /// connections (all-to-all); off by default here.
+    pub slow_start_after_idle: bool,
 }
 
 /// An IPv4 prefix.

@@ -62,6 +62,7 @@ pub fn plan_state(topo: &Topology, config: &Path) -> State {
         tun: TUN_NAME.into(),
         tcp_congestion: topo.fabric.host_tcp.congestion.clone(),
         tcp_ecn: topo.fabric.host_tcp.ecn,
+        tcp_slow_start_after_idle: topo.fabric.host_tcp.slow_start_after_idle,
         gpus: topo
             .hosts
             .iter()

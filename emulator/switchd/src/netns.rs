@@ -82,6 +82,13 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
         if state.tcp_ecn { "1" } else { "2" },
     )
     .context("writing tcp_ecn")?;
+    let idle = if state.tcp_slow_start_after_idle {
+        "1"
+    } else {
+        "0"
+    };
+    fs::write("/proc/sys/net/ipv4/tcp_slow_start_after_idle", idle)
+        .context("writing tcp_slow_start_after_idle")?;
     // The fabric carries IPv4 only: keep the kernel's IPv6 chatter off the TUN.
     let v6 = format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", state.tun);
     if Path::new(&v6).exists() {

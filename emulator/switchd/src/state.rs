@@ -57,6 +57,8 @@ pub struct State {
     pub tcp_congestion: Option<String>,
     #[serde(default)]
     pub tcp_ecn: bool,
+    #[serde(default)]
+    pub tcp_slow_start_after_idle: bool,
     pub gpus: Vec<GpuState>,
 }
 
