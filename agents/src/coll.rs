@@ -360,10 +360,10 @@ impl<'g> Comm<'g> {
         };
         if self.n() > 1 && count > 0 {
             match algo {
-                Algo::Ring | Algo::Auto => self.all_reduce_ring(buf, dtype, op, count)?,
+                Algo::Ring | Algo::Auto => self.ring_all(buf, dtype, Some(op), true)?,
                 Algo::Tree => self.all_reduce_tree(buf, dtype, op, count)?,
                 Algo::Rhd => self.all_reduce_rhd(buf, dtype, op)?,
-                Algo::Hier => self.all_reduce_hier(buf, dtype, op, count)?,
+                Algo::Hier => self.all_reduce_hier(buf, dtype, op)?,
             }
         }
         if op == ReduceOp::Avg {
@@ -377,18 +377,18 @@ impl<'g> Comm<'g> {
         auto_choice(bytes, &self.nodes)
     }
 
-    fn all_reduce_ring(
+    /// The streaming ring over all ranks: reduce-scatter (with `reduce`) and/or
+    /// all-gather, on every channel.
+    fn ring_all(
         &self,
         buf: &mut [u8],
         dtype: DType,
-        op: ReduceOp,
-        count: usize,
+        reduce: Option<ReduceOp>,
+        all_gather: bool,
     ) -> anyhow::Result<()> {
-        let n = self.n();
-        let members: Vec<usize> = (0..n).collect();
-        let _ = count;
-        self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_stream(&members, ch, &mut chunks, dtype, Some(op), true)
+        let members: Vec<usize> = (0..self.n()).collect();
+        self.per_channel(buf, dtype, self.n(), |ch, mut chunks| {
+            self.ring_stream(&members, ch, &mut chunks, dtype, reduce, all_gather)
         })
     }
 
@@ -546,19 +546,12 @@ impl<'g> Comm<'g> {
         hier_shape(&self.nodes)
     }
 
-    fn all_reduce_hier(
-        &self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        count: usize,
-    ) -> anyhow::Result<()> {
+    fn all_reduce_hier(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
         let (nodes, per) = self.hier_shape().context("algorithm hier")?;
         let r = self.r();
         let (node, local) = (r / per, r % per);
         let local_ring: Vec<usize> = (0..per).map(|l| node * per + l).collect();
         let cross_ring: Vec<usize> = (0..nodes).map(|k| k * per + local).collect();
-        let _ = count;
         self.per_channel(buf, dtype, per, |ch, mut chunks| {
             // 1. Intra-node reduce-scatter: local rank l owns chunks[l].
             self.ring_stream(&local_ring, ch, &mut chunks, dtype, Some(op), false)?;
@@ -638,20 +631,13 @@ impl<'g> Comm<'g> {
 
     /// Ring all-gather: rank i contributes block i of `buf` (blocks: balanced partition).
     pub fn all_gather(&self, buf: &mut [u8], dtype: DType) -> anyhow::Result<()> {
-        let n = self.n();
-        let members: Vec<usize> = (0..n).collect();
-        self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_stream(&members, ch, &mut chunks, dtype, None, true)
-        })
+        self.ring_all(buf, dtype, None, true)
     }
 
     /// Ring reduce-scatter: afterwards rank i holds the reduced block i of `buf`.
     pub fn reduce_scatter(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
         let n = self.n();
-        let members: Vec<usize> = (0..n).collect();
-        self.per_channel(buf, dtype, n, |ch, mut chunks| {
-            self.ring_stream(&members, ch, &mut chunks, dtype, Some(op), false)
-        })?;
+        self.ring_all(buf, dtype, Some(op), false)?;
         if op == ReduceOp::Avg {
             let mine = elem_part(dtype, 0, buf.len() / dtype.size(), n, self.r());
             scale(dtype, &mut buf[mine], n);
