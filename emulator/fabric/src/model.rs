@@ -149,6 +149,8 @@ struct InFlight {
     len: u32,
     wire_bits: u64,
     ecn: u8,
+    /// Unseeded mix of the 5-tuple; each switch mixes in its own seed.
+    flow: u64,
 }
 
 struct VertexState {
@@ -302,6 +304,7 @@ impl Fabric {
             len,
             wire_bits: (len as u64 + frames as u64 * self.l2_overhead as u64) * 8,
             ecn: headers.ecn,
+            flow: flow_key_mix(&headers.key),
         };
         self.next_packet += 1;
         let slot = match self.free.pop() {
@@ -395,10 +398,10 @@ impl Fabric {
             n => {
                 let vs = &mut self.vertices[v as usize];
                 match vs.routing {
-                    Routing::Ecmp => group[(flow_hash(&pkt.key, vs.hash_seed) % n as u64) as usize],
+                    Routing::Ecmp => group[(mix(pkt.flow ^ vs.hash_seed) % n as u64) as usize],
                     Routing::Spray => group[vs.rng.below(n as u32) as usize],
                     Routing::Adaptive => {
-                        let start = (flow_hash(&pkt.key, vs.hash_seed) % n as u64) as usize;
+                        let start = (mix(pkt.flow ^ vs.hash_seed) % n as u64) as usize;
                         let mut best = group[start];
                         let mut best_q = u64::MAX;
                         for i in 0..n {
@@ -560,6 +563,7 @@ fn unpack(e: u128) -> (Instant, u32) {
 }
 
 /// Retires packets that finished by `now`.
+#[inline]
 fn settle(port: &mut Port, now: Instant) {
     while let Some(&(finish, len, lost)) = port.backlog.front() {
         if finish > now {
@@ -576,6 +580,7 @@ fn settle(port: &mut Port, now: Instant) {
     }
 }
 
+#[inline]
 fn should_mark(port: &mut Port) -> bool {
     let q = port.backlog_bytes;
     match port.queue.ecn {
@@ -597,7 +602,13 @@ fn should_mark(port: &mut Port) -> bool {
 /// Seeded 5-tuple hash (each switch has its own seed, so paths do not polarize).
 #[inline]
 pub fn flow_hash(k: &FlowKey, seed: u64) -> u64 {
+    mix(flow_key_mix(k) ^ seed)
+}
+
+/// The seed-independent part of `flow_hash`, computed once per packet.
+#[inline]
+fn flow_key_mix(k: &FlowKey) -> u64 {
     let a = (u32::from(k.src) as u64) << 32 | u32::from(k.dst) as u64;
     let b = (k.proto as u64) << 32 | (k.sport as u64) << 16 | k.dport as u64;
-    mix(mix(a ^ seed) ^ b)
+    mix(mix(a) ^ b)
 }
