@@ -142,7 +142,6 @@ struct Port {
 
 struct InFlight {
     data: Vec<u8>,
-    key: FlowKey,
     src: HostId,
     dst: HostId,
     id: u64,
@@ -297,7 +296,6 @@ impl Fabric {
         let frames = len.div_ceil(self.mtu).max(1);
         let pkt = InFlight {
             data,
-            key: headers.key,
             src,
             dst: HostId(dst),
             id: self.next_packet,
