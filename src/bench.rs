@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use closbox_agents::bench::{parse_sizes, Row};
+use closbox_agents::bench::{Options, Row};
 use closbox_agents::train::Report;
 use closbox_agents::{Algo, Op};
 use closbox_fabric::Topology;
@@ -29,13 +29,7 @@ pub struct Target<'a> {
 pub struct BenchArgs<'a> {
     pub target: Target<'a>,
     pub ops: Vec<Op>,
-    pub sizes: &'a str,
-    pub iters: usize,
-    pub warmup: usize,
-    pub algo: Algo,
-    pub dtype: &'a str,
-    pub redop: &'a str,
-    pub root: usize,
+    pub opts: Options,
     pub json: bool,
     pub csv: bool,
     pub plot: Option<PathBuf>,
@@ -134,32 +128,13 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
-    let sizes = parse_sizes(a.sizes).map_err(anyhow::Error::msg)?;
+    // Validated here, before any agent starts, by the agents' own rules.
+    let spec = a.opts.spec(a.ops.clone(), st.time_scale)?;
     let predictor = Predictor::new(&topo, ranks, a.target.channels);
-    let total = a.ops.len() * sizes.len();
+    let total = a.ops.len() * spec.sizes.len();
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
-    let args: Vec<String> = [
-        "bench",
-        "--ops",
-        &ops.join(","),
-        "--sizes",
-        a.sizes,
-        "--iters",
-        &a.iters.to_string(),
-        "--warmup",
-        &a.warmup.to_string(),
-        "--algo",
-        a.algo.name(),
-        "--dtype",
-        a.dtype,
-        "--redop",
-        a.redop,
-        "--root",
-        &a.root.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args = vec!["bench".to_owned(), "--ops".to_owned(), ops.join(",")];
+    args.extend(a.opts.to_args());
     let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
     let progress = std::io::stderr().is_terminal();
     let collected = Arc::clone(&rows);
@@ -193,9 +168,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         .map(|r| {
             predictor.predict(
                 r.op,
-                Algo::from_name(&r.algo).unwrap_or(a.algo),
+                Algo::from_name(&r.algo).unwrap_or(spec.algo),
                 r.size,
-                a.root,
+                spec.root,
             ) * 1e6
         })
         .collect();

@@ -140,24 +140,8 @@ struct TargetArgs {
 
 #[derive(Debug, clap::Args)]
 struct BenchOpts {
-    /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
-    #[arg(long, default_value = "8:64M")]
-    sizes: String,
-    #[arg(long, default_value_t = 5)]
-    iters: usize,
-    #[arg(long, default_value_t = 1)]
-    warmup: usize,
-    /// AllReduce algorithm: auto, ring, tree, rhd, hier.
-    #[arg(long, default_value = "auto")]
-    algo: String,
-    /// f32 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// sum, max, min, avg.
-    #[arg(long, default_value = "sum")]
-    redop: String,
-    #[arg(long, default_value_t = 0)]
-    root: usize,
+    #[command(flatten)]
+    agent: closbox_agents::bench::Options,
     #[arg(long, conflicts_with = "csv")]
     json: bool,
     #[arg(long)]
@@ -197,54 +181,22 @@ fn parse_bytes(what: &str, s: &str) -> anyhow::Result<usize> {
 }
 
 fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Result<()> {
-    let BenchOpts {
-        sizes,
-        iters,
-        warmup,
-        algo,
-        dtype,
-        redop,
-        root,
-        json,
-        csv,
-        plot,
-    } = o;
     let ops = if ops.is_empty() {
         vec!["allreduce".to_owned()]
     } else {
         ops
     };
-    let ops = ops
-        .iter()
-        .flat_map(|o| o.split(','))
-        .map(|o| {
-            closbox_agents::Op::from_name(o)
-                .ok_or_else(|| anyhow::anyhow!("unknown operation {o:?}"))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    dtype
-        .parse::<closbox_agents::DType>()
-        .map_err(anyhow::Error::msg)?;
-    redop
-        .parse::<closbox_agents::ReduceOp>()
-        .map_err(anyhow::Error::msg)?;
-    closbox_agents::bench::parse_sizes(&sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?;
-    if let Some(p) = &plot {
+    let ops = closbox_agents::bench::parse_ops(&ops)?;
+    if let Some(p) = &o.plot {
         bench::check_plot_path(p)?;
     }
     bench::bench(bench::BenchArgs {
         target: target.target()?,
         ops,
-        sizes: &sizes,
-        iters,
-        warmup,
-        algo: parse_algo(&algo)?,
-        dtype: &dtype,
-        redop: &redop,
-        root,
-        json,
-        csv,
-        plot,
+        opts: o.agent,
+        json: o.json,
+        csv: o.csv,
+        plot: o.plot,
     })
 }
 

@@ -46,6 +46,77 @@ pub struct Row {
     pub wrong: u64,
 }
 
+/// Benchmark options, shared by `closbox bench` (which forwards them with `to_args`) and
+/// `closbox-agent bench` (which runs them): one definition, one validation.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Options {
+    /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
+    #[arg(long, default_value = "8:64M")]
+    pub sizes: String,
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// AllReduce algorithm: auto, ring, tree, rhd, hier.
+    #[arg(long, default_value = "auto")]
+    pub algo: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// sum, max, min, avg.
+    #[arg(long, default_value = "sum")]
+    pub redop: String,
+    #[arg(long, default_value_t = 0)]
+    pub root: usize,
+}
+
+/// Parses operation names, comma-separated or not ("allreduce,alltoall").
+pub fn parse_ops<S: AsRef<str>>(names: &[S]) -> anyhow::Result<Vec<Op>> {
+    names
+        .iter()
+        .flat_map(|o| o.as_ref().split(','))
+        .map(|o| Op::from_name(o.trim()).ok_or_else(|| anyhow::anyhow!("unknown operation {o:?}")))
+        .collect()
+}
+
+impl Options {
+    /// Checks every option and builds the run.
+    pub fn spec(&self, ops: Vec<Op>, time_scale: f64) -> anyhow::Result<Spec> {
+        Ok(Spec {
+            ops,
+            sizes: parse_sizes(&self.sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?,
+            iters: self.iters,
+            warmup: self.warmup,
+            algo: Algo::from_name(&self.algo).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown algorithm {:?}: auto, ring, tree, rhd or hier",
+                    self.algo
+                )
+            })?,
+            dtype: self.dtype.parse().map_err(anyhow::Error::msg)?,
+            redop: self.redop.parse().map_err(anyhow::Error::msg)?,
+            root: self.root,
+            time_scale,
+        })
+    }
+
+    /// The same options as command-line arguments.
+    pub fn to_args(&self) -> Vec<String> {
+        [
+            ("--sizes", self.sizes.clone()),
+            ("--iters", self.iters.to_string()),
+            ("--warmup", self.warmup.to_string()),
+            ("--algo", self.algo.clone()),
+            ("--dtype", self.dtype.clone()),
+            ("--redop", self.redop.clone()),
+            ("--root", self.root.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect()
+    }
+}
+
 /// Parses "8:256M" (sizes doubling from 8 B to 256 MiB), "1M", or "4K,64K,1M".
 pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     fn one(s: &str) -> Result<usize, String> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use closbox_agents::env::{JobEnv, DEFAULT_PORT};
-use closbox_agents::{bench, train, Algo, Comm, DType, Group, Op, ReduceOp};
+use closbox_agents::{bench, train, Algo, Comm, DType, Group};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -37,20 +37,8 @@ enum Cmd {
         /// reducescatter, alltoall, sendrecv.
         #[arg(long, default_value = "allreduce")]
         ops: String,
-        #[arg(long, default_value = "8:64M")]
-        sizes: String,
-        #[arg(long, default_value_t = 5)]
-        iters: usize,
-        #[arg(long, default_value_t = 1)]
-        warmup: usize,
-        #[arg(long, default_value = "auto")]
-        algo: String,
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        #[arg(long, default_value = "sum")]
-        redop: String,
-        #[arg(long, default_value_t = 0)]
-        root: usize,
+        #[command(flatten)]
+        opts: bench::Options,
     },
     /// Data-parallel training steps.
     Train {
@@ -97,34 +85,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("unknown algorithm {s:?}: auto, ring, tree, rhd, hier"))
     };
     match cli.cmd {
-        Cmd::Bench {
-            ops,
-            sizes,
-            iters,
-            warmup,
-            algo: a,
-            dtype,
-            redop,
-            root,
-        } => {
-            let ops = ops
-                .split(',')
-                .map(|o| {
-                    Op::from_name(o.trim())
-                        .ok_or_else(|| anyhow::anyhow!("unknown operation {o:?}"))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let spec = bench::Spec {
-                ops,
-                sizes: bench::parse_sizes(&sizes).map_err(anyhow::Error::msg)?,
-                iters,
-                warmup,
-                algo: algo(&a)?,
-                dtype: dtype.parse::<DType>().map_err(anyhow::Error::msg)?,
-                redop: redop.parse::<ReduceOp>().map_err(anyhow::Error::msg)?,
-                root,
-                time_scale: env.time_scale,
-            };
+        Cmd::Bench { ops, opts } => {
+            let spec = opts.spec(bench::parse_ops(&[ops])?, env.time_scale)?;
             bench::run(&comm, &spec, |row| {
                 if leader {
                     println!("{}", serde_json::to_string(row).expect("row serializes"));
