@@ -19,6 +19,7 @@
 use std::cmp::Reverse;
 use std::collections::binary_heap::PeekMut;
 use std::collections::{BinaryHeap, VecDeque};
+use std::net::Ipv4Addr;
 
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
@@ -271,6 +272,35 @@ impl Fabric {
         &self.routes
     }
 
+    /// The ports every packet of a flow crosses, as `send` routes it: ECMP switches hash
+    /// the 5-tuple, so a flow keeps one path. `None` if the destination is not another GPU
+    /// of this fabric, or a switch on the way sprays or adapts packet by packet.
+    pub fn flow_path(&self, key: &FlowKey) -> Option<Vec<PortId>> {
+        let host = |a: Ipv4Addr| {
+            let h = u32::from(a).wrapping_sub(self.addr_base);
+            (h < self.hosts).then_some(h)
+        };
+        let (mut v, dst) = (host(key.src)?, HostId(host(key.dst)?));
+        if v == dst.0 {
+            return None;
+        }
+        let flow = flow_key_mix(key);
+        let mut path = Vec::new();
+        while v != dst.0 {
+            let group = self.routes.next_hops(v, dst);
+            let vs = &self.vertices[v as usize];
+            let p = match (group.len(), vs.routing) {
+                (0, _) => return None,
+                (1, _) => group[0],
+                (n, Routing::Ecmp) => group[ecmp_index(flow, vs.hash_seed, n)],
+                (_, Routing::Spray | Routing::Adaptive) => return None,
+            };
+            path.push(p);
+            v = self.routes.port(p).to;
+        }
+        Some(path)
+    }
+
     /// GPU `src` sends `data` (an IPv4 packet) at `now`. Events due by `now` are processed
     /// first, so `now` must not go backwards.
     pub fn send(&mut self, now: Instant, src: HostId, data: Vec<u8>) -> Verdict {
@@ -396,10 +426,10 @@ impl Fabric {
             n => {
                 let vs = &mut self.vertices[v as usize];
                 match vs.routing {
-                    Routing::Ecmp => group[(mix(pkt.flow ^ vs.hash_seed) % n as u64) as usize],
+                    Routing::Ecmp => group[ecmp_index(pkt.flow, vs.hash_seed, n)],
                     Routing::Spray => group[vs.rng.below(n as u32) as usize],
                     Routing::Adaptive => {
-                        let start = (mix(pkt.flow ^ vs.hash_seed) % n as u64) as usize;
+                        let start = ecmp_index(pkt.flow, vs.hash_seed, n);
                         let mut best = group[start];
                         let mut best_q = u64::MAX;
                         for i in 0..n {
@@ -595,6 +625,12 @@ fn should_mark(port: &mut Port) -> bool {
             }
         }
     }
+}
+
+/// Which of `n` equal-cost next hops a flow takes at a switch with `seed`.
+#[inline]
+fn ecmp_index(flow: u64, seed: u64, n: usize) -> usize {
+    (mix(flow ^ seed) % n as u64) as usize
 }
 
 /// Seeded 5-tuple hash (each switch has its own seed, so paths do not polarize).

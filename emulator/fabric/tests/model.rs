@@ -324,6 +324,66 @@ fn ecmp_spreads_flows_and_pins_each_flow() {
 }
 
 #[test]
+fn flow_path_is_the_path_every_packet_of_the_flow_takes() {
+    let t = topo(LS);
+    let mut f = Fabric::new(&t);
+    f.enable_trace();
+    let mut want = BTreeMap::new();
+    for i in 0..200u64 {
+        let (src, dst) = ((i % 4) as u32, 4 + (i / 4 % 4) as u32);
+        let sport = 20_000 + i as u16;
+        let key = packet::FlowKey {
+            src: addr(&t, src),
+            dst: addr(&t, dst),
+            proto: 17,
+            sport,
+            dport: 9000,
+        };
+        let path = f.flow_path(&key).expect("ECMP fabric");
+        // Host → leaf → spine → leaf → host.
+        assert_eq!(path.len(), 4);
+        for rep in 0..3 {
+            let id = 3 * i + rep;
+            assert_eq!(
+                send(
+                    &mut f,
+                    &t,
+                    i * 10_000 + rep * 1_000,
+                    (src, dst),
+                    sport,
+                    0,
+                    200
+                ),
+                Verdict::Accepted
+            );
+            want.insert(id, path.clone());
+        }
+    }
+    run(&mut f);
+    let mut got: BTreeMap<u64, Vec<PortId>> = BTreeMap::new();
+    for e in f.trace() {
+        got.entry(e.packet).or_default().push(e.port);
+    }
+    assert_eq!(got, want);
+    // Several spines were used: the test would not notice a constant path otherwise.
+    let spines: BTreeSet<PortId> = want.values().map(|p| p[1]).collect();
+    assert!(spines.len() >= 4, "{spines:?}");
+    // Not a GPU of this fabric, or a packet-by-packet switch: no single path.
+    let mut key = packet::FlowKey {
+        src: addr(&t, 0),
+        dst: Ipv4Addr::new(10, 0, 0, 1),
+        proto: 6,
+        sport: 1,
+        dport: 2,
+    };
+    assert_eq!(f.flow_path(&key), None);
+    key.dst = addr(&t, 5);
+    let sprayed = topo(&format!("{LS}routing = \"spray\"\n"));
+    assert_eq!(Fabric::new(&sprayed).flow_path(&key), None);
+    assert!(f.flow_path(&key).is_some());
+}
+
+#[test]
 fn spray_spreads_packets_of_one_flow() {
     let t = topo(&format!("{LS}routing = \"spray\"\n"));
     let mut f = Fabric::new(&t);
