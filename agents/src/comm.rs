@@ -14,6 +14,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
 
 /// How a group is formed.
 #[derive(Clone, Debug)]
@@ -47,6 +48,24 @@ impl std::fmt::Debug for Group {
 }
 
 const MAGIC: u32 = 0xC105_B0C5;
+
+/// One rank's end of one connection. With the fabric's ECMP hash, `local → remote` names
+/// the path this rank's data to `peer` on `channel` takes (`closbox bench` predicts with
+/// the paths a run really got).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub peer: usize,
+    pub channel: usize,
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+}
+
+/// What every agent prints once its group has formed (one JSON line on stdout).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoints {
+    pub rank: usize,
+    pub endpoints: Vec<Endpoint>,
+}
 
 fn resolve(addr: &str) -> anyhow::Result<SocketAddr> {
     addr.to_socket_addrs()
@@ -146,6 +165,24 @@ impl Group {
 
     pub fn channels(&self) -> usize {
         self.channels
+    }
+
+    /// Every connection of this rank, by peer then channel.
+    pub fn endpoints(&self) -> io::Result<Vec<Endpoint>> {
+        let mut out = Vec::new();
+        for (peer, chans) in self.conns.iter().enumerate() {
+            for (channel, s) in chans.iter().enumerate() {
+                if let Some(s) = s {
+                    out.push(Endpoint {
+                        peer,
+                        channel,
+                        local: s.local_addr()?,
+                        remote: s.peer_addr()?,
+                    });
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn stream(&self, peer: usize, ch: usize) -> &TcpStream {

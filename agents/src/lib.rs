@@ -10,5 +10,5 @@ pub mod env;
 pub mod train;
 
 pub use coll::{Algo, Comm, Op};
-pub use comm::{Group, GroupConfig};
+pub use comm::{Endpoint, Endpoints, Group, GroupConfig};
 pub use dtype::{DType, ReduceOp};

@@ -268,3 +268,20 @@ fn a_dead_rank_fails_the_others_quickly() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn endpoints_pair_up_across_ranks() {
+    let eps = with_group(3, 2, vec![0, 0, 0], |comm| comm.g.endpoints().unwrap());
+    for (a, mine) in eps.iter().enumerate() {
+        // Every other rank, every channel, once.
+        assert_eq!(mine.len(), 2 * 2);
+        for e in mine {
+            assert_ne!(e.peer, a);
+            let theirs = eps[e.peer]
+                .iter()
+                .find(|o| o.peer == a && o.channel == e.channel)
+                .expect("the peer has the other end");
+            assert_eq!((theirs.local, theirs.remote), (e.remote, e.local));
+        }
+    }
+}

@@ -1,13 +1,14 @@
 //! `closbox-agent`: one per GPU. Joins its group from the environment `closbox run` sets,
-//! runs a benchmark or training steps, and (rank 0) prints one JSON object per result line
-//! on stdout. `closbox bench` / `closbox train` start it in every GPU and render tables.
+//! prints its connections' endpoints (one JSON line, every rank), runs a benchmark or
+//! training steps, and (rank 0) prints one JSON object per result line on stdout.
+//! `closbox bench` / `closbox train` start it in every GPU and render tables.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use closbox_agents::env::{JobEnv, DEFAULT_PORT};
-use closbox_agents::{bench, train, Algo, Comm, DType, Group};
+use closbox_agents::{bench, train, Algo, Comm, DType, Endpoints, Group};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -78,6 +79,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let env = JobEnv::from_env(cli.channels, cli.port, Duration::from_secs_f64(cli.timeout))?;
     let group = Group::connect(&env.group)?;
+    // Every rank says which connections it holds: `closbox bench` works out the paths
+    // the fabric gives them.
+    let eps = Endpoints {
+        rank: group.rank(),
+        endpoints: group.endpoints()?,
+    };
+    println!(
+        "{}",
+        serde_json::to_string(&eps).expect("endpoints serialize")
+    );
     let comm = Comm::new(&group, env.nodes.clone());
     let leader = group.rank() == 0;
     let algo = |s: &str| {
