@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use closbox_agents::bench::{Options, Row};
 use closbox_agents::train::Report;
-use closbox_agents::{Algo, Op};
+use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::Topology;
 use closbox_switchd::state::State;
 
@@ -83,13 +83,14 @@ fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)
     Ok((topo, ranks))
 }
 
-/// Runs the agent in every selected GPU; returns rank 0's JSON lines.
+/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`; returns
+/// every rank's connection endpoints.
 fn run_agents(
     st: &State,
     t: &Target,
     agent_args: Vec<String>,
     mut on_json: impl FnMut(&str) + Send + 'static,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<Endpoints>> {
     let agent = agent_path()?;
     let mut cmd = vec![
         agent.display().to_string(),
@@ -98,9 +99,15 @@ fn run_agents(
     ];
     cmd.extend(agent_args);
     let on_json = Arc::new(Mutex::new(move |l: &str| on_json(l)));
+    let endpoints: Arc<Mutex<Vec<Endpoints>>> = Arc::default();
+    let collected = Arc::clone(&endpoints);
     let sink: live::Sink = Arc::new(move |rank, is_err, line: &str| {
-        if rank == 0 && !is_err && line.starts_with('{') {
-            (on_json.lock().expect("sink lock"))(line);
+        if !is_err && line.starts_with('{') {
+            match serde_json::from_str::<Endpoints>(line) {
+                Ok(e) => collected.lock().expect("endpoints lock").push(e),
+                Err(_) if rank == 0 => (on_json.lock().expect("sink lock"))(line),
+                Err(_) => {}
+            }
         } else if is_err || rank == 0 {
             eprintln!("[{rank}] {line}");
         }
@@ -116,7 +123,8 @@ fn run_agents(
     if code != ExitCode::SUCCESS {
         bail!("the agents failed (see above)");
     }
-    Ok(())
+    let endpoints = std::mem::take(&mut *endpoints.lock().expect("endpoints lock"));
+    Ok(endpoints)
 }
 
 fn human(bytes: usize) -> String {
@@ -130,7 +138,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let (topo, ranks) = topology_of(&st, &sel)?;
     // Validated here, before any agent starts, by the agents' own rules.
     let spec = a.opts.spec(a.ops.clone(), st.time_scale)?;
-    let predictor = Predictor::new(&topo, ranks, a.target.channels);
+    let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
     let total = a.ops.len() * spec.sizes.len();
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
     let mut args = vec!["bench".to_owned(), "--ops".to_owned(), ops.join(",")];
@@ -138,7 +146,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
     let progress = std::io::stderr().is_terminal();
     let collected = Arc::clone(&rows);
-    run_agents(&st, &a.target, args, move |line| {
+    let endpoints = run_agents(&st, &a.target, args, move |line| {
         if let Ok(row) = serde_json::from_str::<Row>(line) {
             let mut rows = collected.lock().expect("rows");
             rows.push(row.clone());
@@ -163,6 +171,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     if rows.len() != total {
         bail!("the agents reported {} of {total} results", rows.len());
     }
+    let real_paths = predictor.use_paths(&topo, &endpoints);
     let predicted: Vec<f64> = rows
         .iter()
         .map(|r| {
@@ -185,6 +194,12 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 let mut v = serde_json::to_value(r).expect("row");
                 v["predicted_us"] = (*p).into();
                 v["measured_over_predicted"] = (r.time_us / p).into();
+                v["predicted_on"] = if real_paths {
+                    "run_paths"
+                } else {
+                    "random_paths"
+                }
+                .into();
                 v
             })
             .collect();
@@ -212,7 +227,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             );
         }
     } else {
-        print!("{}", table(&st, &rows, &predicted));
+        print!("{}", table(&st, &rows, &predicted, real_paths));
     }
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     if wrong > 0 {
@@ -221,13 +236,22 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn table(st: &State, rows: &[Row], predicted: &[f64]) -> String {
+fn table(st: &State, rows: &[Row], predicted: &[f64], real_paths: bool) -> String {
     let mut s = String::new();
     if let Some(r) = rows.first() {
         let _ = writeln!(
             s,
             "# closbox bench: fabric {}, {} ranks, {} channels, time_scale {} (times are fabric time)",
             st.fabric, r.ranks, r.channels, st.time_scale
+        );
+        let _ = writeln!(
+            s,
+            "# predicted: fabric model on {}",
+            if real_paths {
+                "the ECMP paths this run's connections took"
+            } else {
+                "ECMP paths drawn at random (averaged)"
+            }
         );
     }
     let _ = writeln!(s, "#");
@@ -385,7 +409,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
-    let predictor = Predictor::new(&topo, ranks, a.target.channels);
+    let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
     let args: Vec<String> = [
         "train",
         "--model-bytes",
@@ -406,11 +430,12 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    run_agents(&st, &a.target, args, move |line| {
+    let endpoints = run_agents(&st, &a.target, args, move |line| {
         if let Ok(r) = serde_json::from_str::<Report>(line) {
             collected.lock().expect("reports").push(r);
         }
     })?;
+    predictor.use_paths(&topo, &endpoints);
     let reports = reports.lock().expect("reports").clone();
     if reports.len() != 2 {
         bail!("the agents reported {} of 2 training modes", reports.len());

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
+mod fluid;
 mod live;
 mod plan;
 mod predict;

@@ -499,6 +499,8 @@ fn bench_and_train_through_the_fabric() {
         assert_eq!(r["ranks"], 8);
         assert!(r["predicted_us"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["time_us"].as_f64().unwrap() > 0.0, "{r}");
+        // Every agent reported its connections; the fabric hashes each onto one path.
+        assert_eq!(r["predicted_on"], "run_paths", "{r}");
     }
     for algo in ["tree", "rhd", "hier", "ring"] {
         let out = closbox(&[
