@@ -211,9 +211,13 @@ impl Predictor {
     /// A streaming ring of `steps` steps, `chunk` bytes each (the agents' ring: a piece
     /// is forwarded as soon as it arrives). Each step starts when the previous one's first
     /// piece has come round (latency) or the link is free (transfer), whichever is later.
+    /// Channels are independent pipelines, each with its share of the chunk cut in
+    /// pieces: while one waits for its piece to come round, the others use the link, so
+    /// a piece moves at the full rate.
     fn stream(&self, members: &[usize], steps: usize, chunk: f64) -> f64 {
         let (transfer, alpha) = self.loads(&self.ring(members, chunk));
-        let (piece_time, _) = self.loads(&self.ring(members, PIECE.min(chunk)));
+        let piece = PIECE.min(chunk / self.channels as f64);
+        let (piece_time, _) = self.loads(&self.ring(members, piece));
         steps as f64 * transfer.max(alpha + piece_time) + alpha
     }
 
