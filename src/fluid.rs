@@ -32,59 +32,32 @@ pub struct Transfer {
 
 /// Seconds until every transfer has arrived. `cap` is each port's rate in bytes/s.
 pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
-    let n = transfers.len();
-    let mut waiting: Vec<usize> = transfers.iter().map(|t| t.after.len()).collect();
-    let (mut on_sent, mut on_arrived) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-    for (i, t) in transfers.iter().enumerate() {
-        for &d in &t.after {
-            match d {
-                Dep::Sent(j) => on_sent[j].push(i),
-                Dep::Arrived(j) => on_arrived[j].push(i),
-            }
-            let j = match d {
-                Dep::Sent(j) | Dep::Arrived(j) => j,
-            };
-            assert!(j < i, "transfer {i} waits for a later one ({j})");
-        }
-    }
+    let mut sim = Sim::new(transfers);
     let mut remaining: Vec<f64> = transfers.iter().map(|t| t.bytes.max(0.0)).collect();
-    let mut rate = vec![0.0f64; n];
+    let mut rate = vec![0.0f64; transfers.len()];
     let mut active: Vec<usize> = Vec::new();
-    // Arrivals, by time: f64 bits of non-negative times order like the times.
-    let mut arrivals: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
-    let mut ready: Vec<usize> = (0..n).filter(|&i| waiting[i] == 0).collect();
     let (mut now, mut end) = (0.0f64, 0.0f64);
     let mut share = FairShare::new(cap.len());
+    let mut changed = false;
     loop {
         // Start what is ready; zero-byte transfers are sent as they start.
-        let mut changed = false;
-        while let Some(i) = ready.pop() {
+        while let Some(i) = sim.ready.pop() {
             if remaining[i] > 0.0 {
                 active.push(i);
                 changed = true;
             } else {
-                sent(
-                    i,
-                    now,
-                    transfers,
-                    &mut arrivals,
-                    &on_sent,
-                    &mut waiting,
-                    &mut ready,
-                );
+                sim.sent(i, now);
             }
         }
         if changed {
             share.compute(cap, transfers, &active, &mut rate);
+            changed = false;
         }
         let next_done = active
             .iter()
             .map(|&i| now + remaining[i] / rate[i])
             .fold(f64::INFINITY, f64::min);
-        let next_arrival = arrivals
-            .peek()
-            .map_or(f64::INFINITY, |&Reverse((t, _))| f64::from_bits(t));
-        let next = next_done.min(next_arrival);
+        let next = next_done.min(sim.next_arrival());
         if next == f64::INFINITY {
             break;
         }
@@ -93,65 +66,104 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
             remaining[i] -= rate[i] * dt;
         }
         now = next;
-        let before = active.len();
         let mut k = 0;
         while k < active.len() {
             let i = active[k];
             // Done when what is left would take less than a picosecond.
             if remaining[i] <= rate[i] * 1e-12 {
                 active.swap_remove(k);
-                sent(
-                    i,
-                    now,
-                    transfers,
-                    &mut arrivals,
-                    &on_sent,
-                    &mut waiting,
-                    &mut ready,
-                );
+                sim.sent(i, now);
+                changed = true;
             } else {
                 k += 1;
             }
         }
-        if active.len() != before {
-            share.compute(cap, transfers, &active, &mut rate);
-        }
-        while let Some(&Reverse((t, i))) = arrivals.peek() {
-            if f64::from_bits(t) > now {
-                break;
-            }
-            arrivals.pop();
-            end = end.max(f64::from_bits(t));
-            for &d in &on_arrived[i] {
-                waiting[d] -= 1;
-                if waiting[d] == 0 {
-                    ready.push(d);
-                }
-            }
-        }
+        end = end.max(sim.arrive_until(now));
     }
     assert!(
-        waiting.iter().all(|&w| w == 0),
+        sim.waiting.iter().all(|&w| w == 0),
         "transfers left waiting: a dependency cycle"
     );
     end
 }
 
-/// Transfer `i`'s last byte left its source at `now`.
-fn sent(
-    i: usize,
-    now: f64,
-    transfers: &[Transfer],
-    arrivals: &mut BinaryHeap<Reverse<(u64, usize)>>,
-    on_sent: &[Vec<usize>],
-    waiting: &mut [usize],
-    ready: &mut Vec<usize>,
-) {
-    arrivals.push(Reverse(((now + transfers[i].latency).to_bits(), i)));
-    for &d in &on_sent[i] {
-        waiting[d] -= 1;
-        if waiting[d] == 0 {
-            ready.push(d);
+/// Who waits for whom, and the arrivals to come.
+struct Sim<'a> {
+    transfers: &'a [Transfer],
+    /// Dependencies not yet met, per transfer.
+    waiting: Vec<usize>,
+    on_sent: Vec<Vec<usize>>,
+    on_arrived: Vec<Vec<usize>>,
+    /// Arrivals by time: f64 bits of non-negative times order like the times.
+    arrivals: BinaryHeap<Reverse<(u64, usize)>>,
+    /// Transfers whose dependencies are met, not started yet.
+    ready: Vec<usize>,
+}
+
+impl<'a> Sim<'a> {
+    fn new(transfers: &'a [Transfer]) -> Sim<'a> {
+        let n = transfers.len();
+        let (mut on_sent, mut on_arrived) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+        for (i, t) in transfers.iter().enumerate() {
+            for &d in &t.after {
+                let j = match d {
+                    Dep::Sent(j) => {
+                        on_sent[j].push(i);
+                        j
+                    }
+                    Dep::Arrived(j) => {
+                        on_arrived[j].push(i);
+                        j
+                    }
+                };
+                assert!(j < i, "transfer {i} waits for a later one ({j})");
+            }
+        }
+        let waiting: Vec<usize> = transfers.iter().map(|t| t.after.len()).collect();
+        let ready = (0..n).filter(|&i| waiting[i] == 0).collect();
+        Sim {
+            transfers,
+            waiting,
+            on_sent,
+            on_arrived,
+            arrivals: BinaryHeap::new(),
+            ready,
+        }
+    }
+
+    /// Transfer `i`'s last byte left its source at `now`.
+    fn sent(&mut self, i: usize, now: f64) {
+        let at = now + self.transfers[i].latency;
+        self.arrivals.push(Reverse((at.to_bits(), i)));
+        Self::release(&self.on_sent[i], &mut self.waiting, &mut self.ready);
+    }
+
+    fn next_arrival(&self) -> f64 {
+        self.arrivals
+            .peek()
+            .map_or(f64::INFINITY, |&Reverse((t, _))| f64::from_bits(t))
+    }
+
+    /// Processes the arrivals due by `now`; returns the latest (0 if none).
+    fn arrive_until(&mut self, now: f64) -> f64 {
+        let mut last = 0.0f64;
+        while let Some(&Reverse((t, i))) = self.arrivals.peek() {
+            if f64::from_bits(t) > now {
+                break;
+            }
+            self.arrivals.pop();
+            last = last.max(f64::from_bits(t));
+            Self::release(&self.on_arrived[i], &mut self.waiting, &mut self.ready);
+        }
+        last
+    }
+
+    fn release(dependents: &[usize], waiting: &mut [usize], ready: &mut Vec<usize>) {
+        for &d in dependents {
+            waiting[d] -= 1;
+            if waiting[d] == 0 {
+                ready.push(d);
+            }
         }
     }
 }
