@@ -13,9 +13,13 @@ use closbox_agents::bench::{Options, Row};
 use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::Topology;
+use closbox_switchd::control::{self, Reply, Request};
+use closbox_switchd::dataplane::Lateness;
+use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::State;
 
 use crate::live::{self, RunArgs};
+use crate::plan::thousands;
 use crate::predict::Predictor;
 
 /// What both commands share: where to run and how agents connect.
@@ -83,14 +87,96 @@ fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)
     Ok((topo, ranks))
 }
 
-/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`; returns
-/// every rank's connection endpoints.
+/// What the fabric and the box did during a run, from status snapshots before and after.
+pub struct RunHealth {
+    packets: u64,
+    /// Dropped by the modelled fabric (full buffers, configured loss).
+    fabric_drops: u64,
+    /// Packets the kernel dropped because the daemon did not read its TUNs in time.
+    tun_drops: u64,
+    /// Write lateness during the run (wall time).
+    lateness: Lateness,
+    threshold_us: f64,
+    time_scale: f64,
+}
+
+impl RunHealth {
+    fn snapshot(fabric: &str) -> Option<serde_json::Value> {
+        match control::request(fabric, &Request::Status) {
+            Ok(Reply::Status(v)) => Some(*v),
+            _ => None,
+        }
+    }
+
+    fn between(before: &serde_json::Value, after: &serde_json::Value) -> RunHealth {
+        let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
+        let drops = |v: &serde_json::Value| -> u64 {
+            v["drops"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter(|d| matches!(d[0].as_str(), Some("buffer_full" | "loss")))
+                        .map(|d| d[1].as_u64().unwrap_or(0))
+                        .sum()
+                })
+                .unwrap_or(0)
+        };
+        let buckets = |v: &serde_json::Value| -> Vec<(u32, u64)> {
+            serde_json::from_value(v["lateness_buckets"].clone()).unwrap_or_default()
+        };
+        let hist = Histogram::since(&buckets(before), &buckets(after));
+        RunHealth {
+            packets: n(after, "packets_in").saturating_sub(n(before, "packets_in")),
+            fabric_drops: drops(after).saturating_sub(drops(before)),
+            tun_drops: n(after, "tun_tx_dropped").saturating_sub(n(before, "tun_tx_dropped")),
+            lateness: Lateness::of(&hist),
+            threshold_us: after["behind_threshold_us"].as_f64().unwrap_or(0.0),
+            time_scale: after["time_scale"].as_f64().unwrap_or(1.0),
+        }
+    }
+
+    /// The box fell behind the fabric's schedule: measured times include its limits.
+    pub fn behind(&self) -> bool {
+        self.lateness.samples >= 100 && self.lateness.p99_us > self.threshold_us
+            || self.tun_drops > 0
+    }
+
+    fn footer(&self) -> String {
+        let mut s = format!(
+            "# fabric during the run: {} packets, {} dropped by the fabric (buffers, loss); box: write lateness p50 {:.1} µs p99 {:.1} µs wall (p99 = {:.3} µs of fabric time), {} TUN drops\n",
+            thousands(self.packets),
+            thousands(self.fabric_drops),
+            self.lateness.p50_us,
+            self.lateness.p99_us,
+            self.lateness.p99_us / self.time_scale,
+            thousands(self.tun_drops),
+        );
+        if self.behind() {
+            let _ = writeln!(
+                s,
+                "# WARNING: this box fell behind the fabric's schedule during the run (p99 lateness above {:.0} µs, or TUN drops): measured times include the box's limits, not only the fabric's; raise time_scale or use fewer GPUs",
+                self.threshold_us
+            );
+        }
+        s
+    }
+}
+
+/// What `run_agents` learns besides the results.
+struct Ran {
+    /// Every rank's connection endpoints.
+    endpoints: Vec<Endpoints>,
+    /// What the fabric and the box did meanwhile (None if the daemon did not answer).
+    health: Option<RunHealth>,
+}
+
+/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`.
 fn run_agents(
     st: &State,
     t: &Target,
     agent_args: Vec<String>,
     mut on_json: impl FnMut(&str) + Send + 'static,
-) -> anyhow::Result<Vec<Endpoints>> {
+) -> anyhow::Result<Ran> {
     let agent = agent_path()?;
     let mut cmd = vec![
         agent.display().to_string(),
@@ -112,6 +198,7 @@ fn run_agents(
             eprintln!("[{rank}] {line}");
         }
     });
+    let before = RunHealth::snapshot(&st.fabric);
     let code = live::run(RunArgs {
         fabric: Some(&st.fabric),
         gpus: t.gpus,
@@ -123,8 +210,12 @@ fn run_agents(
     if code != ExitCode::SUCCESS {
         bail!("the agents failed (see above)");
     }
+    let after = RunHealth::snapshot(&st.fabric);
     let endpoints = std::mem::take(&mut *endpoints.lock().expect("endpoints lock"));
-    Ok(endpoints)
+    Ok(Ran {
+        endpoints,
+        health: before.zip(after).map(|(b, a)| RunHealth::between(&b, &a)),
+    })
 }
 
 fn human(bytes: usize) -> String {
@@ -146,7 +237,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
     let progress = std::io::stderr().is_terminal();
     let collected = Arc::clone(&rows);
-    let endpoints = run_agents(&st, &a.target, args, move |line| {
+    let ran = run_agents(&st, &a.target, args, move |line| {
         if let Ok(row) = serde_json::from_str::<Row>(line) {
             let mut rows = collected.lock().expect("rows");
             rows.push(row.clone());
@@ -171,7 +262,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     if rows.len() != total {
         bail!("the agents reported {} of {total} results", rows.len());
     }
-    let real_paths = predictor.use_paths(&topo, &endpoints);
+    let real_paths = predictor.use_paths(&topo, &ran.endpoints);
+    let behind = ran.health.as_ref().is_some_and(RunHealth::behind);
     let predicted: Vec<f64> = rows
         .iter()
         .map(|r| {
@@ -200,6 +292,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                     "random_paths"
                 }
                 .into();
+                v["box_behind"] = behind.into();
                 v
             })
             .collect();
@@ -228,6 +321,14 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         }
     } else {
         print!("{}", table(&st, &rows, &predicted, real_paths));
+    }
+    if let Some(h) = &ran.health {
+        // Comments after a table; on stderr where stdout is JSON or CSV.
+        if a.json || a.csv {
+            eprint!("{}", h.footer());
+        } else {
+            print!("{}", h.footer());
+        }
     }
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     if wrong > 0 {
@@ -430,12 +531,13 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    let endpoints = run_agents(&st, &a.target, args, move |line| {
+    let ran = run_agents(&st, &a.target, args, move |line| {
         if let Ok(r) = serde_json::from_str::<Report>(line) {
             collected.lock().expect("reports").push(r);
         }
     })?;
-    predictor.use_paths(&topo, &endpoints);
+    predictor.use_paths(&topo, &ran.endpoints);
+    let behind = ran.health.as_ref().is_some_and(RunHealth::behind);
     let reports = reports.lock().expect("reports").clone();
     if reports.len() != 2 {
         bail!("the agents reported {} of 2 training modes", reports.len());
@@ -465,10 +567,14 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
             .map(|(r, p)| {
                 let mut v = serde_json::to_value(r).expect("report");
                 v["predicted_step_ms"] = (*p).into();
+                v["box_behind"] = behind.into();
                 v
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&out)?);
+        if let Some(h) = &ran.health {
+            eprint!("{}", h.footer());
+        }
         return Ok(());
     }
     println!(
@@ -510,6 +616,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         off.efficiency * 100.0,
         on.efficiency * 100.0
     );
+    if let Some(h) = &ran.health {
+        print!("{}", h.footer());
+    }
     Ok(())
 }
 

@@ -501,7 +501,22 @@ fn bench_and_train_through_the_fabric() {
         assert!(r["time_us"].as_f64().unwrap() > 0.0, "{r}");
         // Every agent reported its connections; the fabric hashes each onto one path.
         assert_eq!(r["predicted_on"], "run_paths", "{r}");
+        assert!(r["box_behind"].is_boolean(), "{r}");
     }
+    // What the fabric did during the run, counted from two status snapshots. The seven
+    // 1 MiB operations send ~7 MiB per rank; at least 3 MiB per rank in 9000-byte frames.
+    let footer = e
+        .lines()
+        .find(|l| l.starts_with("# fabric during the run: "))
+        .unwrap_or_else(|| panic!("no footer in\n{e}"));
+    let packets: u64 = footer["# fabric during the run: ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .replace(',', "")
+        .parse()
+        .unwrap();
+    assert!(packets > 3 * 8 * (1 << 20) / 9000, "{footer}");
     for algo in ["tree", "rhd", "hier", "ring"] {
         let out = closbox(&[
             "bench", "--fabric", "lt-bench", "--gpus", "0-4", "--sizes", "100K", "--iters", "1",

@@ -56,6 +56,9 @@ pub struct Status {
     pub drops: Vec<(String, u64)>,
     pub lateness: Lateness,
     pub lateness_recent: Lateness,
+    /// The lateness histogram since start, as (bucket, count): clients diff two snapshots
+    /// for the lateness of a run (`Histogram::since`).
+    pub lateness_buckets: Vec<(u32, u64)>,
     pub behind: bool,
     /// The p99 lateness (µs, wall) above which `behind` is set.
     pub behind_threshold_us: f64,
@@ -93,7 +96,7 @@ pub struct Lateness {
 }
 
 impl Lateness {
-    fn of(h: &Histogram) -> Lateness {
+    pub fn of(h: &Histogram) -> Lateness {
         Lateness {
             samples: h.count(),
             p50_us: h.quantile(0.5) as f64 / 1e3,
@@ -378,6 +381,7 @@ impl DataPlane {
                 .map(|r| (r.name().to_owned(), totals.drops.get(*r)))
                 .collect(),
             lateness: Lateness::of(&self.lateness),
+            lateness_buckets: self.lateness.buckets(),
             behind: recent.count() >= 100 && lateness_recent.p99_us * 1e3 > self.behind_ns as f64,
             behind_threshold_us: self.behind_ns as f64 / 1e3,
             lateness_recent,

@@ -63,6 +63,36 @@ impl Histogram {
         self.max
     }
 
+    /// The non-empty buckets as (bucket, count): what `status` exports, so that a client
+    /// can take the difference of two snapshots (`since`).
+    pub fn buckets(&self) -> Vec<(u32, u64)> {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(i, &c)| (i as u32, c))
+            .collect()
+    }
+
+    /// The samples recorded between snapshot `earlier` and snapshot `later` (both from
+    /// `buckets` of one histogram). The maximum is the upper bound of the highest bucket.
+    pub fn since(earlier: &[(u32, u64)], later: &[(u32, u64)]) -> Histogram {
+        let mut h = Histogram::new();
+        for &(i, c) in later {
+            if let Some(slot) = h.counts.get_mut(i as usize) {
+                *slot += c;
+            }
+        }
+        for &(i, c) in earlier {
+            if let Some(slot) = h.counts.get_mut(i as usize) {
+                *slot = slot.saturating_sub(c);
+            }
+        }
+        h.total = h.counts.iter().sum();
+        h.max = h.counts.iter().rposition(|&c| c > 0).map_or(0, upper);
+        h
+    }
+
     /// The value below which a fraction `q` of samples fall (bucket upper bound, capped
     /// at the maximum seen); 0 when empty.
     pub fn quantile(&self, q: f64) -> u64 {
@@ -109,5 +139,23 @@ mod tests {
         assert!((p99 / 990_000.0 - 1.0).abs() < 0.04, "{p99}");
         assert_eq!(h.quantile(1.0), 1_000_000);
         assert_eq!(Histogram::new().quantile(0.5), 0);
+    }
+
+    #[test]
+    fn the_difference_of_snapshots_is_what_came_between() {
+        let mut h = Histogram::new();
+        for v in 1..=1000u64 {
+            h.record(v);
+        }
+        let before = h.buckets();
+        for _ in 0..1000 {
+            h.record(50_000);
+        }
+        let between = Histogram::since(&before, &h.buckets());
+        assert_eq!(between.count(), 1000);
+        let p50 = between.quantile(0.5) as f64;
+        assert!((p50 / 50_000.0 - 1.0).abs() < 0.04, "{p50}");
+        assert!(between.max() >= 50_000 && between.max() < 52_000);
+        assert_eq!(Histogram::since(&h.buckets(), &h.buckets()).count(), 0);
     }
 }
