@@ -7,12 +7,15 @@
 //! Each write's lateness (actual − scheduled, wall time) goes into a histogram: it is the
 //! fidelity signal, and status warns when it says the box cannot keep up.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use closbox_fabric::model::{DropReason, Fabric};
+use closbox_fabric::routing::Routes;
 use closbox_fabric::{HostId, Instant, Topology};
 use serde::Serialize;
 
@@ -25,8 +28,10 @@ const SPIN: StdDuration = StdDuration::from_micros(40);
 /// Packets read from one TUN before looking at the others (fairness).
 const READ_BATCH: usize = 64;
 /// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
-/// in real time; with dilated time the bar is also a quarter of the shortest hop latency
-/// in fabric time (whichever is larger): lateness shifts fabric timings by lateness / k.
+/// in real time; with dilated time the bar is also a quarter of the shortest GPU-to-GPU
+/// latency in fabric time (whichever is larger): lateness shifts fabric timings by
+/// lateness / k, once per path (the model times every hop exactly; only the ends, where
+/// packets enter and leave through TUNs, run late).
 pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 /// Length of the "recent" lateness window.
 const WINDOW: StdDuration = StdDuration::from_secs(5);
@@ -165,23 +170,9 @@ impl DataPlane {
             .iter()
             .map(|p| format!("{}->{}", vname(p.from), vname(p.to)))
             .collect();
-        let h = topo.hosts.len() as u32;
-        let min_hop_ns = model
-            .routes()
-            .ports
-            .iter()
-            .map(|p| {
-                let next = if p.to < h {
-                    0
-                } else {
-                    topo.switches[(p.to - h) as usize].params.latency.as_nanos()
-                };
-                topo.links[p.link as usize].params.delay.as_nanos() + next
-            })
-            .min()
-            .unwrap_or(0);
-        let behind_ns = (BEHIND_P99.as_nanos() as u64)
-            .max((min_hop_ns as f64 / 4.0 * topo.fabric.time_scale) as u64);
+        let behind_ns = (BEHIND_P99.as_nanos() as u64).max(
+            (shortest_gpu_path(topo, model.routes()) as f64 / 4.0 * topo.fabric.time_scale) as u64,
+        );
         Ok(DataPlane {
             name: topo.fabric.name.clone(),
             port_names,
@@ -389,5 +380,70 @@ impl DataPlane {
             tun_tx_dropped: None,
             ports,
         }
+    }
+}
+
+/// The shortest one-way latency from a GPU to another (link delays and switch latencies,
+/// nanoseconds of fabric time): Dijkstra from each GPU, stopping at the first other GPU.
+fn shortest_gpu_path(topo: &Topology, routes: &Routes) -> u64 {
+    let h = topo.hosts.len() as u32;
+    let vertices = h as usize + topo.switches.len();
+    let mut out: Vec<Vec<(u32, u64)>> = vec![Vec::new(); vertices];
+    for p in &routes.ports {
+        let next = if p.to < h {
+            0
+        } else {
+            topo.switches[(p.to - h) as usize].params.latency.as_nanos()
+        };
+        let delay = topo.links[p.link as usize].params.delay.as_nanos();
+        out[p.from as usize].push((p.to, delay + next));
+    }
+    let mut best = u64::MAX;
+    let mut dist = vec![u64::MAX; vertices];
+    for src in 0..h {
+        dist.iter_mut().for_each(|d| *d = u64::MAX);
+        dist[src as usize] = 0;
+        let mut heap = BinaryHeap::from([Reverse((0u64, src))]);
+        while let Some(Reverse((d, v))) = heap.pop() {
+            if d > dist[v as usize] || d >= best {
+                continue;
+            }
+            if v < h && v != src {
+                best = d;
+                break;
+            }
+            for &(to, w) in &out[v as usize] {
+                let nd = d + w;
+                if nd < dist[to as usize] {
+                    dist[to as usize] = nd;
+                    heap.push(Reverse((nd, to)));
+                }
+            }
+        }
+    }
+    if best == u64::MAX {
+        0
+    } else {
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shortest(body: &str) -> u64 {
+        let t =
+            closbox_fabric::parse(&format!("[fabric]\nname = \"t\"\n{body}"), "t.toml").unwrap();
+        shortest_gpu_path(&t, &Routes::new(&t))
+    }
+
+    #[test]
+    fn shortest_gpu_path_is_through_one_leaf_or_one_link() {
+        // GPU → leaf (100 ns + 600 ns of switch) → GPU (100 ns); spines are further.
+        let ls = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n[links.nic]\ndelay = \"100ns\"\n[links.leaf-spine]\ndelay = \"500ns\"\n[switches.leaf]\nlatency = \"600ns\"\n";
+        assert_eq!(shortest(ls), 800);
+        let mesh = "[topology]\nkind = \"full-mesh\"\ngpus = 3\n[links.nic]\ndelay = \"2us\"\n";
+        assert_eq!(shortest(mesh), 2000);
     }
 }
