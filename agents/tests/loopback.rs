@@ -285,3 +285,28 @@ fn endpoints_pair_up_across_ranks() {
         }
     }
 }
+
+#[test]
+fn barrier_waits_for_every_rank() {
+    // The last rank arrives late; nobody may leave before it has arrived. (An ordering,
+    // not a speed: exits are compared with the late rank's arrival.)
+    for n in [2, 3, 5, 8] {
+        let arrived = std::sync::Mutex::new(None::<Instant>);
+        let exits = with_group(n, 1, vec![0; n], |comm| {
+            if comm.g.rank() == n - 1 {
+                std::thread::sleep(Duration::from_millis(100));
+                *arrived.lock().unwrap() = Some(Instant::now());
+            }
+            comm.g.barrier().unwrap();
+            Instant::now()
+        });
+        let arrived = arrived.lock().unwrap().unwrap();
+        for (r, e) in exits.iter().enumerate() {
+            assert!(
+                *e >= arrived,
+                "{n} ranks: rank {r} left before rank {} arrived",
+                n - 1
+            );
+        }
+    }
+}
