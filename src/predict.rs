@@ -325,49 +325,59 @@ impl Predictor {
         }
     }
 
-    /// Pairwise AllToAll as the agents run it, flow by flow: on each channel, rank r's
-    /// step k sends a block to r + k and receives one from r − k; it moves on to step
-    /// k + 1 once its send has left (socket buffers take it) and its receive has arrived.
-    /// Channels and ranks do not wait for each other, so light and heavy steps overlap.
+    /// Pairwise AllToAll as the agents run it: in step k, rank r sends a block to r + k
+    /// and receives one from r − k.
     fn all_to_all(&self, block: f64) -> f64 {
+        let n = self.n();
+        let stages: Vec<Vec<Flow>> = (1..n)
+            .map(|k| (0..n).map(|r| (r, (r + k) % n, block)).collect())
+            .collect();
+        self.pairwise(&stages)
+    }
+
+    /// A schedule of pairwise stages (each rank sends to one peer and receives from one
+    /// in a stage, as the agents' `exchange` does), flow by flow: on each channel, a rank
+    /// starts its next send once its previous send has left (socket buffers take it) and
+    /// its previous receive has arrived (what it sends next depends on it). Channels and
+    /// ranks do not wait for each other, so light stages of some ranks overlap heavy
+    /// stages of others.
+    fn pairwise(&self, stages: &[Vec<Flow>]) -> f64 {
         let (n, chans) = (self.n(), self.channels);
-        let per = block / chans as f64;
-        let id = |k: usize, ch: usize, r: usize| ((k - 1) * chans + ch) * n + r;
         let samples = self.samples(8);
         let mut rng = Rng::new(0xA2A, n as u64);
         let mut total = 0.0;
         for _ in 0..samples {
-            // paths[(a · n + b) · chans + ch]
-            let paths: Vec<Vec<PortId>> = (0..n * n)
-                .flat_map(|ab| {
-                    let (a, b) = (ab / n, ab % n);
-                    if a == b {
-                        vec![Vec::new(); chans]
-                    } else {
-                        self.channel_paths(a, b, &mut rng)
-                    }
-                })
-                .collect();
-            let mut transfers = Vec::with_capacity((n - 1) * chans * n);
-            for k in 1..n {
+            let mut paths: HashMap<(usize, usize), Vec<Vec<PortId>>> = HashMap::new();
+            let mut transfers = Vec::new();
+            // Per rank and channel: its last send and its last receive.
+            let mut last_sent = vec![None; n * chans];
+            let mut last_recv = vec![None; n * chans];
+            for stage in stages {
+                let first = transfers.len();
                 for ch in 0..chans {
-                    for r in 0..n {
-                        let path = &paths[(r * n + (r + k) % n) * chans + ch];
-                        let after = if k == 1 {
-                            Vec::new()
-                        } else {
-                            let from = (r + n - (k - 1)) % n;
-                            vec![
-                                Dep::Sent(id(k - 1, ch, r)),
-                                Dep::Arrived(id(k - 1, ch, from)),
-                            ]
-                        };
+                    for &(a, b, bytes) in stage.iter().filter(|f| f.0 != f.1) {
+                        let path = &paths
+                            .entry((a, b))
+                            .or_insert_with(|| self.channel_paths(a, b, &mut rng))[ch];
+                        let after = [
+                            last_sent[a * chans + ch].map(Dep::Sent),
+                            last_recv[a * chans + ch].map(Dep::Arrived),
+                        ];
                         transfers.push(Transfer {
                             path: path.iter().map(|p| p.0).collect(),
-                            bytes: per,
+                            bytes: bytes / chans as f64,
                             latency: path.iter().map(|p| self.hop_latency[p.0 as usize]).sum(),
-                            after,
+                            after: after.into_iter().flatten().collect(),
                         });
+                    }
+                }
+                // A stage's own transfers do not wait for each other.
+                let mut id = first;
+                for ch in 0..chans {
+                    for &(a, b, _) in stage.iter().filter(|f| f.0 != f.1) {
+                        last_sent[a * chans + ch] = Some(id);
+                        last_recv[b * chans + ch] = Some(id);
+                        id += 1;
                     }
                 }
             }
@@ -398,22 +408,35 @@ impl Predictor {
         self.phase(&up) + self.phase(&down) + 2.0 * fill
     }
 
-    /// Recursive halving-doubling with the fold for non-powers of two.
+    /// Recursive halving-doubling with the fold for non-powers of two, as a pairwise
+    /// schedule: fold the first 2·extra ranks, halve (exchanging half of what is owned
+    /// with the partner at distance pow/2, pow/4, …), double back, unfold.
     fn rhd(&self, s: f64) -> f64 {
         let n = self.n();
         let pow = 1usize << (usize::BITS - 1 - n.leading_zeros());
         let extra = n - pow;
         let real = |v: usize| if v < extra { 2 * v + 1 } else { v + extra };
-        let fold: Vec<Flow> = (0..extra).map(|i| (2 * i, 2 * i + 1, s)).collect();
-        let mut t = 2.0 * self.phase(&fold);
+        let mut halving = Vec::new();
         let (mut dist, mut bytes) = (pow / 2, s / 2.0);
         while dist >= 1 {
-            let flows: Vec<Flow> = (0..pow).map(|v| (real(v), real(v ^ dist), bytes)).collect();
-            t += 2.0 * self.phase(&flows); // halving step, and its mirror while doubling
+            halving.push(
+                (0..pow)
+                    .map(|v| (real(v), real(v ^ dist), bytes))
+                    .collect::<Vec<Flow>>(),
+            );
             dist /= 2;
             bytes /= 2.0;
         }
-        t
+        let mut stages = Vec::new();
+        if extra > 0 {
+            stages.push((0..extra).map(|i| (2 * i, 2 * i + 1, s)).collect());
+        }
+        stages.extend(halving.iter().cloned());
+        stages.extend(halving.into_iter().rev());
+        if extra > 0 {
+            stages.push((0..extra).map(|i| (2 * i + 1, 2 * i, s)).collect());
+        }
+        self.pairwise(&stages)
     }
 
     fn hier(&self, s: f64) -> Option<f64> {
