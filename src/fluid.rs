@@ -1,6 +1,11 @@
-//! A flow-level (fluid) simulation for predictions: transfers share links max-min fairly,
-//! as long-lived TCP flows with similar round-trip times roughly do, and each starts when
-//! the transfers it depends on have left their source or arrived.
+//! A flow-level (fluid) simulation for predictions: each transfer starts when the
+//! transfers it depends on have left their source or arrived, and ports serve transfers
+//! first come, first served: a transfer gets what those that started before it leave
+//! free on its path. That is what a deep FIFO queue does when senders' windows fill it
+//! (the dilated fabrics' 64 MiB buffers): bytes leave in the order they came, so the
+//! transfer that came first finishes first instead of all finishing together, as fair
+//! sharing would have it. Measured on AllToAll and rhd over 1:1 and 3:1 fabrics, first
+//! come first served predicted within 0.98–1.11 where max-min fair sharing gave 0.77–1.09.
 //!
 //! Used where an algorithm's steps do not run in lockstep: in an AllToAll each rank and
 //! channel moves to its next peer as soon as its own exchange is done, so light steps of
@@ -35,15 +40,20 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
     let mut sim = Sim::new(transfers);
     let mut remaining: Vec<f64> = transfers.iter().map(|t| t.bytes.max(0.0)).collect();
     let mut rate = vec![0.0f64; transfers.len()];
+    // Transfers on the wire, in the order they started.
     let mut active: Vec<usize> = Vec::new();
+    let mut started = vec![0.0f64; transfers.len()];
     let (mut now, mut end) = (0.0f64, 0.0f64);
-    let mut share = FairShare::new(cap.len());
+    let mut share = Shares::new(cap.len());
     let mut changed = false;
     loop {
         // Start what is ready; zero-byte transfers are sent as they start.
         while let Some(i) = sim.ready.pop() {
             if remaining[i] > 0.0 {
-                active.push(i);
+                // `active` stays in start order: ties by index.
+                let at = active.partition_point(|&j| j < i || started[j] < now);
+                active.insert(at, i);
+                started[i] = now;
                 changed = true;
             } else {
                 sim.sent(i, now);
@@ -63,7 +73,12 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
         }
         let dt = next - now;
         for &i in &active {
-            remaining[i] -= rate[i] * dt;
+            // A transfer that crosses no port is not limited by the fabric.
+            remaining[i] = if rate[i].is_finite() {
+                remaining[i] - rate[i] * dt
+            } else {
+                0.0
+            };
         }
         now = next;
         let mut k = 0;
@@ -71,7 +86,7 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
             let i = active[k];
             // Done when what is left would take less than a picosecond.
             if remaining[i] <= rate[i] * 1e-12 {
-                active.swap_remove(k);
+                active.remove(k);
                 sim.sent(i, now);
                 changed = true;
             } else {
@@ -168,60 +183,32 @@ impl<'a> Sim<'a> {
     }
 }
 
-/// Max-min fair rates by progressive filling: the port with the smallest fair share
-/// fixes the rate of every flow through it, its flows leave, repeat.
-struct FairShare {
+/// First come, first served: in start order, each transfer takes what is left on the
+/// most loaded port of its path.
+struct Shares {
     left: Vec<f64>,
-    flows: Vec<u32>,
 }
 
-impl FairShare {
-    fn new(ports: usize) -> FairShare {
-        FairShare {
+impl Shares {
+    fn new(ports: usize) -> Shares {
+        Shares {
             left: vec![0.0; ports],
-            flows: vec![0; ports],
         }
     }
 
+    /// `active` is in start order.
     fn compute(&mut self, cap: &[f64], transfers: &[Transfer], active: &[usize], rate: &mut [f64]) {
         self.left.copy_from_slice(cap);
-        self.flows.iter_mut().for_each(|c| *c = 0);
         for &i in active {
-            for &p in &transfers[i].path {
-                self.flows[p as usize] += 1;
-            }
-        }
-        let mut open: Vec<usize> = active.to_vec();
-        while !open.is_empty() {
-            let (port, fair) = self
-                .flows
+            let path = &transfers[i].path;
+            let r = path
                 .iter()
-                .enumerate()
-                .filter(|(_, &c)| c > 0)
-                .map(|(p, &c)| (p, self.left[p] / c as f64))
-                .fold(
-                    (usize::MAX, f64::INFINITY),
-                    |a, b| if b.1 < a.1 { b } else { a },
-                );
-            if port == usize::MAX {
-                // Flows that cross no port (empty paths) are not limited by the fabric.
-                for &i in &open {
-                    rate[i] = f64::INFINITY;
-                }
-                break;
+                .map(|&p| self.left[p as usize])
+                .fold(f64::INFINITY, f64::min);
+            rate[i] = r;
+            for &p in path {
+                self.left[p as usize] -= r;
             }
-            open.retain(|&i| {
-                let path = &transfers[i].path;
-                if !path.contains(&(port as u32)) {
-                    return true;
-                }
-                rate[i] = fair;
-                for &p in path {
-                    self.left[p as usize] -= fair;
-                    self.flows[p as usize] -= 1;
-                }
-                false
-            });
         }
     }
 }
@@ -250,26 +237,46 @@ mod tests {
     }
 
     #[test]
-    fn flows_on_a_port_share_it_and_the_survivor_speeds_up() {
-        // 2 flows on a 100 B/s port: 50 B/s each; the 500-byte one ends at 10 s, then the
-        // other has 1000 bytes left alone: 10 s more.
+    fn a_port_serves_the_first_transfer_first() {
+        // Port 0 (100 B/s): T0 (1000 B) and T1 (100 B) start together, T0 first: it ends
+        // at 10 s, T1 at 11 s; T2 (port 1, 1000 B) waits for T1 to arrive: 21 s. (Fair
+        // sharing would end T1 at 2 s and everything at 12 s.)
         let got = makespan(
-            &[100.0],
-            &[t(&[0], 500.0, 0.0, &[]), t(&[0], 1500.0, 0.0, &[])],
+            &[100.0, 100.0],
+            &[
+                t(&[0], 1000.0, 0.0, &[]),
+                t(&[0], 100.0, 0.0, &[]),
+                t(&[1], 1000.0, 0.0, &[Dep::Arrived(1)]),
+            ],
         );
-        assert!(close(got, 20.0), "{got}");
+        assert!(close(got, 21.0), "{got}");
     }
 
     #[test]
-    fn max_min_fairness_gives_the_unbottlenecked_flow_the_rest() {
-        // Port 0 (100 B/s) carries flows a and b; port 1 (30 B/s) carries b only.
-        // b is held to 30 by port 1, a gets the remaining 70 of port 0.
+    fn later_transfers_get_what_earlier_ones_leave() {
+        // Port 0 (100 B/s) carries a and b; a, first, is held to 30 by port 1, so b gets
+        // the remaining 70 of port 0.
         let cap = [100.0, 30.0];
-        let tr = [t(&[0], 700.0, 0.0, &[]), t(&[0, 1], 3000.0, 0.0, &[])];
+        let tr = [t(&[0, 1], 3000.0, 0.0, &[]), t(&[0], 700.0, 0.0, &[])];
         let mut rate = vec![0.0; 2];
-        FairShare::new(2).compute(&cap, &tr, &[0, 1], &mut rate);
-        assert!(close(rate[0], 70.0) && close(rate[1], 30.0), "{rate:?}");
+        Shares::new(2).compute(&cap, &tr, &[0, 1], &mut rate);
+        assert!(close(rate[0], 30.0) && close(rate[1], 70.0), "{rate:?}");
         assert!(close(makespan(&cap, &tr), 100.0));
+    }
+
+    #[test]
+    fn a_transfer_started_later_waits_behind_earlier_ones() {
+        // T1 may start only once T0 (port 1) has arrived, at 1 s; by then T2 (1000 B)
+        // holds port 0 until 10 s, and T1 (100 B), although its index is lower, ends at 11 s.
+        let got = makespan(
+            &[100.0, 100.0],
+            &[
+                t(&[1], 100.0, 0.0, &[]),
+                t(&[0], 100.0, 0.0, &[Dep::Arrived(0)]),
+                t(&[0], 1000.0, 0.0, &[]),
+            ],
+        );
+        assert!(close(got, 11.0), "{got}");
     }
 
     #[test]
