@@ -23,7 +23,7 @@ use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::model::Fabric;
 use closbox_fabric::packet::FlowKey;
 use closbox_fabric::rng::Rng;
-use closbox_fabric::routing::{PortId, Routes};
+use closbox_fabric::routing::{vertex_latency, PortId, Routes};
 use closbox_fabric::{HostId, Topology};
 
 use crate::fluid::{self, Dep, Transfer};
@@ -62,21 +62,13 @@ impl Predictor {
         let f = &topo.fabric;
         let eff = (f.mtu as f64 - 52.0) / (f.mtu as f64 + f.l2_overhead as f64);
         let frame_bits = (f.mtu as f64 + f.l2_overhead as f64) * 8.0;
-        let h = topo.hosts.len() as u32;
         let (cap, hop_latency) = routes
             .ports
             .iter()
             .map(|p| {
                 let link = topo.links[p.link as usize].params;
                 let rate = link.rate.bps() as f64;
-                let next = if p.to < h {
-                    0.0
-                } else {
-                    topo.switches[(p.to - h) as usize]
-                        .params
-                        .latency
-                        .as_secs_f64()
-                };
+                let next = vertex_latency(topo, p.to).as_secs_f64();
                 (
                     rate / 8.0 * eff,
                     link.delay.as_secs_f64() + next + frame_bits / rate,

@@ -23,7 +23,7 @@ use std::net::Ipv4Addr;
 
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
-use crate::routing::{PortId, Routes, VertexIdx};
+use crate::routing::{vertex_latency, PortId, Routes, VertexIdx};
 use crate::topology::{Ecn, HostId, LinkParams, QueueParams, Routing, Topology};
 use crate::units::{Bandwidth, Duration, Instant};
 
@@ -197,13 +197,6 @@ impl Fabric {
         let routes = Routes::new(topo);
         let h = topo.hosts.len() as u32;
         let seed = topo.fabric.seed;
-        let latency = |v: VertexIdx| {
-            if v < h {
-                Duration::ZERO
-            } else {
-                topo.switches[(v - h) as usize].params.latency
-            }
-        };
         let ports = routes
             .ports
             .iter()
@@ -215,7 +208,7 @@ impl Fabric {
                 } else {
                     topo.switches[(p.from - h) as usize].params.queue
                 },
-                next_latency: latency(p.to),
+                next_latency: vertex_latency(topo, p.to),
                 to: p.to,
                 busy_until: Instant::ZERO,
                 carry: 0,

@@ -9,6 +9,7 @@
 use std::collections::VecDeque;
 
 use crate::topology::{HostId, LinkClass, Tier, Topology, Vertex};
+use crate::units::Duration;
 
 /// Index of an egress port: link `i` gives port `2i` (a→b) and `2i + 1` (b→a).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -16,6 +17,17 @@ pub struct PortId(pub u32);
 
 /// Dense vertex index: hosts `0..H`, then switches.
 pub type VertexIdx = u32;
+
+/// Forwarding latency of vertex `v` (GPUs first, then switches): a switch's configured
+/// latency, nothing for a GPU.
+pub fn vertex_latency(topo: &Topology, v: VertexIdx) -> Duration {
+    let h = topo.hosts.len() as u32;
+    if v < h {
+        Duration::ZERO
+    } else {
+        topo.switches[(v - h) as usize].params.latency
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PortEnds {

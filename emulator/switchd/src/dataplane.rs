@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use closbox_fabric::model::{DropReason, Fabric};
-use closbox_fabric::routing::Routes;
+use closbox_fabric::routing::{vertex_latency, Routes};
 use closbox_fabric::{HostId, Instant, Topology};
 use serde::Serialize;
 
@@ -390,13 +390,8 @@ fn shortest_gpu_path(topo: &Topology, routes: &Routes) -> u64 {
     let vertices = h as usize + topo.switches.len();
     let mut out: Vec<Vec<(u32, u64)>> = vec![Vec::new(); vertices];
     for p in &routes.ports {
-        let next = if p.to < h {
-            0
-        } else {
-            topo.switches[(p.to - h) as usize].params.latency.as_nanos()
-        };
-        let delay = topo.links[p.link as usize].params.delay.as_nanos();
-        out[p.from as usize].push((p.to, delay + next));
+        let delay = topo.links[p.link as usize].params.delay + vertex_latency(topo, p.to);
+        out[p.from as usize].push((p.to, delay.as_nanos()));
     }
     let mut best = u64::MAX;
     let mut dist = vec![u64::MAX; vertices];
