@@ -137,8 +137,7 @@ impl RunHealth {
 
     /// The box fell behind the fabric's schedule: measured times include its limits.
     pub fn behind(&self) -> bool {
-        (self.lateness.samples >= 100 && self.lateness.p99_us > self.threshold_us)
-            || self.tun_drops > 0
+        self.lateness.behind(self.threshold_us) || self.tun_drops > 0
     }
 
     fn footer(&self) -> String {

@@ -1,19 +1,24 @@
-//! What the fabric model predicts a collective takes: an alpha-beta model built from the
-//! topology.
+//! What the fabric model predicts a collective takes, built from the topology.
 //!
-//! An algorithm is a sequence of phases; in a phase, a set of flows (rank → rank, bytes)
-//! run concurrently (rings stream: see `stream`). Each flow is `channels` TCP
-//! connections, each hashed onto one of its equal-cost paths as ECMP does; predictions
-//! average over hash outcomes, so collisions count. A phase lasts as long as its most
-//! loaded link needs to carry its bytes, plus the longest path latency:
+//! Each flow (rank → rank, bytes) is `channels` TCP connections, each on one path: the
+//! path the fabric's ECMP hash gives the connection's real 5-tuple when the agents have
+//! reported their endpoints (`use_paths`), else a path drawn at random as a hash would,
+//! predictions then averaging over draws, so collisions count either way.
+//!
+//! Most algorithms are sequences of phases of concurrent flows (rings stream: see
+//! `stream`). A phase lasts as long as its most loaded link needs to carry its bytes,
+//! plus the longest path latency:
 //!
 //!   t(phase) = max over flows (Σ hops: propagation + switch latency + one frame's
 //!              serialization) + max over links (bytes on link / effective rate)
 //!
+//! Pairwise schedules (AllToAll, rhd), whose ranks do not move in lockstep, are simulated
+//! flow by flow instead (`pairwise`, `crate::fluid`).
+//!
 //! The effective rate is the link rate × TCP payload per frame / wire bytes per frame
-//! ((mtu − 52) / (mtu + l2_overhead): 94.1 % for 1500-byte frames on Ethernet). It is a
-//! fabric-only prediction: host software costs are not in it, so measured/predicted
-//! above 1 is what the hosts (and the box emulating them) add.
+//! ((mtu − 52) / (mtu + l2_overhead): 99.0 % for 9000-byte frames, 94.1 % for 1500). It is
+//! a fabric-only, loss-free prediction: host software costs are not in it, so
+//! measured/predicted above 1 is what the hosts (and the box emulating them) add.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -49,8 +54,8 @@ pub struct Predictor {
     known: Option<HashMap<(usize, usize, usize), Vec<PortId>>>,
 }
 
-/// Largest AllToAll (transfers) simulated flow by flow; larger ones are predicted step
-/// by step (slower steps than a fluid model would let overlap: an upper bound).
+/// Largest AllToAll (in transfers: n(n−1) × channels) simulated flow by flow; larger ones
+/// are predicted phase by phase (no overlap between steps: an upper bound).
 const FLUID_MAX_TRANSFERS: usize = 4096;
 
 /// A flow: from rank, to rank, bytes.

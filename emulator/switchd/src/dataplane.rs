@@ -101,6 +101,11 @@ pub struct Lateness {
 }
 
 impl Lateness {
+    /// Enough writes, and their p99 above `threshold_us`: the box is not keeping up.
+    pub fn behind(&self, threshold_us: f64) -> bool {
+        self.samples >= 100 && self.p99_us > threshold_us
+    }
+
     pub fn of(h: &Histogram) -> Lateness {
         Lateness {
             samples: h.count(),
@@ -373,7 +378,7 @@ impl DataPlane {
                 .collect(),
             lateness: Lateness::of(&self.lateness),
             lateness_buckets: self.lateness.buckets(),
-            behind: recent.count() >= 100 && lateness_recent.p99_us * 1e3 > self.behind_ns as f64,
+            behind: lateness_recent.behind(self.behind_ns as f64 / 1e3),
             behind_threshold_us: self.behind_ns as f64 / 1e3,
             lateness_recent,
             io_errors: self.io_errors,
