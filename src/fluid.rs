@@ -4,8 +4,9 @@
 //! free on its path. That is what a deep FIFO queue does when senders' windows fill it
 //! (the dilated fabrics' 64 MiB buffers): bytes leave in the order they came, so the
 //! transfer that came first finishes first instead of all finishing together, as fair
-//! sharing would have it. Measured on AllToAll and rhd over 1:1 and 3:1 fabrics, first
-//! come first served predicted within 0.98–1.11 where max-min fair sharing gave 0.77–1.09.
+//! sharing would have it. Compared on the same runs (AllToAll and rhd, 1:1 and 3:1
+//! fabrics, one run each), first come first served predicted within 0.98–1.11 where
+//! max-min fair sharing gave 0.77–1.09.
 //!
 //! Used where an algorithm's steps do not run in lockstep: in an AllToAll each rank and
 //! channel moves to its next peer as soon as its own exchange is done, so light steps of
