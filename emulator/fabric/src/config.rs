@@ -36,15 +36,53 @@ impl fmt::Display for ConfigError {
     }
 }
 
-/// Reads and validates a topology file.
+/// Reads and validates a topology file: a regular file of at most `MAX_FILE_BYTES`
+/// (a FIFO, device or directory is refused without reading it).
 pub fn load(path: &Path) -> Result<Topology, ConfigError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+    let text = read_limited(path).map_err(|message| ConfigError {
         file: file.clone(),
         position: None,
-        message: format!("cannot read: {e}"),
+        message,
     })?;
     parse(&text, &file)
+}
+
+fn read_limited(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let meta = f.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a regular file (a topology file is a TOML text file)".into());
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "{} bytes is too large for a topology file (at most {} bytes)",
+            meta.len(),
+            MAX_FILE_BYTES
+        ));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!(
+            "too large for a topology file (at most {MAX_FILE_BYTES} bytes)"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 /// Validates topology text; `file` names it in errors.
@@ -61,8 +99,18 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
 pub const DEFAULT_POOL: &str = "198.18.0.0/15";
 pub const DEFAULT_MTU: u32 = 1500;
 pub const DEFAULT_L2_OVERHEAD: u32 = 38;
-/// Longest fabric name: namespaces are `cb-<name>-gpuNNNNN` and stay readable.
-pub const MAX_NAME_LEN: usize = 16;
+/// Largest topology file read: a custom file of ~25,000 hosts and links (parsing takes
+/// ~45 bytes of memory per byte of such a file).
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+/// Most GPUs a topology may declare (a namespace and a TUN each, on one box).
+pub const MAX_GPUS: u64 = 65_536;
+/// Most switches a topology may declare (node switches included).
+pub const MAX_SWITCHES: u64 = 65_536;
+/// Most links a topology may declare (a full mesh of 2048 GPUs has 2,096,128).
+pub const MAX_LINKS: u64 = 1 << 22;
+/// Longest link delay or switch latency: fabric time must not overflow, and no GPU fabric
+/// has cables a second long.
+pub const MAX_DELAY: Duration = Duration::from_millis(1_000);
 
 struct Cx<'a> {
     text: &'a str,
@@ -121,6 +169,7 @@ struct RawFabric {
     address_pool: Option<Spanned<String>>,
     mtu: Option<Spanned<i64>>,
     l2_overhead: Option<Spanned<Bytes>>,
+    packet_memory: Option<Spanned<Bytes>>,
 }
 
 #[derive(Deserialize)]
@@ -142,10 +191,10 @@ struct RawTopology {
 struct RawNode {
     gpus_per_node: Option<Spanned<i64>>,
     rate: Option<Bandwidth>,
-    delay: Option<Duration>,
-    latency: Option<Duration>,
+    delay: Option<Spanned<Duration>>,
+    latency: Option<Spanned<Duration>>,
     buffer: Option<Spanned<Bytes>>,
-    ecn: Option<RawEcn>,
+    ecn: Option<Spanned<RawEcn>>,
     loss: Option<Spanned<f64>>,
 }
 
@@ -153,13 +202,13 @@ struct RawNode {
 #[serde(deny_unknown_fields)]
 struct RawQueue {
     buffer: Option<Spanned<Bytes>>,
-    ecn: Option<RawEcn>,
+    ecn: Option<Spanned<RawEcn>>,
     tcp_congestion: Option<Spanned<String>>,
     tcp_ecn: Option<bool>,
     tcp_slow_start_after_idle: Option<bool>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawEcn {
     k: Option<Spanned<Bytes>>,
@@ -172,7 +221,7 @@ struct RawEcn {
 #[serde(deny_unknown_fields)]
 struct RawLinkClass {
     rate: Option<Bandwidth>,
-    delay: Option<Duration>,
+    delay: Option<Spanned<Duration>>,
     loss: Option<Spanned<f64>>,
 }
 
@@ -189,9 +238,9 @@ struct RawLinks {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawSwitchTier {
-    latency: Option<Duration>,
+    latency: Option<Spanned<Duration>>,
     buffer: Option<Spanned<Bytes>>,
-    ecn: Option<RawEcn>,
+    ecn: Option<Spanned<RawEcn>>,
     routing: Option<Spanned<String>>,
     radix: Option<Spanned<i64>>,
 }
@@ -225,7 +274,7 @@ struct RawLink {
     class: Option<Spanned<String>>,
     count: Option<Spanned<i64>>,
     rate: Option<Bandwidth>,
-    delay: Option<Duration>,
+    delay: Option<Spanned<Duration>>,
     loss: Option<Spanned<f64>>,
 }
 
@@ -261,6 +310,30 @@ pub fn default_switch(tier: Tier) -> SwitchParams {
 
 pub const DEFAULT_NIC_BUFFER: Bytes = Bytes::new(2 << 20);
 
+/// Bounds of `[fabric] packet_memory`, and of its default.
+pub const MIN_PACKET_MEMORY: u64 = 16 << 20;
+pub const MAX_PACKET_MEMORY: u64 = 16 << 30;
+pub const DEFAULT_PACKET_MEMORY_CAP: u64 = 1 << 30;
+
+/// Default packet memory: every port's buffer full of full-size packets (plus a quarter
+/// for per-packet overhead and packets on the wire), at least 32 MiB, at most 1 GiB.
+pub fn default_packet_memory(topo: &Topology) -> Bytes {
+    let buffer_of = |v: Vertex| match v {
+        Vertex::Host(_) => topo.fabric.nic_queue.buffer.get(),
+        Vertex::Switch(s) => topo.switches[s.0 as usize].params.queue.buffer.get(),
+    };
+    let total = topo
+        .links
+        .iter()
+        .map(|l| buffer_of(l.a).saturating_add(buffer_of(l.b)))
+        .fold(0u64, u64::saturating_add);
+    Bytes::new(
+        total
+            .saturating_add(total / 4)
+            .clamp(32 << 20, DEFAULT_PACKET_MEMORY_CAP),
+    )
+}
+
 // ---- validation ----------------------------------------------------------------------
 
 fn count(cx: &Cx, v: &Spanned<i64>, key: &str, min: i64, max: i64) -> Result<u32, ConfigError> {
@@ -271,6 +344,25 @@ fn count(cx: &Cx, v: &Spanned<i64>, key: &str, min: i64, max: i64) -> Result<u32
     Ok(n as u32)
 }
 
+/// A delay or latency, at most `MAX_DELAY`.
+fn duration(
+    cx: &Cx,
+    v: &Option<Spanned<Duration>>,
+    key: &str,
+) -> Result<Option<Duration>, ConfigError> {
+    match v {
+        Some(d) if *d.get_ref() > MAX_DELAY => Err(cx.err(
+            d,
+            format!(
+                "`{key}` = {} is longer than the {MAX_DELAY} closbox allows",
+                d.get_ref()
+            ),
+        )),
+        Some(d) => Ok(Some(*d.get_ref())),
+        None => Ok(None),
+    }
+}
+
 fn probability(cx: &Cx, v: &Spanned<f64>, key: &str) -> Result<f64, ConfigError> {
     let p = *v.get_ref();
     if !(0.0..1.0).contains(&p) {
@@ -279,13 +371,15 @@ fn probability(cx: &Cx, v: &Spanned<f64>, key: &str) -> Result<f64, ConfigError>
     Ok(p)
 }
 
-fn ecn(cx: &Cx, e: &RawEcn) -> Result<Ecn, ConfigError> {
+fn ecn(cx: &Cx, table: &Spanned<RawEcn>) -> Result<Ecn, ConfigError> {
+    let e = table.get_ref();
     let at = [&e.k, &e.min, &e.max]
         .into_iter()
         .flatten()
         .map(|b| b.span())
         .chain(e.p_max.as_ref().map(|p| p.span()))
-        .min_by_key(|s| s.start);
+        .min_by_key(|s| s.start)
+        .or(Some(table.span()));
     let v = |b: &Option<Spanned<Bytes>>| b.as_ref().map(|b| *b.get_ref());
     match (v(&e.k), v(&e.min), v(&e.max), &e.p_max) {
         (Some(k), None, None, None) => Ok(Ecn::Step { k }),
@@ -310,7 +404,7 @@ fn ecn(cx: &Cx, e: &RawEcn) -> Result<Ecn, ConfigError> {
 fn queue(
     cx: &Cx,
     buffer: &Option<Spanned<Bytes>>,
-    ecn_raw: &Option<RawEcn>,
+    ecn_raw: &Option<Spanned<RawEcn>>,
     default: QueueParams,
 ) -> Result<QueueParams, ConfigError> {
     let buffer = match buffer {
@@ -325,13 +419,13 @@ fn queue(
 fn link_params(
     cx: &Cx,
     rate: Option<Bandwidth>,
-    delay: Option<Duration>,
+    delay: &Option<Spanned<Duration>>,
     loss: &Option<Spanned<f64>>,
     base: LinkParams,
 ) -> Result<LinkParams, ConfigError> {
     Ok(LinkParams {
         rate: rate.unwrap_or(base.rate),
-        delay: delay.unwrap_or(base.delay),
+        delay: duration(cx, delay, "delay")?.unwrap_or(base.delay),
         loss: match loss {
             Some(p) => probability(cx, p, "loss")?,
             None => base.loss,
@@ -363,7 +457,7 @@ fn switch_tier(
         },
     };
     Ok(SwitchParams {
-        latency: r.latency.unwrap_or(d.latency),
+        latency: duration(cx, &r.latency, "latency")?.unwrap_or(d.latency),
         queue: queue(cx, &r.buffer, &r.ecn, d.queue)?,
         routing,
         radix: r
@@ -385,7 +479,7 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
     ] {
         if let Some(r) = r {
             links[class as usize] =
-                link_params(cx, r.rate, r.delay, &r.loss, links[class as usize])?;
+                link_params(cx, r.rate, &r.delay, &r.loss, links[class as usize])?;
         }
     }
     let mut tiers = [
@@ -400,15 +494,29 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
             gpus_per_node = count(cx, g, "gpus_per_node", 1, 1024)?;
         }
         let nv = &mut links[LinkClass::Nvlink as usize];
-        *nv = link_params(cx, n.rate, n.delay, &n.loss, *nv)?;
+        *nv = link_params(cx, n.rate, &n.delay, &n.loss, *nv)?;
         let sw = &mut tiers[Tier::Node as usize];
-        sw.latency = n.latency.unwrap_or(sw.latency);
+        sw.latency = duration(cx, &n.latency, "latency")?.unwrap_or(sw.latency);
         sw.queue = queue(cx, &n.buffer, &n.ecn, sw.queue)?;
     }
     let settings = Settings { links, tiers };
     let builder = Builder::new(fabric, settings);
 
-    let topo = generate_shape(cx, &raw, builder, gpus_per_node)?;
+    let mut topo = generate_shape(cx, &raw, builder, gpus_per_node)?;
+    topo.fabric.packet_memory = match &raw.fabric.packet_memory {
+        Some(m) if !(MIN_PACKET_MEMORY..=MAX_PACKET_MEMORY).contains(&m.get_ref().get()) => {
+            return Err(cx.err(
+                m,
+                format!(
+                    "`packet_memory` must be between {} and {}",
+                    Bytes::new(MIN_PACKET_MEMORY),
+                    Bytes::new(MAX_PACKET_MEMORY)
+                ),
+            ))
+        }
+        Some(m) => *m.get_ref(),
+        None => default_packet_memory(&topo),
+    };
     check_pool(cx, &raw, &topo)?;
     check_radix(cx, &raw, &topo)?;
     Ok(topo)
@@ -417,20 +525,7 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
 fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
     let f = &raw.fabric;
     let name = f.name.get_ref();
-    let valid = !name.is_empty()
-        && name.len() <= MAX_NAME_LEN
-        && name.starts_with(|c: char| c.is_ascii_lowercase())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
-    if !valid {
-        return Err(cx.err(
-            &f.name,
-            format!(
-                "fabric name {name:?} must be 1..={MAX_NAME_LEN} characters of a-z, 0-9 and '-', starting with a letter"
-            ),
-        ));
-    }
+    crate::names::check_fabric_name(name).map_err(|e| cx.err(&f.name, e))?;
     let time_scale = match &f.time_scale {
         Some(t) if !(t.get_ref().is_finite() && *t.get_ref() >= 1.0 && *t.get_ref() <= 1e6) => {
             return Err(cx.err(
@@ -463,7 +558,7 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
     let nic_queue = queue(
         cx,
         &nic.and_then(|n| n.buffer.clone()),
-        &nic.and_then(|n| n.ecn.as_ref().map(clone_ecn)),
+        &nic.and_then(|n| n.ecn.clone()),
         QueueParams {
             buffer: DEFAULT_NIC_BUFFER,
             ecn: None,
@@ -497,16 +592,9 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
         mtu,
         l2_overhead,
         nic_queue,
+        // Settled in `build` once the ports are known.
+        packet_memory: Bytes::new(0),
     })
-}
-
-fn clone_ecn(e: &RawEcn) -> RawEcn {
-    RawEcn {
-        k: e.k.clone(),
-        min: e.min.clone(),
-        max: e.max.clone(),
-        p_max: e.p_max.clone(),
-    }
 }
 
 /// The topology keys each kind accepts (others present are errors).
@@ -529,6 +617,52 @@ fn allowed_keys(kind: &str) -> Option<&'static [&'static str]> {
 
 const KINDS: &str =
     "\"single-switch\", \"full-mesh\", \"leaf-spine\", \"fat-tree\", \"rail-optimized\", \"superpod-su\" or \"custom\"";
+
+/// What a topology declares, counted before anything is built (u64: no product wraps).
+#[derive(Clone, Copy, Debug)]
+struct Declared {
+    hosts: u64,
+    switches: u64,
+    links: u64,
+}
+
+impl Declared {
+    /// `nodes` nodes of `gpn` GPUs: their GPUs, node switches and nvlinks.
+    fn nodes(nodes: u64, gpn: u32) -> Declared {
+        let hosts = nodes.saturating_mul(gpn as u64);
+        let multi = gpn > 1;
+        Declared {
+            hosts,
+            switches: if multi { nodes } else { 0 },
+            links: if multi { hosts } else { 0 },
+        }
+    }
+
+    fn plus(self, switches: u64, links: u64) -> Declared {
+        Declared {
+            hosts: self.hosts,
+            switches: self.switches.saturating_add(switches),
+            links: self.links.saturating_add(links),
+        }
+    }
+
+    /// Refuses sizes above the limits, at `at`, before generating.
+    fn check<T>(self, cx: &Cx, at: &Spanned<T>, kind: &str) -> Result<(), ConfigError> {
+        for (what, n, max) in [
+            ("GPUs", self.hosts, MAX_GPUS),
+            ("switches", self.switches, MAX_SWITCHES),
+            ("links", self.links, MAX_LINKS),
+        ] {
+            if n > max {
+                return Err(cx.err(
+                    at,
+                    format!("this {kind} topology has {n} {what}; closbox models at most {max}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
 
 fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topology, ConfigError> {
     let t = raw.topology.get_ref();
@@ -616,13 +750,22 @@ fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topolo
         }
     };
     let topo = match kind {
-        "single-switch" => generate::single_switch(b, node_count("single-switch")?, gpn),
+        "single-switch" => {
+            let nodes = node_count("single-switch")?;
+            let d = Declared::nodes(nodes as u64, gpn);
+            d.plus(1, d.hosts).check(cx, &raw.topology, kind)?;
+            generate::single_switch(b, nodes, gpn)
+        }
         "full-mesh" => {
             let nodes = node_count("full-mesh")?;
-            if nodes * gpn > 4096 {
+            let d = Declared::nodes(nodes as u64, gpn);
+            if d.hosts > 2048 {
                 return Err(cx.err(
                     &raw.topology,
-                    "full-mesh is limited to 4096 GPUs (8 million links)",
+                    format!(
+                        "full-mesh is limited to 2048 GPUs (2 million links); this one has {}",
+                        d.hosts
+                    ),
                 ));
             }
             generate::full_mesh(b, nodes, gpn)
@@ -644,10 +787,17 @@ fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topolo
                 }
             };
             let uplinks = opt(&t.uplinks, "uplinks", 1)?;
+            let d = Declared::nodes(leaves as u64 * npl as u64, gpn);
+            let fabric_links = (leaves as u64 * spines as u64).saturating_mul(uplinks as u64);
+            d.plus(
+                leaves as u64 + spines as u64,
+                d.hosts.saturating_add(fabric_links),
+            )
+            .check(cx, &raw.topology, kind)?;
             generate::leaf_spine(b, leaves, spines, npl, gpn, uplinks)
         }
         "fat-tree" => {
-            let k = need(&t.k, "k", 2, 256)?;
+            let k = need(&t.k, "k", 2, 1024)?;
             let kv = t.k.as_ref().expect("checked by need");
             if k % 2 != 0 {
                 return Err(cx.err(kv, format!("fat-tree `k` = {k} must be even")));
@@ -658,6 +808,17 @@ fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topolo
                     format!("fat-tree leaves have k/2 = {} GPU ports, not a multiple of gpus_per_node = {gpn}", k / 2),
                 ));
             }
+            let k64 = k as u64;
+            let hosts = k64 * k64 * k64 / 4;
+            if hosts > MAX_GPUS {
+                return Err(cx.err(
+                    kv,
+                    format!("fat-tree k = {k} has {hosts} GPUs; closbox models at most {MAX_GPUS} (k ≤ 64)"),
+                ));
+            }
+            let d = Declared::nodes(hosts / gpn as u64, gpn);
+            d.plus(5 * k64 * k64 / 4, hosts + k64 * k64 * k64 / 2)
+                .check(cx, &raw.topology, kind)?;
             generate::fat_tree(b, k, gpn)
         }
         "rail-optimized" => {
@@ -670,6 +831,13 @@ fn generate_shape(cx: &Cx, raw: &RawFile, b: Builder, gpn: u32) -> Result<Topolo
             let nodes = need(&t.nodes, "nodes", 1, 65_536)?;
             let spines = need(&t.spines, "spines", 1, 65_536)?;
             let uplinks = opt(&t.uplinks, "uplinks", 1)?;
+            let d = Declared::nodes(nodes as u64, gpn);
+            let fabric_links = (gpn as u64 * spines as u64).saturating_mul(uplinks as u64);
+            d.plus(
+                gpn as u64 + spines as u64,
+                d.hosts.saturating_add(fabric_links),
+            )
+            .check(cx, &raw.topology, kind)?;
             let shape = Shape::RailOptimized {
                 rails: gpn,
                 spines,
@@ -706,20 +874,26 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
             "a custom topology needs at least one [[host]]",
         ));
     }
+    let links = raw
+        .link_list
+        .iter()
+        .map(|l| {
+            l.get_ref()
+                .count
+                .as_ref()
+                .map_or(1, |c| (*c.get_ref()).clamp(1, 1024) as u64)
+        })
+        .fold(0u64, u64::saturating_add);
+    Declared {
+        hosts: raw.host_list.len() as u64,
+        switches: raw.switch_list.len() as u64,
+        links,
+    }
+    .check(cx, &raw.topology, "custom")?;
     let mut names: BTreeMap<&str, Vertex> = BTreeMap::new();
     let check_name = |names: &BTreeMap<&str, Vertex>, n: &Spanned<String>| {
         let s = n.get_ref();
-        if s.is_empty()
-            || s.len() > 32
-            || !s
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-        {
-            return Err(cx.err(
-                n,
-                format!("name {s:?} must be 1..=32 characters of A-Z, a-z, 0-9, '-', '_', '.'"),
-            ));
-        }
+        crate::names::check_host_name(s).map_err(|e| cx.err(n, e))?;
         if names.contains_key(s.as_str()) {
             return Err(cx.err(n, format!("duplicate name {s:?}")));
         }
@@ -808,7 +982,7 @@ fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology, ConfigErro
         if node_tier && class != LinkClass::Nvlink {
             return Err(cx.err(l, "a \"node\"-tier switch links only to its GPUs"));
         }
-        let params = link_params(cx, r.rate, r.delay, &r.loss, b.settings().link(class))?;
+        let params = link_params(cx, r.rate, &r.delay, &r.loss, b.settings().link(class))?;
         let times = r
             .count
             .as_ref()
@@ -871,10 +1045,16 @@ fn names_of(raw: &RawFile, host: u32) -> String {
 }
 
 /// Every pair of GPUs must be able to reach each other: through their node switch when in
-/// one node, else over scale-out links (node switches carry no transit traffic).
+/// one node, else over scale-out links through switches, or over a direct link. GPUs
+/// never forward for others, so a GPU reachable only through another GPU is an error.
 fn check_connected(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), ConfigError> {
+    use std::collections::{BTreeMap, BTreeSet};
+    const PAIRWISE_LIMIT: usize = 2048;
     let h = topo.hosts.len();
-    let mut parent: Vec<usize> = (0..h + topo.switches.len()).collect();
+    if h < 2 {
+        return Ok(());
+    }
+    let mut parent: Vec<usize> = (0..topo.switches.len()).collect();
     fn find(p: &mut [usize], mut x: usize) -> usize {
         while p[x] != x {
             p[x] = p[p[x]];
@@ -882,53 +1062,108 @@ fn check_connected(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), Config
         }
         x
     }
-    let idx = |v: Vertex| match v {
-        Vertex::Host(x) => x.0 as usize,
-        Vertex::Switch(s) => h + s.0 as usize,
+    let scale_out_switch = |v: Vertex| match v {
+        Vertex::Switch(s) if topo.switch(s).tier != Tier::Node => Some(s.0 as usize),
+        _ => None,
     };
-    for l in topo.links.iter().filter(|l| l.class != LinkClass::Nvlink) {
-        let (a, b) = (find(&mut parent, idx(l.a)), find(&mut parent, idx(l.b)));
-        parent[a] = b;
-    }
-    let root0 = find(&mut parent, 0);
-    for i in 1..h {
-        if find(&mut parent, i) != root0 && topo.hosts[i].node != topo.hosts[0].node {
-            return Err(cx.err(
-                &raw.host_list[i],
-                format!(
-                    "host {:?} cannot reach host {:?}: no path over scale-out links",
-                    topo.hosts[i].name, topo.hosts[0].name
-                ),
-            ));
+    let scale_out = topo.links.iter().filter(|l| l.class != LinkClass::Nvlink);
+    for l in scale_out.clone() {
+        if let (Some(a), Some(b)) = (scale_out_switch(l.a), scale_out_switch(l.b)) {
+            let (a, b) = (find(&mut parent, a), find(&mut parent, b));
+            parent[a] = b;
         }
     }
-    // Hosts in node 0 reach others via their node switch; the rest must share a component
-    // with each other too.
-    let mut seen: Option<(usize, usize)> = None;
-    for i in 0..h {
-        let r = find(&mut parent, i);
-        if r == root0 {
-            continue;
-        }
-        match seen {
-            None => seen = Some((r, i)),
-            Some((r0, i0)) if r0 != r && topo.hosts[i].node != topo.hosts[i0].node => {
-                return Err(cx.err(
-                    &raw.host_list[i],
-                    format!(
-                        "host {:?} cannot reach host {:?}: no path over scale-out links",
-                        topo.hosts[i].name, topo.hosts[i0].name
-                    ),
-                ))
+    // Per host: the switch components it attaches to; and direct host-host links.
+    let mut comps: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); h];
+    let mut direct: BTreeSet<(usize, usize)> = BTreeSet::new();
+    for l in scale_out {
+        match (l.a, l.b) {
+            (Vertex::Host(x), Vertex::Host(y)) => {
+                direct.insert((x.0.min(y.0) as usize, x.0.max(y.0) as usize));
+            }
+            (Vertex::Host(x), s) | (s, Vertex::Host(x)) => {
+                if let Some(s) = scale_out_switch(s) {
+                    let c = find(&mut parent, s);
+                    comps[x.0 as usize].insert(c);
+                }
             }
             _ => {}
+        }
+    }
+    let mut touched: BTreeMap<usize, usize> = BTreeMap::new();
+    for c in comps.iter().flatten() {
+        *touched.entry(*c).or_default() += 1;
+    }
+    if touched.values().any(|&n| n == h) {
+        return Ok(());
+    }
+    let unreachable = |i: usize, j: usize| {
+        cx.err(
+            &raw.host_list[j],
+            format!(
+                "host {:?} cannot reach host {:?}: no path over scale-out links through switches, nor a direct link (GPUs do not forward for others)",
+                topo.hosts[j].name, topo.hosts[i].name
+            ),
+        )
+    };
+    if h > PAIRWISE_LIMIT {
+        // Too many for a pairwise check: ask for the common case, one switch fabric.
+        let lonely = (0..h).find(|&i| comps[i].is_empty()).unwrap_or(h - 1);
+        return Err(cx.err(
+            &raw.host_list[lonely],
+            format!(
+                "with more than {PAIRWISE_LIMIT} hosts, every host must attach to one connected switch fabric; host {:?} does not",
+                topo.hosts[lonely].name
+            ),
+        ));
+    }
+    for j in 1..h {
+        for i in 0..j {
+            // Hosts without a node switch each have a node of their own.
+            let same_node = topo.hosts[i].node == topo.hosts[j].node;
+            if same_node
+                || direct.contains(&(i, j))
+                || comps[i].intersection(&comps[j]).next().is_some()
+            {
+                continue;
+            }
+            return Err(unreachable(i, j));
         }
     }
     Ok(())
 }
 
+/// Ranges a fabric's addresses must stay out of: they mean something else to every host.
+const FORBIDDEN_POOLS: [(&str, [u8; 4], u8); 4] = [
+    ("\"this network\" (0.0.0.0/8)", [0, 0, 0, 0], 8),
+    ("loopback (127.0.0.0/8)", [127, 0, 0, 0], 8),
+    ("multicast (224.0.0.0/4)", [224, 0, 0, 0], 4),
+    (
+        "reserved (240.0.0.0/4, with the broadcast address)",
+        [240, 0, 0, 0],
+        4,
+    ),
+];
+
 fn check_pool(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), ConfigError> {
     let pool = topo.fabric.pool;
+    let overlaps = |base: [u8; 4], prefix: u8| {
+        // Two prefixes overlap when they agree on the shorter one's bits.
+        let shorter = prefix.min(pool.prefix) as u32;
+        let mask = if shorter == 0 {
+            0
+        } else {
+            u32::MAX << (32 - shorter)
+        };
+        (u32::from(pool.addr) & mask) == (u32::from_be_bytes(base) & mask)
+    };
+    if let Some((what, _, _)) = FORBIDDEN_POOLS.iter().find(|(_, b, p)| overlaps(*b, *p)) {
+        let at = raw.fabric.address_pool.as_ref().map(|p| p.span());
+        return Err(cx.err_at(
+            at,
+            format!("address pool {pool} overlaps the {what} range; use a private or benchmarking range such as {DEFAULT_POOL}"),
+        ));
+    }
     if topo.hosts.len() as u64 > pool.host_capacity() {
         let at = raw
             .fabric

@@ -220,7 +220,7 @@ impl Shape {
 /// Fabric-wide settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FabricParams {
-    /// Prefixes every system object (`cb-<name>-…`).
+    /// Prefixes every system object (`cb-<name>.<gpu>`, `/run/closbox/fabrics/<name>`).
     pub name: String,
     /// Seeds every random choice (loss, spray, ECMP hash, RED).
     pub seed: u64,
@@ -236,6 +236,10 @@ pub struct FabricParams {
     pub nic_queue: QueueParams,
     /// TCP settings of the GPUs' own network stacks.
     pub host_tcp: HostTcp,
+    /// The most memory the fabric's held packets may take (buffers plus per-packet
+    /// overhead); beyond it new packets are dropped as `memory_limit`. Bounds the daemon
+    /// whatever the GPUs send.
+    pub packet_memory: Bytes,
 }
 
 /// Kernel TCP settings applied inside every GPU namespace (they are per namespace).

@@ -37,8 +37,10 @@ impl Instant {
 
 impl Add<Duration> for Instant {
     type Output = Instant;
+    /// Saturates at the end of time (584 years), which no fabric reaches: a time sum
+    /// never wraps into the past, in release builds either.
     fn add(self, d: Duration) -> Instant {
-        Instant(self.0 + d.0)
+        Instant(self.0.saturating_add(d.0))
     }
 }
 
@@ -87,13 +89,13 @@ impl Duration {
 impl Add for Duration {
     type Output = Duration;
     fn add(self, rhs: Duration) -> Duration {
-        Duration(self.0 + rhs.0)
+        Duration(self.0.saturating_add(rhs.0))
     }
 }
 
 impl AddAssign for Duration {
     fn add_assign(&mut self, rhs: Duration) {
-        self.0 += rhs.0;
+        self.0 = self.0.saturating_add(rhs.0);
     }
 }
 
