@@ -8,6 +8,21 @@ use closbox_fabric::Bandwidth;
 use crate::SizeKind;
 
 /// 1234567 → "1,234,567".
+/// A byte count for people: "1.3 GiB", "512 MiB", "40 KiB".
+pub fn approx_bytes(b: u64) -> String {
+    for (div, unit) in [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+        if b >= div {
+            let v = b as f64 / div as f64;
+            return if v >= 100.0 || b % div == 0 {
+                format!("{v:.0} {unit}")
+            } else {
+                format!("{v:.1} {unit}")
+            };
+        }
+    }
+    format!("{b} B")
+}
+
 pub fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::with_capacity(s.len() + s.len() / 3);
@@ -113,6 +128,16 @@ pub fn render_plan(p: &Plan) -> String {
     let _ = writeln!(s, "hops (links on the path){sampled}");
     let _ = writeln!(s, "  intra-node  {}", hops(&p.hops_intra_node));
     let _ = writeln!(s, "  inter-node  {}", hops(&p.hops_inter_node));
+    let m = &p.daemon_memory;
+    let _ = writeln!(
+        s,
+        "daemon memory        at most {} (routing {}, structures {}, packets {}, process {})",
+        approx_bytes(m.total),
+        approx_bytes(m.routing),
+        approx_bytes(m.structures),
+        approx_bytes(m.packets),
+        approx_bytes(m.base)
+    );
     let _ = writeln!(
         s,
         "\nthe same {} GPUs without a hierarchy",

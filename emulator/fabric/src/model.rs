@@ -40,15 +40,22 @@ pub enum DropReason {
     BufferFull,
     /// Lost on the wire (the link's loss probability).
     Loss,
+    /// Its TTL ran out at a switch (every switch is a routed hop and decrements it).
+    TtlExpired,
+    /// The fabric already holds its packet-memory budget (`Fabric::memory_limit`): the
+    /// box's limit, not a switch's, so that no traffic pattern exhausts the box.
+    MemoryLimit,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 5] = [
+    pub const ALL: [DropReason; 7] = [
         DropReason::Malformed,
         DropReason::Unsupported,
         DropReason::NoRoute,
         DropReason::BufferFull,
         DropReason::Loss,
+        DropReason::TtlExpired,
+        DropReason::MemoryLimit,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,13 +65,15 @@ impl DropReason {
             DropReason::NoRoute => "no_route",
             DropReason::BufferFull => "buffer_full",
             DropReason::Loss => "loss",
+            DropReason::TtlExpired => "ttl_expired",
+            DropReason::MemoryLimit => "memory_limit",
         }
     }
 }
 
 /// Drop counts by reason.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Drops([u64; 5]);
+pub struct Drops([u64; DropReason::ALL.len()]);
 
 impl Drops {
     pub fn get(&self, r: DropReason) -> u64 {
@@ -176,7 +185,11 @@ pub struct Fabric {
     next_packet: u64,
     now: Instant,
     deliveries: VecDeque<Delivery>,
-    ingress_drops: Drops,
+    /// Drops that are no port's: at a GPU's ingress, at a switch (TTL), the memory budget.
+    vertex_drops: Drops,
+    /// Bytes charged for the packets the fabric holds (`charge`), and the most it may.
+    memory_used: u64,
+    memory_limit: u64,
     sent: u64,
     delivered: u64,
     trace: Option<Vec<TraceEntry>>,
@@ -245,7 +258,9 @@ impl Fabric {
             next_packet: 0,
             now: Instant::ZERO,
             deliveries: VecDeque::new(),
-            ingress_drops: Drops::default(),
+            vertex_drops: Drops::default(),
+            memory_used: 0,
+            memory_limit: topo.fabric.packet_memory.get(),
             sent: 0,
             delivered: 0,
             trace: None,
@@ -306,15 +321,21 @@ impl Fabric {
                     Unforwardable::Malformed => DropReason::Malformed,
                     Unforwardable::NotIpv4 => DropReason::Unsupported,
                 };
-                self.ingress_drops.add(r);
+                self.vertex_drops.add(r);
                 return Verdict::Dropped(r);
             }
         };
         let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
         if dst >= self.hosts || dst == src.0 {
-            self.ingress_drops.add(DropReason::NoRoute);
+            self.vertex_drops.add(DropReason::NoRoute);
             return Verdict::Dropped(DropReason::NoRoute);
         }
+        let charge = charge(&data);
+        if self.memory_used + charge > self.memory_limit {
+            self.vertex_drops.add(DropReason::MemoryLimit);
+            return Verdict::Dropped(DropReason::MemoryLimit);
+        }
+        self.memory_used += charge;
         let len = headers.len as u32;
         let frames = len.div_ceil(self.mtu).max(1);
         let pkt = InFlight {
@@ -342,7 +363,7 @@ impl Fabric {
             Ok(()) => Verdict::Accepted,
             Err(r) => {
                 if r == DropReason::NoRoute {
-                    self.ingress_drops.add(r);
+                    self.vertex_drops.add(r);
                 }
                 Verdict::Dropped(r)
             }
@@ -408,6 +429,14 @@ impl Fabric {
     /// Routes the packet in `slot`, standing at vertex `v` at time `now`, onto an egress
     /// port and schedules its arrival at the next vertex.
     fn forward(&mut self, now: Instant, v: VertexIdx, slot: u32) -> Result<(), DropReason> {
+        if v >= self.hosts {
+            let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+            if !packet::decrement_ttl(&mut pkt.data) {
+                self.release(slot);
+                self.vertex_drops.add(DropReason::TtlExpired);
+                return Err(DropReason::TtlExpired);
+            }
+        }
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
         let group = self.routes.next_hops(v, pkt.dst);
         let port_id = match group.len() {
@@ -508,7 +537,15 @@ impl Fabric {
 
     fn release(&mut self, slot: u32) -> InFlight {
         self.free.push(slot);
-        self.slots[slot as usize].take().expect("live slot")
+        let pkt = self.slots[slot as usize].take().expect("live slot");
+        self.memory_used -= charge(&pkt.data);
+        pkt
+    }
+
+    /// Bytes charged for the packets the fabric holds now, and its budget
+    /// (`[fabric] packet_memory`): each packet costs its buffer plus `PACKET_OVERHEAD`.
+    pub fn memory(&self) -> (u64, u64) {
+        (self.memory_used, self.memory_limit)
     }
 
     /// Per-port counters as of `now` (settles queues first).
@@ -532,7 +569,7 @@ impl Fabric {
     /// Fabric-wide totals as of `now`.
     pub fn totals(&mut self, now: Instant) -> Totals {
         let counters = self.port_counters(now);
-        let mut drops = self.ingress_drops;
+        let mut drops = self.vertex_drops;
         for c in &counters {
             for r in DropReason::ALL {
                 drops.0[r as usize] += c.drops.get(r);
@@ -573,6 +610,17 @@ pub struct Totals {
     pub drops: Drops,
     pub queued: u64,
     pub in_flight: u64,
+}
+
+/// What one held packet costs beyond its buffer: its slot, queue and transit entries
+/// (with the slack of growable queues) and the allocator's header. Measured against the
+/// daemon's peak RSS under a flood of minimum-size packets (see the README).
+pub const PACKET_OVERHEAD: u64 = 256;
+
+/// The memory charged for holding a packet.
+#[inline]
+fn charge(data: &Vec<u8>) -> u64 {
+    data.capacity() as u64 + PACKET_OVERHEAD
 }
 
 fn pack(t: Instant, port: u32) -> u128 {

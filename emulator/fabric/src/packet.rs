@@ -1,7 +1,8 @@
 //! IPv4 packet inspection: the 5-tuple the fabric routes on, the ECN field it marks.
 //!
-//! Views are zero-copy (`pnet_packet`); the only write is setting CE, which keeps the
-//! header checksum right. A packet the fabric cannot forward is classified, never a panic.
+//! Views are zero-copy (`pnet_packet`). The header checksum is verified on the way in; the
+//! only writes are setting CE and decrementing the TTL, each of which keeps the checksum
+//! right. A packet the fabric cannot forward is classified, never a panic.
 
 use std::net::Ipv4Addr;
 
@@ -36,7 +37,8 @@ pub struct Headers {
 /// Why a buffer is not a forwardable packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unforwardable {
-    /// Too short, inconsistent lengths, bad IHL, fragment of a transport header.
+    /// Too short, inconsistent lengths, bad IHL, bad header checksum, fragment of a
+    /// transport header.
     Malformed,
     /// Not IPv4 (IPv6 is not modelled yet).
     NotIpv4,
@@ -58,6 +60,10 @@ pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
     let ihl = ip.get_header_length() as usize * 4;
     let len = ip.get_total_length() as usize;
     if ihl < 20 || len < ihl || len > buf.len() {
+        return Err(Unforwardable::Malformed);
+    }
+    // A switch drops a packet whose header is corrupt, as real ones do.
+    if ipv4::checksum(&ip) != ip.get_checksum() {
         return Err(Unforwardable::Malformed);
     }
     let proto = ip.get_next_level_protocol();
@@ -102,6 +108,26 @@ pub fn mark_ce(buf: &mut [u8]) {
     ip.set_ecn(ECN_CE);
     let sum = ipv4::checksum(&ip.to_immutable());
     ip.set_checksum(sum);
+}
+
+/// A router's TTL step on a packet already accepted by `inspect`: `false` (and the packet
+/// left as it is) when the TTL is 0 or 1, so the packet must not be forwarded; else the TTL
+/// is decremented and the header checksum updated incrementally (RFC 1624, eqn. 3).
+pub fn decrement_ttl(buf: &mut [u8]) -> bool {
+    let ttl = buf[8];
+    if ttl <= 1 {
+        return false;
+    }
+    buf[8] = ttl - 1;
+    // The 16-bit word holding the TTL (with the protocol) went from m to m'.
+    let m = u16::from_be_bytes([ttl, buf[9]]) as u32;
+    let m2 = u16::from_be_bytes([ttl - 1, buf[9]]) as u32;
+    let hc = u16::from_be_bytes([buf[10], buf[11]]) as u32;
+    let mut sum = (!hc & 0xffff) + (!m & 0xffff) + m2;
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    buf[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    true
 }
 
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
@@ -177,6 +203,39 @@ mod tests {
         mark_ce(&mut p);
         assert_eq!(inspect(&p).unwrap().ecn, ECN_CE);
         assert!(checksum_ok(&p));
+    }
+
+    #[test]
+    fn ttl_decrement_keeps_checksum_right() {
+        for ttl in [2u8, 64, 128, 255] {
+            for proto_len in [28usize, 60, 1500] {
+                let mut p = build_udp(A, B, 1, 2, 0b10, proto_len);
+                p[8] = ttl;
+                let sum = ipv4::checksum(&Ipv4Packet::new(&p).unwrap());
+                p[10..12].copy_from_slice(&sum.to_be_bytes());
+                assert!(decrement_ttl(&mut p));
+                assert_eq!(p[8], ttl - 1);
+                assert!(checksum_ok(&p), "ttl {ttl}");
+            }
+        }
+        let mut p = build_udp(A, B, 1, 2, 0, 28);
+        for ttl in [0u8, 1] {
+            p[8] = ttl;
+            let before = p.clone();
+            assert!(!decrement_ttl(&mut p));
+            assert_eq!(p, before, "an expired packet is left as it is");
+        }
+    }
+
+    #[test]
+    fn bad_header_checksum_is_malformed() {
+        let mut p = build_udp(A, B, 1, 2, 0, 60);
+        p[11] ^= 0x01;
+        assert_eq!(inspect(&p), Err(Unforwardable::Malformed));
+        // Corrupting a header field (not the checksum) is caught as well.
+        let mut p = build_udp(A, B, 1, 2, 0, 60);
+        p[15] ^= 0x10; // source address
+        assert_eq!(inspect(&p), Err(Unforwardable::Malformed));
     }
 
     #[test]

@@ -38,6 +38,50 @@ pub struct Plan {
     /// True when hop counts come from a sample of sources (large fabrics).
     pub hops_sampled: bool,
     pub compare: Alternatives,
+    /// What the switch daemon of this fabric may take at most.
+    pub daemon_memory: DaemonMemory,
+}
+
+/// An upper bound on the daemon's memory for a fabric, in bytes, from its declared sizes:
+/// `up` refuses a fabric whose bound exceeds the memory the box has available.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct DaemonMemory {
+    /// Forwarding tables: (vertex, GPU) entries and their equal-cost groups.
+    pub routing: u64,
+    /// The topology, ports and their counters.
+    pub structures: u64,
+    /// Held packets (`[fabric] packet_memory`): enforced by the model, whatever the GPUs
+    /// send.
+    pub packets: u64,
+    /// The process itself: code, thread stacks, histograms, buffers.
+    pub base: u64,
+    pub total: u64,
+}
+
+/// The daemon's own footprint beyond what scales with the fabric (measured idle RSS of a
+/// 16-GPU fabric is ~9 MiB; the rest is headroom for the allocator and threads).
+const DAEMON_BASE: u64 = 32 << 20;
+
+impl DaemonMemory {
+    pub fn of(topo: &Topology) -> DaemonMemory {
+        let h = topo.hosts.len() as u64;
+        let n = h + topo.switches.len() as u64;
+        let l = topo.links.len() as u64;
+        // Per (vertex, GPU): a group range (8 bytes) and a distance (4); groups hold at most
+        // every out-port per (vertex, GPU), 4 bytes each, doubled for vector growth.
+        let routing = 12 * n * h + 16 * h * l;
+        // ~100 bytes per vertex and link in the topology and port graph, ~300 per port
+        // (two per link) in the model.
+        let structures = 100 * (n + l) + 600 * l;
+        let packets = topo.fabric.packet_memory.get();
+        DaemonMemory {
+            routing,
+            structures,
+            packets,
+            base: DAEMON_BASE,
+            total: routing + structures + packets + DAEMON_BASE,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -195,6 +239,7 @@ impl Plan {
             hops_inter_node: inter,
             hops_sampled: sampled,
             compare: Alternatives::for_gpus(h as u64),
+            daemon_memory: DaemonMemory::of(topo),
         }
     }
 }

@@ -600,3 +600,89 @@ rate = "10Gbit"
     assert_eq!(c[port(&t, &f, "gpu0", "leaf0").0 as usize].tx_packets, 1);
     assert_eq!(d[1].dst, HostId(4));
 }
+
+#[test]
+fn packet_memory_budget_bounds_what_the_fabric_holds() {
+    // Deep buffers on a slow link: only the memory budget stops a flood of tiny packets.
+    let t = topo(
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n[links.nic]\nrate = \"1Mbit\"\n\
+         [nic]\nbuffer = \"1GiB\"\n",
+    );
+    let t = {
+        let mut t = t;
+        t.fabric.packet_memory = closbox_fabric::Bytes::new(1 << 20);
+        t
+    };
+    let mut f = Fabric::new(&t);
+    let (mut accepted, mut refused) = (0u64, 0u64);
+    for i in 0..20_000u64 {
+        match send(&mut f, &t, i, (0, 1), 1, 0, 28) {
+            Verdict::Accepted => accepted += 1,
+            Verdict::Dropped(DropReason::MemoryLimit) => refused += 1,
+            v => panic!("{v:?}"),
+        }
+        let (used, limit) = f.memory();
+        assert!(used <= limit, "{used} > {limit}");
+    }
+    // Each 28-byte packet is charged 28 + PACKET_OVERHEAD bytes.
+    let charge = 28 + closbox_fabric::model::PACKET_OVERHEAD;
+    assert_eq!(accepted, (1 << 20) / charge);
+    assert!(refused > 0);
+    let totals = f.totals(Instant::from_nanos(20_000));
+    assert_eq!(totals.drops.get(DropReason::MemoryLimit), refused);
+    // Delivering frees the budget: everything held arrives, then the fabric holds nothing.
+    let delivered = run(&mut f).len() as u64;
+    assert_eq!(delivered, accepted);
+    assert_eq!(f.memory().0, 0);
+}
+
+#[test]
+fn switches_decrement_ttl_and_drop_expired_packets() {
+    // gpu0 -> leaf0 -> spine -> leaf1 -> gpu2: three routed hops.
+    let t = topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n");
+    let mut f = Fabric::new(&t);
+    let with_ttl = |ttl: u8| {
+        let mut p = build_udp(addr(&t, 0), addr(&t, 2), 1, 2, 0, 100);
+        p[8] = ttl;
+        p[10] = 0;
+        p[11] = 0;
+        let sum = {
+            let mut s = 0u32;
+            for w in p[..20].chunks(2) {
+                s += u16::from_be_bytes([w[0], w[1]]) as u32;
+            }
+            while s > 0xffff {
+                s = (s & 0xffff) + (s >> 16);
+            }
+            !(s as u16)
+        };
+        p[10..12].copy_from_slice(&sum.to_be_bytes());
+        p
+    };
+    for ttl in [0u8, 1, 2, 3, 4, 64] {
+        assert_eq!(
+            f.send(Instant::ZERO, HostId(0), with_ttl(ttl)),
+            Verdict::Accepted
+        );
+    }
+    let got = run(&mut f);
+    let ttls: Vec<u8> = got.iter().map(|d| d.data[8]).collect();
+    assert_eq!(ttls, vec![1, 61], "TTL 4 and 64 arrive, 3 lower");
+    assert!(got.iter().all(|d| packet::checksum_ok(&d.data)));
+    let totals = f.totals(Instant::from_nanos(1_000_000_000));
+    assert_eq!(totals.drops.get(DropReason::TtlExpired), 4);
+    assert_eq!(totals.sent, totals.delivered + totals.drops.total());
+}
+
+#[test]
+fn corrupt_headers_are_dropped_as_malformed() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let mut p = build_udp(addr(&t, 0), addr(&t, 1), 1, 2, 0b10, 100);
+    p[12] ^= 0x01; // one bit of the source address
+    assert_eq!(
+        f.send(Instant::ZERO, HostId(0), p),
+        Verdict::Dropped(DropReason::Malformed)
+    );
+    assert!(run(&mut f).is_empty());
+}
