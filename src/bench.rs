@@ -16,7 +16,7 @@ use closbox_fabric::Topology;
 use closbox_switchd::control::{self, Reply, Request};
 use closbox_switchd::dataplane::Lateness;
 use closbox_switchd::histogram::Histogram;
-use closbox_switchd::state::State;
+use closbox_switchd::state::{FabricName, State};
 
 use crate::live::{self, RunArgs};
 use crate::plan::thousands;
@@ -24,7 +24,7 @@ use crate::predict::Predictor;
 
 /// What both commands share: where to run and how agents connect.
 pub struct Target<'a> {
-    pub fabric: Option<&'a str>,
+    pub fabric: Option<&'a FabricName>,
     pub gpus: &'a str,
     pub channels: usize,
     pub timeout: Option<Duration>,
@@ -101,7 +101,7 @@ pub struct RunHealth {
 }
 
 impl RunHealth {
-    fn snapshot(fabric: &str) -> Option<serde_json::Value> {
+    fn snapshot(fabric: &FabricName) -> Option<serde_json::Value> {
         match control::request(fabric, &Request::Status) {
             Ok(Reply::Status(v)) => Some(*v),
             _ => None,

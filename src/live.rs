@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Read, Seek, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::Ordering;
@@ -11,21 +11,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use closbox_switchd::control::{self, Reply, Request};
-use closbox_switchd::state::{self, GpuState, Phase, State};
+use closbox_switchd::state::{self, FabricName, GpuState, Phase, State};
 use closbox_switchd::{netns, sys};
 
 use crate::plan::thousands;
 
 /// The fabric a command addresses: the one named, or the only one up.
-pub fn resolve(fabric: Option<&str>) -> anyhow::Result<State> {
+pub fn resolve(fabric: Option<&FabricName>) -> anyhow::Result<State> {
     let name = match fabric {
-        Some(n) => n.to_owned(),
+        Some(n) => n.clone(),
         None => match state::fabrics().as_slice() {
             [] => bail!("no fabric is up; start one with `closbox up FILE`"),
             [one] => one.clone(),
             many => bail!(
                 "several fabrics are up ({}): name one with --fabric",
-                many.join(", ")
+                join(many)
             ),
         },
     };
@@ -36,7 +36,7 @@ pub fn resolve(fabric: Option<&str>) -> anyhow::Result<State> {
             if up.is_empty() {
                 String::new()
             } else {
-                format!(" (up: {})", up.join(", "))
+                format!(" (up: {})", join(&up))
             }
         );
     };
@@ -49,21 +49,38 @@ pub fn resolve(fabric: Option<&str>) -> anyhow::Result<State> {
     Ok(st)
 }
 
-pub fn up(file: &Path, detach: bool) -> anyhow::Result<()> {
+fn join(names: &[FabricName]) -> String {
+    names
+        .iter()
+        .map(FabricName::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn up(file: &Path, detach: bool, log_to: Option<&Path>) -> anyhow::Result<()> {
     let topo = closbox_fabric::load(file)?;
     closbox_switchd::require_root("closbox up")?;
     if detach {
-        return up_detached(file, &topo.fabric.name);
+        let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
+        return up_detached(file, &name);
     }
-    closbox_switchd::run_fabric(&topo, file, |st, took| {
+    closbox_switchd::run_fabric(&topo, file, log_to, |st, took| {
+        let how = if log_to.is_some() {
+            format!(
+                "detached daemon pid {}; `closbox down {}` to stop",
+                std::process::id(),
+                st.fabric
+            )
+        } else {
+            format!("Ctrl-C or `closbox down {}` to stop", st.fabric)
+        };
         println!(
-            "fabric {} up: {} GPUs in {:.2} s ({} … {}); Ctrl-C or `closbox down {}` to stop",
+            "fabric {} up: {} GPUs in {:.2} s (namespaces {} … {}); {how}",
             st.fabric,
             st.gpus.len(),
             took.as_secs_f64(),
             st.gpus.first().map_or("", |g| &g.netns),
             st.gpus.last().map_or("", |g| &g.netns),
-            st.fabric
         );
         let _ = std::io::stdout().flush();
     })?;
@@ -71,7 +88,7 @@ pub fn up(file: &Path, detach: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
+fn up_detached(file: &Path, name: &FabricName) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
             bail!(
@@ -80,25 +97,22 @@ fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
             );
         }
     }
-    let log_path = state::log_path(name);
-    fs::create_dir_all(log_path.parent().expect("log dir"))?;
-    let mut log = fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .read(true)
-        .write(true)
-        .open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
+    let log_path = name.log_path();
     let started = Instant::now();
     let exe = std::env::current_exe().context("locating the closbox binary")?;
+    // The daemon opens the log itself once it holds the fabric's lock, so that an `up` that
+    // loses a race never writes into the winner's log; what it says before that comes
+    // through the pipe.
     let mut child = {
         use std::os::unix::process::CommandExt;
         Command::new(exe)
             .arg("up")
             .arg(file)
+            .arg("--log-to")
+            .arg(&log_path)
             .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log.try_clone()?)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .process_group(0)
             .spawn()
             .context("starting the daemon")?
@@ -107,10 +121,12 @@ fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
     loop {
         if let Some(status) = child.try_wait()? {
             let mut text = String::new();
-            log.rewind()?;
-            log.read_to_string(&mut text)?;
-            drop(log);
-            let _ = fs::remove_file(&log_path);
+            if let Some(mut pipe) = child.stderr.take() {
+                let _ = pipe.read_to_string(&mut text);
+            }
+            if text.trim().is_empty() {
+                text = fs::read_to_string(&log_path).unwrap_or_default();
+            }
             let text = text.trim().trim_start_matches("closbox: ");
             bail!("the daemon exited ({status}) before the fabric was ready: {text}");
         }
@@ -137,10 +153,10 @@ fn up_detached(file: &Path, name: &str) -> anyhow::Result<()> {
     }
 }
 
-pub fn down(fabric: Option<&str>, all: bool) -> anyhow::Result<()> {
+pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
     closbox_switchd::require_root("closbox down")?;
     let names = match (fabric, all) {
-        (Some(n), _) => vec![n.to_owned()],
+        (Some(n), _) => vec![n.clone()],
         (None, true) => state::fabrics(),
         (None, false) => match state::fabrics().as_slice() {
             [] => {
@@ -150,7 +166,7 @@ pub fn down(fabric: Option<&str>, all: bool) -> anyhow::Result<()> {
             [one] => vec![one.clone()],
             many => bail!(
                 "several fabrics are up ({}): name one, or use --all",
-                many.join(", ")
+                join(many)
             ),
         },
     };
@@ -163,9 +179,9 @@ pub fn down(fabric: Option<&str>, all: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn status(fabric: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
+pub fn status(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCode> {
     let names = match fabric {
-        Some(n) => vec![n.to_owned()],
+        Some(n) => vec![n.clone()],
         None => state::fabrics(),
     };
     if names.is_empty() {
@@ -186,16 +202,22 @@ pub fn status(fabric: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
             control::request(&n, &Request::Status)
                 .unwrap_or_else(|e| Reply::Error(format!("{e:#}")))
         } else {
-            Reply::Error("daemon not running (crashed or killed); `closbox down` cleans up".into())
+            Reply::Error(format!(
+                "daemon not running (crashed or killed); `closbox down {n}` cleans up (its log, if it was detached: {})",
+                n.log_path().display()
+            ))
         };
         let (value, ok) = match reply {
             Reply::Status(v) => {
                 let ok = !v["behind"].as_bool().unwrap_or(false);
                 (*v, ok)
             }
-            Reply::Error(e) => (serde_json::json!({ "fabric": n, "error": e }), false),
+            Reply::Error(e) => (
+                serde_json::json!({ "fabric": n.as_str(), "error": e }),
+                false,
+            ),
             Reply::Stopping => (
-                serde_json::json!({ "fabric": n, "error": "stopping" }),
+                serde_json::json!({ "fabric": n.as_str(), "error": "stopping" }),
                 false,
             ),
         };
@@ -287,6 +309,22 @@ fn print_status(st: &State, v: &serde_json::Value) {
     } else {
         println!("  health    ok");
     }
+    let memory_drops = v["drops"]
+        .as_array()
+        .and_then(|a| a.iter().find(|d| d[0] == "memory_limit"))
+        .and_then(|d| d[1].as_u64())
+        .unwrap_or(0);
+    println!(
+        "  memory    packets hold {} of {} (packet_memory)",
+        crate::plan::approx_bytes(v["packet_memory"].as_u64().unwrap_or(0)),
+        crate::plan::approx_bytes(v["packet_memory_limit"].as_u64().unwrap_or(0)),
+    );
+    if memory_drops > 0 {
+        println!(
+            "  WARNING   {} packets dropped at the fabric's packet-memory limit: the GPUs offered more than the box lets the fabric hold (raise [fabric] packet_memory, or lower buffers)",
+            thousands(memory_drops)
+        );
+    }
     // The busiest ports, and any that dropped or marked.
     if let Some(ports) = v["ports"].as_array() {
         let mut ports: Vec<&serde_json::Value> = ports.iter().collect();
@@ -326,7 +364,7 @@ fn print_status(st: &State, v: &serde_json::Value) {
 /// Environment every command run as a GPU gets.
 fn gpu_env(st: &State, g: &GpuState) -> Vec<(String, String)> {
     vec![
-        ("CLOSBOX_FABRIC".into(), st.fabric.clone()),
+        ("CLOSBOX_FABRIC".into(), st.fabric.to_string()),
         ("CLOSBOX_GPU".into(), g.name.clone()),
         ("CLOSBOX_TIME_SCALE".into(), st.time_scale.to_string()),
         ("GLOO_SOCKET_IFNAME".into(), st.tun.clone()),
@@ -351,7 +389,7 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-pub fn exec(fabric: Option<&str>, gpu: &str, cmd: &[String]) -> anyhow::Result<ExitCode> {
+pub fn exec(fabric: Option<&FabricName>, gpu: &str, cmd: &[String]) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox exec")?;
     let st = resolve(fabric)?;
     let (_, g) = st.gpu(gpu)?;
@@ -403,7 +441,7 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
 pub type Sink = Arc<dyn Fn(usize, bool, &str) + Send + Sync>;
 
 pub struct RunArgs<'a> {
-    pub fabric: Option<&'a str>,
+    pub fabric: Option<&'a FabricName>,
     pub gpus: &'a str,
     pub timeout: Option<Duration>,
     pub master_port: u16,

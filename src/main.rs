@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use closbox_switchd::state::FabricName;
 
 mod bench;
 mod fluid;
@@ -35,11 +36,15 @@ enum Command {
         /// Return once the fabric is ready; the daemon keeps running.
         #[arg(long)]
         detach: bool,
+        /// (Internal, used by --detach) once the fabric's lock is taken, send all output
+        /// to this file.
+        #[arg(long, hide = true, conflicts_with = "detach")]
+        log_to: Option<PathBuf>,
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
         /// Fabric name (default: the only fabric up).
-        fabric: Option<String>,
+        fabric: Option<FabricName>,
         /// Every fabric that is up.
         #[arg(long, conflicts_with = "fabric")]
         all: bool,
@@ -47,7 +52,7 @@ enum Command {
     /// Fabrics up, daemon health, packets, drops, lateness. Exit 3 if a fabric is unhealthy.
     Status {
         /// Fabric name (default: all).
-        fabric: Option<String>,
+        fabric: Option<FabricName>,
         #[arg(long)]
         json: bool,
     },
@@ -58,7 +63,7 @@ enum Command {
         gpu: String,
         /// Fabric (default: the only fabric up).
         #[arg(long, short)]
-        fabric: Option<String>,
+        fabric: Option<FabricName>,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -108,7 +113,7 @@ enum Command {
     Run {
         /// Fabric (default: the only fabric up).
         #[arg(long, short)]
-        fabric: Option<String>,
+        fabric: Option<FabricName>,
         /// GPUs: "all", ranks and ranges ("0-3,6") or names ("gpu0,gpu5").
         #[arg(long, default_value = "all")]
         gpus: String,
@@ -127,7 +132,7 @@ enum Command {
 struct TargetArgs {
     /// Fabric (default: the only fabric up).
     #[arg(long, short)]
-    fabric: Option<String>,
+    fabric: Option<FabricName>,
     /// GPUs: "all", ranks and ranges ("0-3,6") or names.
     #[arg(long, default_value = "all")]
     gpus: String,
@@ -160,7 +165,7 @@ impl TargetArgs {
             None => None,
         };
         Ok(bench::Target {
-            fabric: self.fabric.as_deref(),
+            fabric: self.fabric.as_ref(),
             gpus: &self.gpus,
             channels: self.channels as usize,
             timeout,
@@ -248,12 +253,16 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Plan(args) => run_plan(args).map(|()| ExitCode::SUCCESS),
-        Command::Up { file, detach } => live::up(&file, detach).map(|()| ExitCode::SUCCESS),
+        Command::Up {
+            file,
+            detach,
+            log_to,
+        } => live::up(&file, detach, log_to.as_deref()).map(|()| ExitCode::SUCCESS),
         Command::Down { fabric, all } => {
-            live::down(fabric.as_deref(), all).map(|()| ExitCode::SUCCESS)
+            live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
         }
-        Command::Status { fabric, json } => live::status(fabric.as_deref(), json),
-        Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_deref(), &gpu, &cmd),
+        Command::Status { fabric, json } => live::status(fabric.as_ref(), json),
+        Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)
         }
@@ -308,7 +317,7 @@ fn main() -> ExitCode {
             }) {
                 Some(Err(e)) => Err(e),
                 t => live::run(live::RunArgs {
-                    fabric: fabric.as_deref(),
+                    fabric: fabric.as_ref(),
                     gpus: &gpus,
                     timeout: t.map(|t| t.expect("checked")),
                     master_port,

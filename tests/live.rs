@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{closbox, leftovers, root_or_skip, serial, text, TestFabric};
+use common::{closbox, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric};
 
 const LEAF_SPINE_4: &str = r#"
 [topology]
@@ -30,30 +30,6 @@ fn leaf_spine_4(rate: &str, per_link_delay: &str) -> String {
     LEAF_SPINE_4
         .replace("RATE", rate)
         .replace("DELAY", per_link_delay)
-}
-
-/// Waits until something in the GPU listens on `port` (TCP LISTEN or a bound UDP socket),
-/// read from the namespace's /proc/net without connecting (a probe connection would use
-/// up a one-off server such as `iperf3 -1`).
-fn wait_for_port(f: &TestFabric, gpu: &str, port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let check = format!(
-        "import sys\n\
-         tcp = [l.split() for l in open('/proc/net/tcp').readlines()[1:]]\n\
-         udp = [l.split() for l in open('/proc/net/udp').readlines()[1:]]\n\
-         ok = any(l[1].endswith(':{port:04X}') and l[3] == '0A' for l in tcp) or any(l[1].endswith(':{port:04X}') for l in udp)\n\
-         sys.exit(0 if ok else 1)"
-    );
-    while Instant::now() < deadline {
-        if f.exec(gpu, &["/usr/bin/python3", "-c", &check])
-            .status
-            .success()
-        {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("nothing listening on {gpu}:{port}");
 }
 
 #[test]
@@ -194,7 +170,8 @@ fn down_cleans_up_after_sigkill_and_two_fabrics_coexist() {
     let mut sleeper = a.spawn("gpu1", &["sleep", "300"]);
     std::thread::sleep(Duration::from_millis(200));
     let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read("/run/closbox/lt-a/state.json").unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-a/state.json").unwrap())
+            .unwrap();
     let pid = state["daemon_pid"].as_i64().unwrap();
     assert!(std::process::Command::new("kill")
         .args(["-9", &pid.to_string()])
@@ -246,7 +223,7 @@ fn broken_config_and_half_made_fabric_leak_nothing() {
     // A namespace name that already exists (someone else's): `up` refuses and touches
     // nothing, not even that namespace.
     std::fs::create_dir_all("/run/netns").unwrap();
-    std::fs::write("/run/netns/cb-lt-half-gpu2", "").unwrap();
+    std::fs::write("/run/netns/cb-lt-half.gpu2", "").unwrap();
     let cfg = dir.join("half.toml");
     std::fs::write(
         &cfg,
@@ -258,15 +235,15 @@ fn broken_config_and_half_made_fabric_leak_nothing() {
     .unwrap();
     let out = closbox(&["up", cfg.to_str().unwrap(), "--detach"]);
     assert!(
-        std::path::Path::new("/run/netns/cb-lt-half-gpu2").exists(),
+        std::path::Path::new("/run/netns/cb-lt-half.gpu2").exists(),
         "someone else's file was removed"
     );
-    std::fs::remove_file("/run/netns/cb-lt-half-gpu2").unwrap();
+    std::fs::remove_file("/run/netns/cb-lt-half.gpu2").unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
         text(&out)
             .1
-            .contains("already exist: /run/netns/cb-lt-half-gpu2"),
+            .contains("already exist: /run/netns/cb-lt-half.gpu2"),
         "{:?}",
         text(&out)
     );
@@ -291,7 +268,7 @@ fn broken_config_and_half_made_fabric_leak_nothing() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !std::path::Path::new("/run/closbox/lt-kill/state.json").exists()
+    while !std::path::Path::new("/run/closbox/fabrics/lt-kill/state.json").exists()
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(1));

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub fn closbox(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_closbox"))
@@ -51,7 +52,7 @@ pub fn scratch_dir() -> PathBuf {
 
 /// Every trace a fabric named `name` could leave on the machine.
 pub fn leftovers(name: &str) -> Vec<String> {
-    let prefix = format!("cb-{name}-");
+    let prefix = format!("cb-{name}.");
     let mut left = Vec::new();
     for dir in ["/run/netns", "/etc/netns"] {
         if let Ok(rd) = std::fs::read_dir(dir) {
@@ -63,10 +64,8 @@ pub fn leftovers(name: &str) -> Vec<String> {
             }
         }
     }
-    for p in [
-        format!("/run/closbox/{name}"),
-        format!("/run/closbox/logs/{name}.log"),
-    ] {
+    // The detached daemon's log (/run/closbox/logs) and the lock file stay on purpose.
+    for p in [format!("/run/closbox/fabrics/{name}")] {
         if Path::new(&p).exists() {
             left.push(p);
         }
@@ -74,7 +73,7 @@ pub fn leftovers(name: &str) -> Vec<String> {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     for l in mounts
         .lines()
-        .filter(|l| l.contains(&prefix) || l.contains(&format!("/run/closbox/{name}/")))
+        .filter(|l| l.contains(&prefix) || l.contains(&format!("/run/closbox/fabrics/{name}/")))
     {
         left.push(format!("mount: {l}"));
     }
@@ -148,4 +147,28 @@ impl Drop for TestFabric {
             let _ = closbox(&["down", &self.name]);
         }
     }
+}
+
+/// Waits until something in the GPU listens on `port` (TCP LISTEN or a bound UDP socket),
+/// read from the namespace's /proc/net without connecting (a probe connection would use
+/// up a one-off server such as `iperf3 -1`).
+pub fn wait_for_port(f: &TestFabric, gpu: &str, port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let check = format!(
+        "import sys\n\
+         tcp = [l.split() for l in open('/proc/net/tcp').readlines()[1:]]\n\
+         udp = [l.split() for l in open('/proc/net/udp').readlines()[1:]]\n\
+         ok = any(l[1].endswith(':{port:04X}') and l[3] == '0A' for l in tcp) or any(l[1].endswith(':{port:04X}') for l in udp)\n\
+         sys.exit(0 if ok else 1)"
+    );
+    while Instant::now() < deadline {
+        if f.exec(gpu, &["/usr/bin/python3", "-c", &check])
+            .status
+            .success()
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nothing listening on {gpu}:{port}");
 }

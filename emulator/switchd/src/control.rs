@@ -1,12 +1,15 @@
-//! The control socket: `/run/closbox/<fabric>/control.sock`, mode 0600, one JSON request
-//! per line (`{"cmd":"status"}`, `{"cmd":"stop"}`), one JSON reply per line.
+//! The control socket: `/run/closbox/fabrics/<fabric>/control.sock`, mode 0600 in a 0700
+//! directory, one JSON request per line (`{"cmd":"status"}`, `{"cmd":"stop"}`), one JSON
+//! reply per line.
 //!
-//! Served by a plain thread: requests are rare and short. (The control API that is to come
-//! — chaos, telemetry streams, a live view — is where an async runtime will pay off.)
+//! Each connection is served by a thread of its own (at most `MAX_CLIENTS` at once), so a
+//! client that connects and says nothing delays nobody; a request is at most
+//! `MAX_REQUEST` bytes and must arrive within 5 s.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +18,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 use crate::dataplane::{Ctl, Status};
-use crate::state::{control_path, State};
+use crate::state::{FabricName, State};
 use crate::sys::EventFd;
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -33,39 +36,71 @@ pub enum Reply {
     Error(String),
 }
 
+/// Clients served at once; more are told to come back.
+const MAX_CLIENTS: usize = 16;
+/// Longest request line.
+const MAX_REQUEST: u64 = 64 << 10;
+
 /// Starts serving; the listener thread lives as long as the process.
 pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
-    let path = control_path(&state.fabric);
+    let path = state.fabric.control_path();
     let _ = std::fs::remove_file(&path);
-    let listener =
-        UnixListener::bind(&path).with_context(|| format!("binding {}", path.display()))?;
+    // The socket is born 0600 (no window in which others could connect); its directory
+    // is 0700 besides.
+    let old = crate::sys::umask(0o177);
+    let bound = UnixListener::bind(&path);
+    crate::sys::umask(old);
+    let listener = bound.with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-    let ctl = Mutex::new(ctl);
+    let shared = Arc::new((state, Mutex::new(ctl), wake));
+    let clients = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let reply = match read_request(&conn) {
-                    Ok(Request::Status) => status(&state, &ctl, &wake),
-                    Ok(Request::Stop) => {
-                        let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
-                        wake.notify();
-                        Reply::Stopping
-                    }
-                    Err(e) => Reply::Error(format!("{e:#}")),
-                };
-                let mut conn = conn;
-                let _ = serde_json::to_writer(&mut conn, &reply);
-                let _ = conn.write_all(b"\n");
+            for mut conn in listener.incoming().flatten() {
+                if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                    clients.fetch_sub(1, Ordering::AcqRel);
+                    let _ = reply(&mut conn, &Reply::Error("busy: too many clients".into()));
+                    continue;
+                }
+                let (shared, clients) = (Arc::clone(&shared), Arc::clone(&clients));
+                let spawned = std::thread::Builder::new()
+                    .name("control-client".into())
+                    .spawn(move || {
+                        let (state, ctl, wake) = &*shared;
+                        let answer = match read_request(&conn) {
+                            Ok(Request::Status) => status(state, ctl, wake),
+                            Ok(Request::Stop) => {
+                                let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
+                                wake.notify();
+                                Reply::Stopping
+                            }
+                            Err(e) => Reply::Error(format!("{e:#}")),
+                        };
+                        let _ = reply(&mut conn, &answer);
+                        clients.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    tracing::warn!("control: could not start a client thread");
+                }
             }
         })?;
     Ok(())
 }
 
+fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    serde_json::to_writer(&mut *conn, r)?;
+    conn.write_all(b"\n")
+}
+
 fn read_request(conn: &UnixStream) -> anyhow::Result<Request> {
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut line = String::new();
-    BufReader::new(conn).read_line(&mut line)?;
+    BufReader::new(conn.take(MAX_REQUEST)).read_line(&mut line)?;
+    if !line.ends_with('\n') && line.len() as u64 >= MAX_REQUEST {
+        bail!("request longer than {MAX_REQUEST} bytes");
+    }
     Ok(serde_json::from_str(line.trim())?)
 }
 
@@ -97,8 +132,8 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
 }
 
 /// Sends one request to a fabric's daemon.
-pub fn request(fabric: &str, req: &Request) -> anyhow::Result<Reply> {
-    let path = control_path(fabric);
+pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
+    let path = fabric.control_path();
     let mut conn = UnixStream::connect(&path).with_context(|| {
         format!(
             "connecting to the daemon of fabric {fabric} ({})",

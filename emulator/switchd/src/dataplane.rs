@@ -36,6 +36,8 @@ pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 /// Length of the "recent" lateness window.
 const WINDOW: StdDuration = StdDuration::from_secs(5);
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Largest packet a TUN hands over (an IPv4 packet's length field is 16 bits).
+const MAX_PACKET: usize = 65_536;
 /// Nice value of the data-plane thread.
 const DATAPLANE_NICE: i32 = -15;
 
@@ -68,6 +70,9 @@ pub struct Status {
     /// The p99 lateness (µs, wall) above which `behind` is set.
     pub behind_threshold_us: f64,
     pub io_errors: u64,
+    /// Bytes charged for the packets the fabric holds, and the budget (`packet_memory`).
+    pub packet_memory: u64,
+    pub packet_memory_limit: u64,
     /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
     /// control plane.
     pub tun_tx_dropped: Option<u64>,
@@ -125,9 +130,10 @@ pub struct DataPlane {
     wake: Arc<EventFd>,
     ctl: Receiver<Ctl>,
     time_scale: f64,
-    mtu: usize,
     start: StdInstant,
-    pool: Vec<Vec<u8>>,
+    /// One read buffer: each packet is then copied into a buffer of its own size, so a
+    /// held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
+    scratch: Vec<u8>,
     lateness: Histogram,
     window: Histogram,
     last_window: Histogram,
@@ -187,9 +193,8 @@ impl DataPlane {
             wake,
             ctl,
             time_scale: topo.fabric.time_scale,
-            mtu: topo.fabric.mtu as usize,
             start: now,
-            pool: Vec::new(),
+            scratch: vec![0; MAX_PACKET],
             lateness: Histogram::new(),
             window: Histogram::new(),
             last_window: Histogram::new(),
@@ -254,21 +259,15 @@ impl DataPlane {
     fn read_tun(&mut self, host: usize) {
         let fd = self.tuns[host].as_raw_fd();
         for _ in 0..READ_BATCH {
-            let mut buf = self.pool.pop().unwrap_or_default();
-            buf.resize(self.mtu.max(2048), 0);
-            match sys::read_packet(fd, &mut buf) {
+            match sys::read_packet(fd, &mut self.scratch) {
                 Ok(Some(n)) => {
-                    buf.truncate(n);
+                    let buf = self.scratch[..n].to_vec();
                     let now = self.fabric_now(StdInstant::now());
                     // Drops are counted by the model; nothing else to do with the verdict.
                     let _ = self.model.send(now, HostId(host as u32), buf);
                 }
-                Ok(None) => {
-                    self.pool.push(buf);
-                    return;
-                }
+                Ok(None) => return,
                 Err(e) => {
-                    self.pool.push(buf);
                     self.io_errors += 1;
                     tracing::warn!("reading TUN of GPU {host}: {e}");
                     return;
@@ -292,7 +291,6 @@ impl DataPlane {
             }
             self.lateness.record(late);
             self.window.record(late);
-            self.pool.push(d.data);
         }
     }
 
@@ -382,6 +380,8 @@ impl DataPlane {
             behind_threshold_us: self.behind_ns as f64 / 1e3,
             lateness_recent,
             io_errors: self.io_errors,
+            packet_memory: self.model.memory().0,
+            packet_memory_limit: self.model.memory().1,
             tun_tx_dropped: None,
             ports,
         }

@@ -23,8 +23,16 @@ use anyhow::{bail, Context};
 use closbox_fabric::Topology;
 
 use crate::dataplane::{Ctl, DataPlane};
-use crate::state::{GpuState, Phase, State, TUN_NAME};
+use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, TUN_NAME};
 use crate::sys::EventFd;
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
 
 /// Fails unless running as root (namespaces, mounts and TUN need it).
 pub fn require_root(what: &str) -> anyhow::Result<()> {
@@ -49,9 +57,9 @@ pub fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 /// The state a topology will have once up, recording this process as its daemon.
-pub fn plan_state(topo: &Topology, config: &Path) -> State {
-    let name = &topo.fabric.name;
-    State {
+pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
+    let name: FabricName = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
+    Ok(State {
         fabric: name.clone(),
         config: config.canonicalize().unwrap_or_else(|_| config.to_owned()),
         phase: Phase::Creating,
@@ -71,10 +79,10 @@ pub fn plan_state(topo: &Topology, config: &Path) -> State {
                 addr: h.addr,
                 node: h.node,
                 local_rank: h.local_rank,
-                netns: format!("cb-{name}-{}", h.name),
+                netns: closbox_fabric::names::netns_name(name.as_str(), &h.name),
             })
             .collect(),
-    }
+    })
 }
 
 /// Brings the fabric up and runs its daemon in this process until SIGINT/SIGTERM or a
@@ -83,25 +91,46 @@ pub fn plan_state(topo: &Topology, config: &Path) -> State {
 pub fn run_fabric(
     topo: &Topology,
     config: &Path,
+    log_to: Option<&Path>,
     ready: impl FnOnce(&State, Duration),
 ) -> anyhow::Result<()> {
     require_root("closbox up")?;
-    let name = &topo.fabric.name;
-    if let Some(old) = State::load(name)? {
-        if old.daemon_alive() {
+    let started = Instant::now();
+    let mut st = plan_state(topo, config)?;
+    let name = st.fabric.clone();
+    // Held from the first check to the end of teardown: a second `up` of this name, or a
+    // `down`, waits or refuses instead of racing this one.
+    let _lock = match FabricLock::try_acquire(&name)? {
+        LockAttempt::Acquired(l) => l,
+        LockAttempt::Held(pid) => bail!(
+            "fabric {name} is already up, or being brought up or down ({}); `closbox down {name}` first, or give the fabric another name",
+            pid.map_or("its lock is held".to_owned(), |p| format!("lock held by pid {p}"))
+        ),
+    };
+    if let Some(log) = log_to {
+        state::redirect_output_to_log(log)?;
+    }
+    // Refused before anything is created: a fabric whose tables cannot fit would abort
+    // half-way otherwise.
+    let need = closbox_fabric::plan::DaemonMemory::of(topo);
+    if let Some(avail) = mem_available() {
+        if need.total > avail {
             bail!(
-                "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or give the fabric another name",
-                old.daemon_pid
+                "fabric {name} needs up to {} MiB for its daemon (routing tables {} MiB, packets {} MiB) but this box has {} MiB available; use a smaller fabric, or a smaller [fabric] packet_memory",
+                need.total >> 20,
+                need.routing >> 20,
+                need.packets >> 20,
+                avail >> 20
             );
         }
+    }
+    if let Some(old) = State::load(&name)? {
         tracing::warn!("fabric {name}: a previous run left state behind; cleaning it up");
         state::kill_gpu_processes(&old, Duration::from_secs(2));
         state::remove_objects(&old)?;
     }
     let stop = stop_on_signals()?;
 
-    let started = Instant::now();
-    let mut st = plan_state(topo, config);
     let taken = st.conflicts();
     if !taken.is_empty() {
         let names: Vec<String> = taken

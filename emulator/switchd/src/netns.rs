@@ -106,7 +106,7 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
 
 fn write_hosts(state: &State) -> anyhow::Result<()> {
     let mut text = String::from("# written by closbox for fabric ");
-    text += &state.fabric;
+    text += state.fabric.as_str();
     text += "\n127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
     for g in &state.gpus {
         text += &format!("{}\t{}\n", g.addr, g.name);
@@ -124,7 +124,9 @@ fn write_hosts(state: &State) -> anyhow::Result<()> {
 /// order. On error, what was created stays recorded in the state for removal.
 pub fn create_all(state: &State, mtu: u32) -> anyhow::Result<Vec<OwnedFd>> {
     prepare_netns_dir()?;
-    fs::create_dir_all(crate::state::fabric_dir(&state.fabric).join("uts"))?;
+    crate::state::prepare_fabric_dir(&state.fabric)?;
+    let uts = state.fabric.dir().join("uts");
+    fs::create_dir_all(&uts).with_context(|| format!("creating {}", uts.display()))?;
     write_hosts(state)?;
     let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);

@@ -1,20 +1,38 @@
-//! The state file of a fabric that is up, and removing exactly what `up` made.
+//! The state file of a fabric that is up, its lock, and removing exactly what `up` made.
 //!
 //! `up` writes the state file *before* it creates anything, naming every object it will
 //! create; `down` (and a daemon shutting down) removes those objects, whichever exist. So
 //! a fabric whose `up` died half-way, or whose daemon was SIGKILLed, still comes down
 //! completely, and nothing is ever removed by name pattern.
+//!
+//! Must not: touch anything closbox did not make. Every path here is derived from a
+//! validated `FabricName` and validated GPU names under closbox's own directories; a state
+//! file read back is validated as hostile input; processes are signalled only through
+//! pidfds, after checking what they are.
+//!
+//! Layout:
+//! - `/run/closbox/fabrics/<fabric>/` (mode 0700): `state.json`, `control.sock`, `uts/<gpu>`
+//! - `/run/closbox/locks/<fabric>.lock`: held by `up` and the daemon for their whole life,
+//!   and by `down`; never removed (an empty file per fabric name)
+//! - `/run/closbox/logs/<fabric>.log`: the log of a daemon started with `up --detach`,
+//!   kept after `down` for post-mortems
+//! - `/run/netns/cb-<fabric>.<gpu>` and `/etc/netns/cb-<fabric>.<gpu>/hosts`
 
+use std::collections::BTreeSet;
+use std::fmt;
 use std::fs;
-use std::io;
+use std::io::{self, Read as _, Write as _};
 use std::net::Ipv4Addr;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use closbox_fabric::names;
 use serde::{Deserialize, Serialize};
 
-use crate::sys;
+use crate::sys::{self, Pidfd};
 
 /// Where fabric state lives.
 pub const RUN_DIR: &str = "/run/closbox";
@@ -22,6 +40,80 @@ pub const NETNS_DIR: &str = "/run/netns";
 pub const ETC_NETNS_DIR: &str = "/etc/netns";
 /// The TUN interface inside every GPU namespace.
 pub const TUN_NAME: &str = "cb0";
+/// Largest state file read back (256 GPUs take ~50 KB).
+const MAX_STATE_BYTES: u64 = 64 << 20;
+/// Most GPUs a state file may list.
+const MAX_STATE_GPUS: usize = 65_536;
+/// How long `down` waits for a daemon after SIGTERM, then after SIGKILL.
+const DAEMON_GRACE: Duration = Duration::from_secs(10);
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+fn fabrics_dir() -> PathBuf {
+    Path::new(RUN_DIR).join("fabrics")
+}
+
+/// A fabric name that passed `names::check_fabric_name`: safe to join onto a directory.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(transparent)]
+pub struct FabricName(String);
+
+impl FromStr for FabricName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        names::check_fabric_name(s)?;
+        Ok(FabricName(s.to_owned()))
+    }
+}
+
+impl<'de> Deserialize<'de> for FabricName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl fmt::Display for FabricName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FabricName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// `/run/closbox/fabrics/<name>`.
+    pub fn dir(&self) -> PathBuf {
+        fabrics_dir().join(&self.0)
+    }
+
+    pub fn state_path(&self) -> PathBuf {
+        self.dir().join("state.json")
+    }
+
+    pub fn control_path(&self) -> PathBuf {
+        self.dir().join("control.sock")
+    }
+
+    fn uts_dir(&self) -> PathBuf {
+        self.dir().join("uts")
+    }
+
+    /// Log of a daemon started with `up --detach` (outside the fabric directory, and kept
+    /// after `down`).
+    pub fn log_path(&self) -> PathBuf {
+        Path::new(RUN_DIR)
+            .join("logs")
+            .join(format!("{}.log", self.0))
+    }
+
+    pub fn lock_path(&self) -> PathBuf {
+        Path::new(RUN_DIR)
+            .join("locks")
+            .join(format!("{}.lock", self.0))
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -32,18 +124,20 @@ pub enum Phase {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GpuState {
     pub name: String,
     pub addr: Ipv4Addr,
     pub node: u32,
     pub local_rank: u32,
-    /// Network namespace name (`cb-<fabric>-<gpu>`).
+    /// Network namespace name (`cb-<fabric>.<gpu>`, see `names::netns_name`).
     pub netns: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct State {
-    pub fabric: String,
+    pub fabric: FabricName,
     pub config: PathBuf,
     pub phase: Phase,
     pub daemon_pid: u32,
@@ -62,33 +156,13 @@ pub struct State {
     pub gpus: Vec<GpuState>,
 }
 
-pub fn fabric_dir(fabric: &str) -> PathBuf {
-    Path::new(RUN_DIR).join(fabric)
-}
-
-pub fn state_path(fabric: &str) -> PathBuf {
-    fabric_dir(fabric).join("state.json")
-}
-
-pub fn control_path(fabric: &str) -> PathBuf {
-    fabric_dir(fabric).join("control.sock")
-}
-
-/// Log of a daemon started with `up --detach` (outside the fabric directory, which a
-/// stale-state cleanup removes while the new daemon is already logging).
-pub fn log_path(fabric: &str) -> PathBuf {
-    Path::new(RUN_DIR)
-        .join("logs")
-        .join(format!("{fabric}.log"))
-}
-
 impl GpuState {
     pub fn netns_path(&self) -> PathBuf {
         Path::new(NETNS_DIR).join(&self.netns)
     }
 
-    pub fn uts_path(&self, fabric: &str) -> PathBuf {
-        fabric_dir(fabric).join("uts").join(&self.name)
+    pub fn uts_path(&self, fabric: &FabricName) -> PathBuf {
+        fabric.uts_dir().join(&self.name)
     }
 
     pub fn etc_dir(&self) -> PathBuf {
@@ -111,26 +185,103 @@ impl State {
             .collect()
     }
 
-    pub fn load(fabric: &str) -> anyhow::Result<Option<State>> {
-        let p = state_path(fabric);
-        match fs::read(&p) {
-            Ok(b) => {
-                Ok(Some(serde_json::from_slice(&b).with_context(|| {
-                    format!("corrupt state file {}", p.display())
-                })?))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+    /// Reads and validates the state of fabric `name`; `None` if there is none. A state
+    /// file that is not closbox's own (a symlink, too large, names that do not derive from
+    /// the fabric's) is an error, and nothing is done with it.
+    pub fn load(name: &FabricName) -> anyhow::Result<Option<State>> {
+        let p = name.state_path();
+        let f = match fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&p)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        };
+        let meta = f.metadata()?;
+        if !meta.is_file() || meta.len() > MAX_STATE_BYTES {
+            bail!(
+                "{} is not a state file closbox wrote (not a regular file, or too large); nothing was done with it",
+                p.display()
+            );
         }
+        let mut bytes = Vec::new();
+        f.take(MAX_STATE_BYTES).read_to_end(&mut bytes)?;
+        let st: State = serde_json::from_slice(&bytes)
+            .with_context(|| format!("corrupt state file {}", p.display()))?;
+        st.validate(name).with_context(|| {
+            format!(
+                "invalid state file {}; nothing was done with it",
+                p.display()
+            )
+        })?;
+        Ok(Some(st))
     }
 
-    /// Writes atomically (temporary file + rename).
+    /// Every name in the state is one closbox would derive for this fabric.
+    fn validate(&self, name: &FabricName) -> anyhow::Result<()> {
+        if &self.fabric != name {
+            bail!("it names fabric {:?}, not {name:?}", self.fabric.as_str());
+        }
+        if self.tun != TUN_NAME {
+            bail!("interface {:?} is not closbox's ({TUN_NAME})", self.tun);
+        }
+        if self.gpus.len() > MAX_STATE_GPUS {
+            bail!("{} GPUs is more than any fabric has", self.gpus.len());
+        }
+        if self.prefix_len > 32 || !(self.time_scale.is_finite() && self.time_scale >= 1.0) {
+            bail!("prefix length or time scale out of range");
+        }
+        if let Some(cc) = &self.tcp_congestion {
+            if cc.is_empty()
+                || cc.len() > 15
+                || !cc.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            {
+                bail!("tcp_congestion {cc:?} is not a congestion control name");
+            }
+        }
+        let mut seen = BTreeSet::new();
+        for g in &self.gpus {
+            names::check_host_name(&g.name).map_err(anyhow::Error::msg)?;
+            let want = names::netns_name(name.as_str(), &g.name);
+            if g.netns != want {
+                bail!("GPU {:?} has namespace {:?}, not {want:?}", g.name, g.netns);
+            }
+            if !seen.insert(&g.name) {
+                bail!("GPU {:?} is listed twice", g.name);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes atomically: a temporary file of a unique name, then a rename. Creates the
+    /// fabric directory (mode 0700) if needed.
     pub fn save(&self) -> anyhow::Result<()> {
-        let dir = fabric_dir(&self.fabric);
-        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let tmp = dir.join("state.json.tmp");
-        fs::write(&tmp, serde_json::to_vec_pretty(self)?)?;
-        fs::rename(&tmp, state_path(&self.fabric))?;
+        let dir = self.fabric.dir();
+        make_private_dir(&dir)?;
+        let tmp = dir.join(format!(
+            "state.json.tmp.{}.{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ));
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))?;
+        let written = f
+            .write_all(&serde_json::to_vec_pretty(self)?)
+            .and_then(|()| f.sync_data())
+            .and_then(|()| fs::rename(&tmp, self.fabric.state_path()));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e)
+                .with_context(|| format!("writing {}", self.fabric.state_path().display()));
+        }
         Ok(())
     }
 
@@ -143,12 +294,12 @@ impl State {
         match found {
             Some(x) => Ok(x),
             None => bail!(
-                "fabric {} has no GPU {spec:?} (it has {} GPUs: {} … {}, or ranks 0..{})",
+                "fabric {} has no GPU {spec:?} (it has {} GPUs: {} … {}, or ranks 0 to {})",
                 self.fabric,
                 self.gpus.len(),
                 self.gpus.first().map_or("", |g| &g.name),
                 self.gpus.last().map_or("", |g| &g.name),
-                self.gpus.len()
+                self.gpus.len().saturating_sub(1)
             ),
         }
     }
@@ -157,6 +308,43 @@ impl State {
     pub fn daemon_alive(&self) -> bool {
         process_start_time(self.daemon_pid) == Some(self.daemon_start)
     }
+}
+
+/// Creates `dir` (and missing parents) and makes sure it is a real directory of mode 0700.
+fn make_private_dir(dir: &Path) -> anyhow::Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let meta = dir.symlink_metadata()?;
+    if !meta.is_dir() {
+        bail!("{} is not a directory", dir.display());
+    }
+    if meta.mode() & 0o077 != 0 {
+        fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Sends this process's stdout and stderr to `log` (created or truncated, mode 0600, in a
+/// 0700 directory): a detached daemon's log.
+pub fn redirect_output_to_log(log: &Path) -> anyhow::Result<()> {
+    make_private_dir(log.parent().context("log path")?)?;
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(log)
+        .with_context(|| format!("opening {}", log.display()))?;
+    sys::redirect_stdout_stderr(&f).with_context(|| format!("logging to {}", log.display()))
+}
+
+/// Creates the directory a fabric's state and control socket live in (mode 0700).
+pub fn prepare_fabric_dir(name: &FabricName) -> anyhow::Result<()> {
+    make_private_dir(&name.dir())
 }
 
 /// Start time of a running process in clock ticks since boot (field 22 of /proc/PID/stat);
@@ -173,13 +361,13 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
-/// Names of fabrics with a state directory.
-pub fn fabrics() -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(RUN_DIR)
+/// Fabrics with a state file (directories with invalid names are not closbox's: skipped).
+pub fn fabrics() -> Vec<FabricName> {
+    let mut names: Vec<FabricName> = fs::read_dir(fabrics_dir())
         .map(|rd| {
             rd.filter_map(|e| e.ok())
-                .filter(|e| e.path().join("state.json").exists())
-                .filter_map(|e| e.file_name().into_string().ok())
+                .filter_map(|e| e.file_name().into_string().ok()?.parse::<FabricName>().ok())
+                .filter(|n| n.state_path().symlink_metadata().is_ok())
                 .collect()
         })
         .unwrap_or_default();
@@ -187,78 +375,230 @@ pub fn fabrics() -> Vec<String> {
     names
 }
 
-/// Pids of processes (other than this one) in any of the network namespaces at `paths`,
-/// matched by namespace inode: exact, never by name. One pass over /proc.
-pub fn pids_in_netns(paths: &[PathBuf]) -> Vec<i32> {
-    let inodes: std::collections::BTreeSet<u64> =
-        paths.iter().filter_map(|p| sys::ns_inode(p).ok()).collect();
-    if inodes.is_empty() {
-        return Vec::new();
+// ---- the lock ------------------------------------------------------------------------
+
+/// The per-fabric lock (`flock` on `/run/closbox/locks/<fabric>.lock`), held by `up` from
+/// its first check through the daemon's whole life, and by `down`. Released on drop.
+#[derive(Debug)]
+pub struct FabricLock {
+    _file: fs::File,
+}
+
+/// The outcome of trying to take a fabric's lock.
+#[derive(Debug)]
+pub enum LockAttempt {
+    Acquired(FabricLock),
+    /// Another process holds it: its pid as /proc/locks shows it, if it does.
+    Held(Option<u32>),
+}
+
+impl FabricLock {
+    pub fn try_acquire(name: &FabricName) -> anyhow::Result<LockAttempt> {
+        let path = name.lock_path();
+        make_private_dir(path.parent().expect("lock dir"))?;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        if sys::try_flock_exclusive(&file)? {
+            Ok(LockAttempt::Acquired(FabricLock { _file: file }))
+        } else {
+            Ok(LockAttempt::Held(lock_holder(&file)))
+        }
     }
+
+    /// Waits up to `timeout` for the lock.
+    pub fn acquire_within(
+        name: &FabricName,
+        timeout: Duration,
+    ) -> anyhow::Result<Option<FabricLock>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let LockAttempt::Acquired(l) = FabricLock::try_acquire(name)? {
+                return Ok(Some(l));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The pid holding a `flock` on `file`, from /proc/locks (matched by device and inode).
+fn lock_holder(file: &fs::File) -> Option<u32> {
+    let meta = file.metadata().ok()?;
+    let (dev, ino) = (meta.dev(), meta.ino());
+    let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    let locks = fs::read_to_string("/proc/locks").ok()?;
+    // "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.get(1) == Some(&"FLOCK") && f.get(5) == Some(&want.as_str()))
+            .then(|| f.get(4)?.parse().ok())?
+    })
+}
+
+/// What a process is, for deciding whether closbox may signal it: the closbox command it
+/// runs (`up`, `down`, …), if it is a closbox binary at all.
+fn closbox_command(pid: u32) -> Option<String> {
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let file = exe.file_name()?.to_str()?;
+    // "closbox", or "closbox (deleted)" after a rebuild, or a test copy "closbox-<hash>".
+    if !file.starts_with("closbox") || file.starts_with("closbox-agent") {
+        return None;
+    }
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    Some(String::from_utf8_lossy(args.get(1)?).into_owned())
+}
+
+// ---- stopping processes --------------------------------------------------------------
+
+/// What `kill_gpu_processes` did.
+#[derive(Debug, Default)]
+pub struct Stopped {
+    /// Processes that were running in the fabric's namespaces and are gone.
+    pub stopped: Vec<i32>,
+    /// Processes still there after SIGKILL and the bounded wait (e.g. in uninterruptible
+    /// sleep); the namespaces are removed all the same (they live on with them).
+    pub survivors: Vec<i32>,
+}
+
+/// (device, inode) of a network namespace file, if it is one (an nsfs file). `path` is not
+/// followed if it is a symlink: a planted link cannot point the scan elsewhere.
+fn netns_id(path: &Path, nsfs_dev: u64) -> Option<(u64, u64)> {
+    let meta = path.symlink_metadata().ok()?;
+    (meta.dev() == nsfs_dev && !meta.file_type().is_symlink()).then(|| (meta.dev(), meta.ino()))
+}
+
+/// Pids (other than this process) whose network namespace is one of `targets`.
+fn pids_in(targets: &BTreeSet<(u64, u64)>) -> Vec<i32> {
     let me = std::process::id() as i32;
     let Ok(rd) = fs::read_dir("/proc") else {
         return Vec::new();
     };
     rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != me)
-        .filter(|&pid| {
-            sys::ns_inode(Path::new(&format!("/proc/{pid}/ns/net")))
-                .is_ok_and(|ino| inodes.contains(&ino))
-        })
+        .filter(|&pid| pid != me && in_targets(pid, targets))
         .collect()
 }
 
-/// Stops every process inside the fabric's namespaces: SIGTERM, then SIGKILL after
-/// `grace`.
-pub fn kill_gpu_processes(state: &State, grace: Duration) -> usize {
-    let paths: Vec<PathBuf> = state.gpus.iter().map(|g| g.netns_path()).collect();
-    let pids = pids_in_netns(&paths);
-    if pids.is_empty() {
-        return 0;
-    }
-    for &p in &pids {
-        let _ = sys::kill(p, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline {
-        if pids_in_netns(&paths).is_empty() {
-            return pids.len();
+fn in_targets(pid: i32, targets: &BTreeSet<(u64, u64)>) -> bool {
+    // /proc/PID/ns/net is a magic link: stat (not lstat) gives the namespace's identity.
+    fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| targets.contains(&(m.dev(), m.ino())))
+}
+
+/// Signals every process in `targets` that is still in one of them, through a pidfd
+/// opened before the check (so a reused pid is never signalled).
+fn signal_all(targets: &BTreeSet<(u64, u64)>, sig: libc::c_int) -> Vec<i32> {
+    let mut hit = Vec::new();
+    for pid in pids_in(targets) {
+        let Ok(Some(fd)) = Pidfd::open(pid) else {
+            continue;
+        };
+        if in_targets(pid, targets) && fd.signal(sig).unwrap_or(false) {
+            hit.push(pid);
         }
+    }
+    hit
+}
+
+/// Stops every process inside the fabric's namespaces: SIGTERM, SIGKILL after `grace`,
+/// then waits (bounded) for the kernel to let go of them. Namespaces are identified by
+/// device and inode; the host's own namespace is never a target.
+pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
+    let Ok(nsfs) = fs::metadata("/proc/self/ns/net") else {
+        return Stopped::default();
+    };
+    let host = (nsfs.dev(), nsfs.ino());
+    let init = fs::metadata("/proc/1/ns/net")
+        .map(|m| (m.dev(), m.ino()))
+        .ok();
+    let targets: BTreeSet<(u64, u64)> = state
+        .gpus
+        .iter()
+        .filter_map(|g| netns_id(&g.netns_path(), nsfs.dev()))
+        .filter(|id| *id != host && Some(*id) != init)
+        .collect();
+    if targets.is_empty() {
+        return Stopped::default();
+    }
+    let mut seen: BTreeSet<i32> = signal_all(&targets, libc::SIGTERM).into_iter().collect();
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && !pids_in(&targets).is_empty() {
         std::thread::sleep(Duration::from_millis(20));
     }
-    for p in pids_in_netns(&paths) {
-        let _ = sys::kill(p, libc::SIGKILL);
-    }
-    // Reaped by their parents or init; wait until the kernel lets go of them.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while !pids_in_netns(&paths).is_empty() && Instant::now() < deadline {
+    seen.extend(signal_all(&targets, libc::SIGKILL));
+    let deadline = Instant::now() + KILL_WAIT;
+    let mut left = pids_in(&targets);
+    while !left.is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
+        left = pids_in(&targets);
     }
-    pids.len()
+    Stopped {
+        stopped: seen.iter().copied().filter(|p| !left.contains(p)).collect(),
+        survivors: left,
+    }
+}
+
+// ---- removing objects ----------------------------------------------------------------
+
+/// Removes `path` if it is a plain file (never a directory; a symlink itself, not its
+/// target). Absent is fine.
+fn remove_plain_file(path: &Path) -> io::Result<()> {
+    match path.symlink_metadata() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(m) if m.is_dir() => Err(io::Error::other("is a directory, not closbox's file")),
+        Ok(_) => fs::remove_file(path),
+    }
+}
+
+fn remove_empty_dir(path: &Path) -> io::Result<()> {
+    match fs::remove_dir(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 /// Removes the namespaces, UTS files, /etc/netns entries and state of a fabric, whichever
-/// exist. Processes inside must be gone first (see `kill_gpu_processes`). Idempotent.
+/// exist: exactly the paths its validated state names, and directories only when empty.
+/// Processes inside must be gone first (see `kill_gpu_processes`). Idempotent.
 pub fn remove_objects(state: &State) -> anyhow::Result<()> {
     let mut errors = Vec::new();
     let mut note = |what: &Path, r: io::Result<()>| {
         if let Err(e) = r {
-            if e.kind() != io::ErrorKind::NotFound {
-                errors.push(format!("{}: {e}", what.display()));
-            }
+            errors.push(format!("{}: {e}", what.display()));
         }
     };
+    let nsfs_dev = fs::metadata("/proc/self/ns/net").map(|m| m.dev()).ok();
     for g in &state.gpus {
         for p in [g.netns_path(), g.uts_path(&state.fabric)] {
-            note(&p, sys::umount(&p).map(drop));
-            note(&p, fs::remove_file(&p));
+            // Unmount only what is a namespace pin (an nsfs mount); a plain file is left
+            // to remove_plain_file, anything else is not ours.
+            let pinned = p
+                .symlink_metadata()
+                .is_ok_and(|m| Some(m.dev()) == nsfs_dev || m.file_type().is_file());
+            if pinned {
+                note(&p, sys::umount(&p).map(drop));
+            }
+            note(&p, remove_plain_file(&p));
         }
-        note(&g.etc_dir(), fs::remove_dir_all(g.etc_dir()));
+        note(&g.hosts_path(), remove_plain_file(&g.hosts_path()));
+        note(&g.etc_dir(), remove_empty_dir(&g.etc_dir()));
     }
-    let dir = fabric_dir(&state.fabric);
-    note(&dir, fs::remove_dir_all(&dir));
-    let log = log_path(&state.fabric);
-    note(&log, fs::remove_file(&log));
+    note(
+        &state.fabric.uts_dir(),
+        remove_empty_dir(&state.fabric.uts_dir()),
+    );
+    let dir = state.fabric.dir();
+    note(&dir, remove_own_files(&state.fabric).map(drop));
+    note(&dir, remove_empty_dir(&dir));
     if errors.is_empty() {
         Ok(())
     } else {
@@ -266,41 +606,207 @@ pub fn remove_objects(state: &State) -> anyhow::Result<()> {
     }
 }
 
-/// Brings a fabric down from outside its daemon: asks the daemon to stop, kills it if it
-/// does not, then removes whatever is left. Returns what it did, for the user.
-pub fn down(fabric: &str) -> anyhow::Result<String> {
-    let Some(state) = State::load(fabric)? else {
-        let dir = fabric_dir(fabric);
-        if dir.exists() {
-            // `up --detach` died before writing state: only its log is there.
-            fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
-            return Ok(format!(
-                "fabric {fabric}: removed a state directory without state"
-            ));
-        }
-        return Ok(format!("fabric {fabric} is not up; nothing to do"));
+/// Removes closbox's own files from a fabric directory (state, temporaries, control
+/// socket, an empty `uts`); returns the entries it left because they are not closbox's.
+fn remove_own_files(name: &FabricName) -> io::Result<Vec<String>> {
+    let dir = name.dir();
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
     };
-    let mut how = "stopped";
-    if state.daemon_alive() {
-        let _ = sys::kill(state.daemon_pid as i32, libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while state.daemon_alive() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
+    let mut foreign = Vec::new();
+    for e in rd {
+        let e = e?;
+        let file = e.file_name().to_string_lossy().into_owned();
+        let ft = e.file_type()?;
+        let own = match file.as_str() {
+            "state.json" => ft.is_file(),
+            "control.sock" => ft.is_socket(),
+            "uts" => ft.is_dir(),
+            f => f.starts_with("state.json.tmp.") && ft.is_file(),
+        };
+        if !own {
+            foreign.push(file);
+            continue;
         }
-        if state.daemon_alive() {
-            let _ = sys::kill(state.daemon_pid as i32, libc::SIGKILL);
-            how = "killed (it did not stop within 10 s)";
-            while state.daemon_alive() {
-                std::thread::sleep(Duration::from_millis(10));
+        let p = e.path();
+        let r = if ft.is_dir() {
+            fs::remove_dir(&p)
+        } else {
+            fs::remove_file(&p)
+        };
+        if r.is_err() {
+            foreign.push(file);
+        }
+    }
+    Ok(foreign)
+}
+
+/// Brings a fabric down from outside its daemon: takes the fabric's lock (asking the daemon
+/// that holds it to stop first, killing it if it does not), then removes whatever is left.
+/// Returns what it did, for the user.
+pub fn down(name: &FabricName) -> anyhow::Result<String> {
+    let (lock, how) = take_from_daemon(name)?;
+    // With the lock held, no daemon of this fabric runs, and no `up` of it is under way.
+    let out = match State::load(name)? {
+        Some(state) => {
+            let stopped = kill_gpu_processes(&state, Duration::from_secs(2));
+            remove_objects(&state)?;
+            let mut msg = format!("fabric {name} is down ({how})");
+            if !stopped.stopped.is_empty() {
+                msg += &format!(
+                    "; stopped {} process(es) left in its GPUs: {:?}",
+                    stopped.stopped.len(),
+                    stopped.stopped
+                );
             }
+            if !stopped.survivors.is_empty() {
+                msg += &format!(
+                    "; {} process(es) did not exit after SIGKILL: {:?}",
+                    stopped.survivors.len(),
+                    stopped.survivors
+                );
+            }
+            msg
         }
-    } else {
-        how = "was not running; cleaned up after it";
+        None if name.dir().symlink_metadata().is_ok() => {
+            let foreign = remove_own_files(name)?;
+            if !foreign.is_empty() {
+                bail!(
+                    "fabric {name} has no state, and {} holds files closbox did not make ({}); left as it is",
+                    name.dir().display(),
+                    foreign.join(", ")
+                );
+            }
+            remove_empty_dir(&name.dir())
+                .with_context(|| format!("removing {}", name.dir().display()))?;
+            format!("fabric {name}: removed its state directory (it held no state)")
+        }
+        None if how == DownHow::NotRunning => format!("fabric {name} is not up; nothing to do"),
+        None => format!("fabric {name} is down ({how})"),
+    };
+    drop(lock);
+    Ok(out)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DownHow {
+    NotRunning,
+    Stopped,
+    Killed,
+}
+
+impl fmt::Display for DownHow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DownHow::NotRunning => "no daemon was running; cleaned up after it",
+            DownHow::Stopped => "daemon stopped",
+            DownHow::Killed => "daemon killed: it did not stop within 10 s of SIGTERM",
+        })
     }
-    // The daemon removes everything when it stops cleanly; finish the job otherwise.
-    if let Some(state) = State::load(fabric)? {
-        kill_gpu_processes(&state, Duration::from_secs(2));
-        remove_objects(&state)?;
+}
+
+/// Takes the fabric's lock; if a closbox daemon holds it, stops that daemon first.
+fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> {
+    let pid = match FabricLock::try_acquire(name)? {
+        LockAttempt::Acquired(l) => return Ok((l, DownHow::NotRunning)),
+        LockAttempt::Held(Some(pid)) => pid,
+        LockAttempt::Held(None) => {
+            bail!("fabric {name} is locked by a process /proc/locks does not show; try again")
+        }
+    };
+    let fd = Pidfd::open(pid as i32)?;
+    let lock_path = name.lock_path();
+    let still_holder = || {
+        fs::File::open(&lock_path)
+            .ok()
+            .and_then(|f| lock_holder(&f))
+            == Some(pid)
+    };
+    // Checked after the pidfd is open: the pidfd is the process that was checked.
+    let command = closbox_command(pid);
+    let Some(fd) = fd.filter(|_| still_holder()) else {
+        // The holder went away meanwhile: try once more.
+        return match FabricLock::acquire_within(name, Duration::from_secs(1))? {
+            Some(l) => Ok((l, DownHow::NotRunning)),
+            None => bail!("fabric {name} is busy (its lock changed hands); try again"),
+        };
+    };
+    match command.as_deref() {
+        Some("up") => {}
+        Some(other) => {
+            // Another `down` (or a `closbox` command that holds the lock): wait for it.
+            return match FabricLock::acquire_within(name, DAEMON_GRACE + KILL_WAIT)? {
+                Some(l) => Ok((l, DownHow::NotRunning)),
+                None => bail!("fabric {name} is held by `closbox {other}` (pid {pid}), which did not finish within 15 s"),
+            };
+        }
+        None => bail!(
+            "fabric {name}'s lock is held by pid {pid}, which is not a closbox daemon; it was not signalled"
+        ),
     }
-    Ok(format!("fabric {fabric} is down (daemon {how})"))
+    fd.signal(libc::SIGTERM)?;
+    if let Some(l) = FabricLock::acquire_within(name, DAEMON_GRACE)? {
+        return Ok((l, DownHow::Stopped));
+    }
+    fd.signal(libc::SIGKILL)?;
+    match FabricLock::acquire_within(name, KILL_WAIT)? {
+        Some(l) => Ok((l, DownHow::Killed)),
+        None => bail!(
+            "the daemon of fabric {name} (pid {pid}) did not exit within {} s of SIGKILL; nothing was removed",
+            KILL_WAIT.as_secs()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state_json(fabric: &str, gpu: &str, netns: &str) -> String {
+        format!(
+            r#"{{"fabric":"{fabric}","config":"/x.toml","phase":"ready","daemon_pid":1,"daemon_start":1,
+               "time_scale":1.0,"prefix_len":15,"tun":"cb0",
+               "gpus":[{{"name":"{gpu}","addr":"198.18.0.1","node":0,"local_rank":0,"netns":"{netns}"}}]}}"#
+        )
+    }
+
+    fn check(fabric: &str, json: &str) -> anyhow::Result<State> {
+        let name: FabricName = fabric.parse().map_err(anyhow::Error::msg)?;
+        let st: State = serde_json::from_str(json)?;
+        st.validate(&name)?;
+        Ok(st)
+    }
+
+    #[test]
+    fn names_that_leave_the_directory_are_refused() {
+        for bad in ["/tmp/x", "..", ".", "/", "a/../..", ""] {
+            assert!(bad.parse::<FabricName>().is_err(), "{bad:?}");
+        }
+        let n: FabricName = "ls16".parse().unwrap();
+        assert_eq!(n.dir(), Path::new("/run/closbox/fabrics/ls16"));
+        assert_eq!(n.lock_path(), Path::new("/run/closbox/locks/ls16.lock"));
+    }
+
+    #[test]
+    fn a_state_file_is_validated_as_hostile_input() {
+        assert!(check("t", &state_json("t", "gpu0", "cb-t.gpu0")).is_ok());
+        // Namespace path elsewhere, or the host's namespace.
+        for netns in ["/proc/1/ns/net", "../../etc", "cb-other.gpu0", "cb-t.gpu1"] {
+            let e = check("t", &state_json("t", "gpu0", netns)).unwrap_err();
+            assert!(e.to_string().contains("namespace"), "{netns}: {e}");
+        }
+        // GPU names that are paths.
+        for gpu in ["..", ".", "a/b"] {
+            let netns = format!("cb-t.{gpu}");
+            assert!(check("t", &state_json("t", gpu, &netns)).is_err(), "{gpu}");
+        }
+        // A state file of another fabric, or an invalid fabric name inside.
+        assert!(check("t", &state_json("u", "gpu0", "cb-u.gpu0")).is_err());
+        assert!(check("t", &state_json("/tmp", "gpu0", "cb-/tmp.gpu0")).is_err());
+        // Unknown fields are not silently accepted.
+        let extra = state_json("t", "gpu0", "cb-t.gpu0").replacen('{', r#"{"rm":"/","#, 1);
+        assert!(check("t", &extra).is_err());
+    }
 }

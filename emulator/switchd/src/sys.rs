@@ -2,7 +2,7 @@
 //! ioctls, namespaces, mounts, epoll, eventfd. The only module with `unsafe`; each block
 //! passes valid pointers to buffers it owns and checks the return value.
 
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 use std::io;
 use std::mem;
 use std::net::Ipv4Addr;
@@ -415,19 +415,72 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Inode of a namespace file (/proc/PID/ns/net, /run/netns/NAME): equal inodes, same
-/// namespace.
-pub fn ns_inode(path: &Path) -> io::Result<u64> {
-    use std::os::unix::fs::MetadataExt;
-    Ok(std::fs::metadata(path)?.ino())
+/// Takes an exclusive `flock` on `file` without waiting; `Ok(false)` if another open file
+/// description holds it.
+pub fn try_flock_exclusive(file: &std::fs::File) -> io::Result<bool> {
+    // SAFETY: plain syscall on a descriptor we own.
+    match cvt(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
-/// The hostname of the calling thread's UTS namespace.
-pub fn hostname() -> io::Result<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is valid for 256 bytes.
-    cvt(unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) })?;
-    let c = CStr::from_bytes_until_nul(&buf)
-        .map_err(|_| io::Error::other("hostname not terminated"))?;
-    Ok(c.to_string_lossy().into_owned())
+/// Makes `file` the process's stdout and stderr (dup2).
+pub fn redirect_stdout_stderr(file: &std::fs::File) -> io::Result<()> {
+    for target in [libc::STDOUT_FILENO, libc::STDERR_FILENO] {
+        // SAFETY: dup2 on a descriptor we own onto the standard ones.
+        cvt(unsafe { libc::dup2(file.as_raw_fd(), target) })?;
+    }
+    Ok(())
+}
+
+/// Sets the process's file mode creation mask; returns the previous one.
+pub fn umask(mask: u32) -> u32 {
+    // SAFETY: umask cannot fail.
+    unsafe { libc::umask(mask as libc::mode_t) as u32 }
+}
+
+/// A process handle that cannot be confused with a later process of the same pid: signals
+/// sent through it reach the process it was opened on, or nobody.
+#[derive(Debug)]
+pub struct Pidfd(OwnedFd);
+
+impl Pidfd {
+    /// `Ok(None)` if no process has that pid.
+    pub fn open(pid: i32) -> io::Result<Option<Pidfd>> {
+        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ESRCH) => Ok(None),
+                _ => Err(e),
+            };
+        }
+        // SAFETY: the kernel just returned this descriptor to us.
+        Ok(Some(Pidfd(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })))
+    }
+
+    /// Sends `sig`; `Ok(false)` if the process has exited.
+    pub fn signal(&self, sig: libc::c_int) -> io::Result<bool> {
+        // SAFETY: pidfd_send_signal(2) with a null siginfo behaves as kill(2).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                sig,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ESRCH) => Ok(false),
+                _ => Err(e),
+            };
+        }
+        Ok(true)
+    }
 }

@@ -1,0 +1,426 @@
+//! Hostile and careless input to the live commands, as root: names that are paths, state
+//! files that point elsewhere, locks held by others, floods that would exhaust the box,
+//! packets that must not be forwarded. Each checks that nothing closbox did not make is
+//! touched, and that what it made is gone afterwards.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use common::{closbox, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric};
+
+fn scratch(name: &str) -> PathBuf {
+    let d = common::scratch_dir().join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A process in the host's namespaces that closbox has no business with.
+fn bystander() -> Child {
+    Command::new("sleep").arg("120").spawn().unwrap()
+}
+
+fn alive(c: &mut Child) -> bool {
+    c.try_wait().unwrap().is_none()
+}
+
+#[test]
+fn fabric_names_that_are_paths_are_refused_everywhere() {
+    // Clap refuses these before anything runs, root or not.
+    let victim = scratch("victim");
+    std::fs::write(victim.join("precious"), "keep").unwrap();
+    let v = victim.to_str().unwrap();
+    for name in [v, "..", "/", ".", "../../tmp", "a/b", "UPPER", ""] {
+        for args in [
+            vec!["down", name],
+            vec!["status", name],
+            vec!["exec", "--fabric", name, "gpu0", "--", "true"],
+            vec!["run", "--fabric", name, "--", "true"],
+            vec!["bench", "--fabric", name],
+            vec!["train", "--fabric", name],
+        ] {
+            let out = closbox(&args);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {:?}", text(&out));
+            assert!(
+                text(&out).1.contains("fabric name"),
+                "{args:?}: {:?}",
+                text(&out)
+            );
+        }
+    }
+    assert_eq!(
+        std::fs::read_to_string(victim.join("precious")).unwrap(),
+        "keep"
+    );
+}
+
+#[test]
+fn a_state_directory_without_state_is_reported_not_deleted() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let dir = Path::new("/run/closbox/fabrics/lt-nostate");
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("precious"), "keep").unwrap();
+    std::fs::write(dir.join("state.json.tmp.1.2"), "{").unwrap();
+    let out = closbox(&["down", "lt-nostate"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("closbox did not make (precious)"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("precious")).unwrap(),
+        "keep"
+    );
+    // Once only closbox's own leftovers remain, `down` clears them.
+    std::fs::remove_file(dir.join("precious")).unwrap();
+    std::fs::write(dir.join("state.json.tmp.3.4"), "{").unwrap();
+    let out = closbox(&["down", "lt-nostate"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(!dir.exists());
+}
+
+fn write_state(fabric: &str, daemon_pid: u32, gpus: &[(&str, &str)]) {
+    let dir = PathBuf::from(format!("/run/closbox/fabrics/{fabric}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gpus: Vec<serde_json::Value> = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, (name, netns))| {
+            serde_json::json!({"name": name, "addr": format!("198.18.0.{}", i + 1),
+                               "node": i, "local_rank": 0, "netns": netns})
+        })
+        .collect();
+    let start = std::fs::read_to_string(format!("/proc/{daemon_pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = s[s.rfind(')')? + 2..].to_owned();
+            rest.split(' ').nth(19)?.parse::<u64>().ok()
+        })
+        .unwrap_or(0);
+    let st = serde_json::json!({
+        "fabric": fabric, "config": "/nonexistent.toml", "phase": "ready",
+        "daemon_pid": daemon_pid, "daemon_start": start, "time_scale": 1.0,
+        "prefix_len": 15, "tun": "cb0", "gpus": gpus,
+    });
+    std::fs::write(dir.join("state.json"), st.to_string()).unwrap();
+}
+
+#[test]
+fn crafted_state_files_cannot_aim_down_elsewhere() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let mut sleeper = bystander();
+    let pid = sleeper.id();
+
+    // A valid-looking state naming an unrelated process as its daemon, and a namespace
+    // pin replaced by a symlink to that process's (the host's) namespace.
+    write_state("lt-craft", pid, &[("gpu0", "cb-lt-craft.gpu0")]);
+    std::fs::create_dir_all("/run/netns").unwrap();
+    let pin = Path::new("/run/netns/cb-lt-craft.gpu0");
+    let _ = std::fs::remove_file(pin);
+    std::os::unix::fs::symlink(format!("/proc/{pid}/ns/net"), pin).unwrap();
+    let out = closbox(&["down", "lt-craft"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        alive(&mut sleeper),
+        "down signalled a process it did not start"
+    );
+    assert!(
+        pin.symlink_metadata().is_err(),
+        "the planted pin is closbox's name: removed"
+    );
+    assert!(
+        leftovers("lt-craft").is_empty(),
+        "{:?}",
+        leftovers("lt-craft")
+    );
+
+    // Names that do not derive from the fabric's: refused, nothing removed or signalled.
+    let outside = scratch("outside");
+    std::fs::write(outside.join("precious"), "keep").unwrap();
+    for netns in [
+        "/proc/1/ns/net".to_owned(),
+        outside.display().to_string(),
+        "../../tmp".to_owned(),
+        "cb-other.gpu0".to_owned(),
+    ] {
+        write_state("lt-craft", pid, &[("gpu0", &netns)]);
+        let out = closbox(&["down", "lt-craft"]);
+        assert_eq!(out.status.code(), Some(1), "{netns}: {:?}", text(&out));
+        assert!(
+            text(&out).1.contains("invalid state file"),
+            "{netns}: {:?}",
+            text(&out)
+        );
+        assert!(Path::new("/run/closbox/fabrics/lt-craft/state.json").exists());
+    }
+    for gpu in ["..", "."] {
+        write_state("lt-craft", pid, &[(gpu, &format!("cb-lt-craft.{gpu}"))]);
+        let out = closbox(&["down", "lt-craft"]);
+        assert_eq!(out.status.code(), Some(1), "{gpu}: {:?}", text(&out));
+    }
+    // A state file that is a symlink is not read.
+    std::fs::remove_file("/run/closbox/fabrics/lt-craft/state.json").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", "/run/closbox/fabrics/lt-craft/state.json").unwrap();
+    let out = closbox(&["down", "lt-craft"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(Path::new("/etc/passwd").exists());
+
+    assert!(alive(&mut sleeper));
+    assert_eq!(
+        std::fs::read_to_string(outside.join("precious")).unwrap(),
+        "keep"
+    );
+    std::fs::remove_dir_all("/run/closbox/fabrics/lt-craft").unwrap();
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+}
+
+const SMALL: &str = "[topology]\nkind = \"single-switch\"\ngpus = 2\n";
+
+#[test]
+fn the_fabric_lock_serializes_up_and_down() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // Two `up` of one name at once: exactly one wins; the loser removes nothing of it.
+    assert!(
+        leftovers("lt-race").is_empty(),
+        "{:?}",
+        leftovers("lt-race")
+    );
+    let _cleanup = DownOnDrop("lt-race");
+    let cfg = common::scratch_dir().join("lt-race.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-race\"\n{SMALL}")).unwrap();
+    let ups: Vec<Child> = (0..2)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_closbox"))
+                .args(["up", cfg.to_str().unwrap(), "--detach"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = ups
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let won = outs.iter().filter(|o| o.status.success()).count();
+    assert_eq!(won, 1, "{:?}", outs.iter().map(text).collect::<Vec<_>>());
+    let lost = outs.iter().find(|o| !o.status.success()).unwrap();
+    assert!(text(lost).1.contains("already up"), "{:?}", text(lost));
+    let out = closbox(&["exec", "--fabric", "lt-race", "gpu1", "--", "hostname"]);
+    assert_eq!(text(&out).0.trim(), "gpu1", "the winner's fabric is whole");
+    let out = closbox(&["down", "lt-race"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-race").is_empty(),
+        "{:?}",
+        leftovers("lt-race")
+    );
+
+    // A lock held by something that is not closbox: `down` does not signal it.
+    std::fs::create_dir_all("/run/closbox/locks").unwrap();
+    let mut holder = Command::new("flock")
+        .args(["/run/closbox/locks/lt-held.lock", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let out = closbox(&["down", "lt-held"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("not a closbox daemon"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(alive(&mut holder));
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+/// Takes a fabric down when a test ends, passed or failed.
+struct DownOnDrop(&'static str);
+
+impl Drop for DownOnDrop {
+    fn drop(&mut self) {
+        let _ = closbox(&["down", self.0]);
+    }
+}
+
+/// VmHWM (peak resident memory) of a process, in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn daemon_memory_stays_within_its_bound_under_a_flood() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // Deep buffers on a slow link: without the packet-memory budget, a GPU sending empty
+    // UDP datagrams as fast as it can would make the daemon hold every one of them.
+    let body = "packet_memory = \"16MiB\"\n[topology]\nkind = \"single-switch\"\ngpus = 2\n\
+                [links.nic]\nrate = \"1Mbit\"\n[nic]\nbuffer = \"4GiB\"\n[switches.leaf]\nbuffer = \"4GiB\"\n";
+    let f = TestFabric::up("lt-flood", body);
+    let plan = closbox(&["plan", f.config.to_str().unwrap(), "--json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let bound = plan["daemon_memory"]["total"].as_u64().unwrap();
+    let st: serde_json::Value =
+        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-flood/state.json").unwrap())
+            .unwrap();
+    let daemon = st["daemon_pid"].as_u64().unwrap() as u32;
+    let flood = "import socket, time\n\
+                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                 end = time.time() + 3\n\
+                 while time.time() < end:\n\
+                 \x20   for _ in range(1000):\n\
+                 \x20       try: s.sendto(b'', ('gpu1', 9))\n\
+                 \x20       except OSError: pass\n";
+    let out = f.exec("gpu0", &["/usr/bin/python3", "-c", flood]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let peak = peak_rss(daemon);
+    let v = f.status();
+    let memory_drops = v["drops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d[0] == "memory_limit")
+        .unwrap()[1]
+        .as_u64()
+        .unwrap();
+    eprintln!(
+        "flood: daemon peak RSS {} KiB of a stated bound of {} KiB; {} packets in, {memory_drops} dropped at the memory limit",
+        peak >> 10,
+        bound >> 10,
+        v["packets_in"]
+    );
+    assert!(memory_drops > 0, "the flood did not reach the limit: {v}");
+    assert!(
+        v["packet_memory"].as_u64().unwrap() <= v["packet_memory_limit"].as_u64().unwrap(),
+        "{v}"
+    );
+    assert!(
+        peak <= bound,
+        "peak RSS {peak} above the stated bound {bound}"
+    );
+    let out = closbox(&["status", "lt-flood"]);
+    assert!(
+        text(&out)
+            .0
+            .contains("dropped at the fabric's packet-memory limit"),
+        "{:?}",
+        text(&out)
+    );
+    f.down();
+}
+
+#[test]
+fn switches_decrement_ttl_and_drop_expired_packets() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // gpu0 -> leaf0 -> spine -> leaf1 -> gpu3: three routed hops.
+    let body = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n";
+    let f = TestFabric::up("lt-ttl", body);
+    let receiver = "import socket\n\
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                    s.setsockopt(socket.IPPROTO_IP, 12, 1)  # IP_RECVTTL\n\
+                    s.bind(('0.0.0.0', 7009))\n\
+                    s.settimeout(10)\n\
+                    data, anc, _, _ = s.recvmsg(64, 64)\n\
+                    print(data.decode(), anc[0][2][0])\n";
+    let server = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "exec",
+            "--fabric",
+            "lt-ttl",
+            "gpu3",
+            "--",
+            "/usr/bin/python3",
+            "-c",
+            receiver,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_port(&f, "gpu3", 7009);
+    let send = |ttl: u32, what: &str| {
+        let code = format!(
+            "import socket\n\
+             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+             s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, {ttl})\n\
+             for _ in range(5): s.sendto(b'{what}', ('gpu3', 7009))\n"
+        );
+        let out = f.exec("gpu0", &["/usr/bin/python3", "-c", &code]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    };
+    // TTL 3 expires at the third switch; TTL 64 arrives with 61.
+    send(1, "expired");
+    send(3, "expired");
+    std::thread::sleep(Duration::from_millis(200));
+    send(64, "arrived");
+    let out = server.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "arrived 61");
+    let v = f.status();
+    let expired = v["drops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d[0] == "ttl_expired")
+        .unwrap()[1]
+        .as_u64()
+        .unwrap();
+    assert_eq!(expired, 10, "{v}");
+    f.down();
+}
+
+#[test]
+fn up_refuses_what_cannot_fit_before_creating_anything() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // Passes every size check, but its routing tables need ~110 GiB.
+    let cfg = common::scratch_dir().join("lt-huge.toml");
+    std::fs::write(
+        &cfg,
+        "[fabric]\nname = \"lt-huge\"\n[topology]\nkind = \"single-switch\"\ngpus = 65536\n",
+    )
+    .unwrap();
+    for detach in [false, true] {
+        let mut args = vec!["up", cfg.to_str().unwrap()];
+        if detach {
+            args.push("--detach");
+        }
+        let out = closbox(&args);
+        assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+        assert!(
+            text(&out).1.contains("needs up to") && text(&out).1.contains("available"),
+            "{:?}",
+            text(&out)
+        );
+        assert!(
+            leftovers("lt-huge").is_empty(),
+            "{:?}",
+            leftovers("lt-huge")
+        );
+    }
+}
