@@ -1,7 +1,7 @@
 # closbox: a GPU-cluster network fabric on one Linux box.
 CARGO ?= cargo
 
-.PHONY: all build demo test bench lint fmt clean
+.PHONY: all build demo test test-deps bench lint fmt clean
 
 all: build
 
@@ -19,9 +19,13 @@ demo: build
 	-$(CLOSBOX) status default
 	$(CLOSBOX) down default
 
-# Every test: unit, virtual-clock model tests, CLI tests (and, as root, live fabrics).
-test:
+# Every test: unit, virtual-clock model tests, CLI tests and, as root, live fabrics running
+# real programs. Installs those programs first if they are missing (scripts/test-deps).
+test: test-deps
 	$(CARGO) test --workspace --release
+
+test-deps:
+	@scripts/test-deps
 
 # Model throughput (criterion): packet-hops per second on one core.
 bench:
