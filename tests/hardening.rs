@@ -424,3 +424,39 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
         );
     }
 }
+
+#[test]
+fn a_stuck_or_hostile_control_client_delays_nobody() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::net::UnixStream;
+    let f = TestFabric::up("lt-ctl", SMALL);
+    let sock = "/run/closbox/fabrics/lt-ctl/control.sock";
+    let mode = std::fs::metadata(sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let dir_mode = std::fs::metadata("/run/closbox/fabrics/lt-ctl")
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(dir_mode, 0o700);
+    // A client that connects and says nothing.
+    let _silent = UnixStream::connect(sock).unwrap();
+    let out = closbox(&["status", "lt-ctl", "--json"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // A request line far over the limit gets an error, not unbounded buffering.
+    let mut big = UnixStream::connect(sock).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let _ = big.write_all(&chunk);
+    let mut reply = String::new();
+    big.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = big.read_to_string(&mut reply);
+    assert!(reply.contains("longer than"), "{reply:?}");
+    let out = closbox(&["status", "lt-ctl"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    f.down();
+}
