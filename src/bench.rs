@@ -43,7 +43,8 @@ pub struct TrainArgs<'a> {
     pub target: Target<'a>,
     pub model_bytes: usize,
     pub bucket_bytes: usize,
-    pub compute_ms: f64,
+    /// `None`: as long as the step's predicted communication.
+    pub compute_ms: Option<f64>,
     pub steps: usize,
     pub algo: Algo,
     pub json: bool,
@@ -96,9 +97,11 @@ pub struct RunHealth {
     tun_drops: u64,
     /// Write lateness during the run (wall time).
     lateness: Lateness,
-    threshold_us: f64,
     time_scale: f64,
 }
+
+/// How much lateness may add to an operation before results are flagged: 5 %.
+const LATENESS_SHARE: f64 = 0.05;
 
 impl RunHealth {
     fn snapshot(fabric: &FabricName) -> Option<serde_json::Value> {
@@ -130,17 +133,25 @@ impl RunHealth {
             fabric_drops: drops(after).saturating_sub(drops(before)),
             tun_drops: n(after, "tun_tx_dropped").saturating_sub(n(before, "tun_tx_dropped")),
             lateness: Lateness::of(&hist),
-            threshold_us: after["behind_threshold_us"].as_f64().unwrap_or(0.0),
             time_scale: after["time_scale"].as_f64().unwrap_or(1.0),
         }
     }
 
-    /// The box fell behind the fabric's schedule: measured times include its limits.
-    pub fn behind(&self) -> bool {
-        self.lateness.behind(self.threshold_us) || self.tun_drops > 0
+    /// Fabric time lateness could add to one operation whose messages pass `steps` times
+    /// through the fabric one after another (each late by up to the p99): µs.
+    fn added_us(&self, steps: usize) -> f64 {
+        steps as f64 * self.lateness.p99_us / self.time_scale
     }
 
-    fn footer(&self) -> String {
+    /// The box's lateness could have changed a result: it may add more than 5 % to the
+    /// shortest measured time (`shortest_us`, fabric time) of operations of `steps`
+    /// sequential messages, or the kernel dropped packets the daemon read too late.
+    pub fn behind(&self, shortest_us: f64, steps: usize) -> bool {
+        self.tun_drops > 0
+            || (self.lateness.samples >= 100 && self.added_us(steps) > LATENESS_SHARE * shortest_us)
+    }
+
+    fn footer(&self, shortest_us: f64, steps: usize) -> String {
         let mut s = format!(
             "# fabric during the run: {} packets, {} dropped by the fabric (buffers, loss); box: write lateness p50 {:.1} µs p99 {:.1} µs wall (p99 = {:.3} µs of fabric time), {} TUN drops\n",
             thousands(self.packets),
@@ -150,11 +161,19 @@ impl RunHealth {
             self.lateness.p99_us / self.time_scale,
             thousands(self.tun_drops),
         );
-        if self.behind() {
+        if self.behind(shortest_us, steps) {
+            let why = if self.tun_drops > 0 {
+                "the kernel dropped packets the daemon read too late".to_owned()
+            } else {
+                format!(
+                    "lateness may add up to {:.2} µs ({steps} sequential messages × p99) to operations as short as {:.2} µs",
+                    self.added_us(steps),
+                    shortest_us
+                )
+            };
             let _ = writeln!(
                 s,
-                "# WARNING: this box fell behind the fabric's schedule during the run (p99 lateness above {:.0} µs, or TUN drops): measured times include the box's limits, not only the fabric's; raise time_scale or use fewer GPUs",
-                self.threshold_us
+                "# WARNING: this box fell behind the fabric's schedule enough to change results ({why}); raise time_scale or use fewer GPUs"
             );
         }
         s
@@ -227,7 +246,18 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     // Validated here, before any agent starts, by the agents' own rules.
-    let spec = a.opts.spec(a.ops.clone(), st.time_scale)?;
+    let spec = a
+        .opts
+        .spec(a.ops.clone(), st.time_scale)
+        .map_err(|e| crate::usage(format!("{e:#}")))?;
+    if spec.root >= sel.len() {
+        return Err(crate::usage(format!(
+            "--root {} is not one of the {} selected GPUs: it indexes --gpus (0 = {})",
+            spec.root,
+            sel.len(),
+            st.gpus[sel[0]].name
+        )));
+    }
     let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
     let total = a.ops.len() * spec.sizes.len();
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
@@ -262,7 +292,13 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         bail!("the agents reported {} of {total} results", rows.len());
     }
     let real_paths = predictor.use_paths(&topo, &ran.endpoints);
-    let behind = ran.health.as_ref().is_some_and(RunHealth::behind);
+    // Ring all-reduce passes 2(n − 1) messages one after another: the most of any op.
+    let steps = 2 * sel.len().saturating_sub(1).max(1);
+    let shortest = rows.iter().map(|r| r.time_us).fold(f64::MAX, f64::min);
+    let behind = ran
+        .health
+        .as_ref()
+        .is_some_and(|h| h.behind(shortest, steps));
     let predicted: Vec<f64> = rows
         .iter()
         .map(|r| {
@@ -284,7 +320,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             .map(|(r, p)| {
                 let mut v = serde_json::to_value(r).expect("row");
                 v["predicted_us"] = (*p).into();
-                v["measured_over_predicted"] = (r.time_us / p).into();
+                v["measured_over_predicted"] = ratio(r.time_us, *p).into();
                 v["predicted_on"] = if real_paths {
                     "run_paths"
                 } else {
@@ -315,7 +351,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 r.busbw,
                 r.wrong,
                 p,
-                r.time_us / p
+                ratio(r.time_us, *p).map_or(String::new(), |x| format!("{x:.3}"))
             );
         }
     } else {
@@ -324,9 +360,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     if let Some(h) = &ran.health {
         // Comments after a table; on stderr where stdout is JSON or CSV.
         if a.json || a.csv {
-            eprint!("{}", h.footer());
+            eprint!("{}", h.footer(shortest, steps));
         } else {
-            print!("{}", h.footer());
+            print!("{}", h.footer(shortest, steps));
         }
     }
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
@@ -383,7 +419,7 @@ fn table(st: &State, rows: &[Row], predicted: &[f64], real_paths: bool) -> Strin
         }
         let _ = writeln!(
             s,
-            "  {:>10} {:>11} {:>8} {:>6} {:>5} {:>12.1} {:>8.3} {:>8.3} {:>7} {:>12.1} {:>9.2}  {}",
+            "  {:>10} {:>11} {:>8} {:>6} {:>5} {:>12.1} {:>8.3} {:>8.3} {:>7} {:>12.1} {:>9}  {}",
             r.size,
             r.count,
             r.dtype.name(),
@@ -394,7 +430,7 @@ fn table(st: &State, rows: &[Row], predicted: &[f64], real_paths: bool) -> Strin
             r.busbw,
             r.wrong,
             p,
-            r.time_us / p,
+            ratio(r.time_us, *p).map_or("-".into(), |x| format!("{x:.2}")),
             r.algo
         );
     }
@@ -510,6 +546,13 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
+    let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
+    let compute_ms = a.compute_ms.unwrap_or_else(|| {
+        buckets
+            .iter()
+            .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
+            .sum()
+    });
     let args: Vec<String> = [
         "train",
         "--model-bytes",
@@ -517,7 +560,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         "--bucket-bytes",
         &a.bucket_bytes.to_string(),
         "--compute-ms",
-        &a.compute_ms.to_string(),
+        &compute_ms.to_string(),
         "--steps",
         &a.steps.to_string(),
         "--overlap",
@@ -536,28 +579,27 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         }
     })?;
     predictor.use_paths(&topo, &ran.endpoints);
-    let behind = ran.health.as_ref().is_some_and(RunHealth::behind);
     let reports = reports.lock().expect("reports").clone();
     if reports.len() != 2 {
         bail!("the agents reported {} of 2 training modes", reports.len());
     }
-    let buckets: Vec<usize> = {
-        let mut left = a.model_bytes;
-        let mut v = Vec::new();
-        while left > 0 {
-            let b = a.bucket_bytes.min(left);
-            v.push(b);
-            left -= b;
-        }
-        v
-    };
+    // Each bucket's ring all-reduce passes 2(n − 1) messages one after another.
+    let steps = buckets.len() * 2 * sel.len().saturating_sub(1).max(1);
+    let shortest = reports
+        .iter()
+        .map(|r| r.step_ms * 1e3)
+        .fold(f64::MAX, f64::min);
+    let behind = ran
+        .health
+        .as_ref()
+        .is_some_and(|h| h.behind(shortest, steps));
     let comm: Vec<f64> = buckets
         .iter()
         .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
         .collect();
     let predicted: Vec<f64> = reports
         .iter()
-        .map(|r| predict_step(a.compute_ms, &comm, r.overlap))
+        .map(|r| predict_step(compute_ms, &comm, r.overlap))
         .collect();
     if a.json {
         let out: Vec<serde_json::Value> = reports
@@ -572,18 +614,18 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
             .collect();
         println!("{}", serde_json::to_string_pretty(&out)?);
         if let Some(h) = &ran.health {
-            eprint!("{}", h.footer());
+            eprint!("{}", h.footer(shortest, steps));
         }
         return Ok(());
     }
     println!(
-        "# closbox train: fabric {}, {} ranks, {} of gradients in {} buckets of {}, {:.1} ms compute per step (fabric time)",
+        "# closbox train: fabric {}, {} ranks, {} of gradients in {} of {}, {:.2} ms compute per step (fabric time)",
         st.fabric,
         reports[0].ranks,
         human(a.model_bytes),
-        reports[0].buckets,
+        plural(reports[0].buckets, "bucket"),
         human(a.bucket_bytes),
-        a.compute_ms
+        compute_ms
     );
     println!(
         "# {:<12} {:>10} {:>12} {:>14} {:>10} {:>11} {:>15}",
@@ -616,9 +658,36 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         on.efficiency * 100.0
     );
     if let Some(h) = &ran.health {
-        print!("{}", h.footer());
+        print!("{}", h.footer(shortest, steps));
     }
     Ok(())
+}
+
+/// A model's gradients split into buckets of `bucket` bytes (the last one smaller).
+fn bucket_sizes(model: usize, bucket: usize) -> Vec<usize> {
+    let mut left = model;
+    let mut v = Vec::new();
+    while left > 0 {
+        let b = bucket.min(left);
+        v.push(b);
+        left -= b;
+    }
+    v
+}
+
+/// "1 bucket", "3 buckets".
+pub fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
+/// Measured over predicted; `None` where there is nothing to compare with (one rank: no
+/// communication predicted).
+fn ratio(measured: f64, predicted: f64) -> Option<f64> {
+    (predicted > 0.0).then(|| measured / predicted)
 }
 
 /// For `--plot`: checks the file can be written before a long sweep.

@@ -415,12 +415,17 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
             .map(|(a, b)| (a.parse::<usize>(), b.parse::<usize>()))
         {
             Some((Ok(a), Ok(b))) => {
-                if a > b || b >= st.gpus.len() {
-                    bail!(
-                        "GPU range {part:?} is outside 0..{} of fabric {}",
-                        st.gpus.len(),
-                        st.fabric
-                    );
+                if a > b {
+                    return Err(crate::usage(format!(
+                        "GPU range {part:?} goes downward; write {b}-{a}"
+                    )));
+                }
+                if b >= st.gpus.len() {
+                    return Err(crate::usage(format!(
+                        "GPU range {part:?} goes past the last GPU: fabric {} has ranks 0 to {}",
+                        st.fabric,
+                        st.gpus.len() - 1
+                    )));
                 }
                 out.extend(a..=b);
             }
@@ -480,7 +485,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     for (rank, &i) in sel.iter().enumerate() {
         nodes.entry(st.gpus[i].node).or_default().push(rank);
     }
-    let node_rank: BTreeMap<u32, usize> = nodes.keys().enumerate().map(|(i, n)| (*n, i)).collect();
+    // Nodes numbered in the order the selection first reaches them, so that rank order
+    // and node order agree: RANK = NODE_RANK × LOCAL_WORLD_SIZE + LOCAL_RANK when the
+    // selection lists whole nodes one after the other.
+    let mut node_rank: BTreeMap<u32, usize> = BTreeMap::new();
+    for &i in &sel {
+        let next = node_rank.len();
+        node_rank.entry(st.gpus[i].node).or_insert(next);
+    }
     let master = &st.gpus[sel[0]];
     let peer_names: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
     let node_list: Vec<String> = sel.iter().map(|&i| st.gpus[i].node.to_string()).collect();

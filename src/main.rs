@@ -81,29 +81,34 @@ enum Command {
         opts: BenchOpts,
     },
     /// Data-parallel training steps: gradients all-reduced after backward, and overlapped
-    /// with it; step time, exposed communication, scaling efficiency.
+    /// with it; step time, exposed communication, scaling efficiency. The defaults finish
+    /// in well under a minute on configs/default.toml.
     Train {
         #[command(flatten)]
         target: TargetArgs,
-        /// Gradient bytes per step, e.g. 256M.
-        #[arg(long, default_value = "64M")]
-        model: String,
-        /// Bucket size, e.g. 25M.
-        #[arg(long, default_value = "8M")]
-        bucket: String,
-        /// Forward + backward compute per step (fabric ms).
-        #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"])]
+        /// Gradient bytes per step, e.g. 256M (a whole number of f32 elements).
+        #[arg(long, default_value = "16M", value_parser = one_size)]
+        model: usize,
+        /// Bucket size, e.g. 25M (at most --model).
+        #[arg(long, default_value = "4M", value_parser = one_size)]
+        bucket: usize,
+        /// Forward + backward compute per step, in ms of fabric time [default: the
+        /// predicted time of the step's all-reduces on this fabric, so that overlap can
+        /// hide up to half the step].
+        #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"], value_parser = non_negative)]
         compute_ms: Option<f64>,
         /// Model FLOPs per step per GPU (with --gpu-tflops instead of --compute-ms).
-        #[arg(long, requires = "gpu_tflops")]
+        #[arg(long, requires = "gpu_tflops", value_parser = positive)]
         flops: Option<f64>,
         /// GPU throughput in TFLOP/s.
-        #[arg(long, requires = "flops")]
+        #[arg(long, requires = "flops", value_parser = positive)]
         gpu_tflops: Option<f64>,
-        #[arg(long, default_value_t = 3)]
-        steps: usize,
-        #[arg(long, default_value = "auto")]
-        algo: String,
+        /// Timed steps per mode.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        steps: u32,
+        /// AllReduce algorithm: auto, ring, tree, rhd, hier.
+        #[arg(long, default_value = "auto", value_parser = parse_algo)]
+        algo: closbox_agents::Algo,
         #[arg(long)]
         json: bool,
     },
@@ -118,10 +123,10 @@ enum Command {
         #[arg(long, default_value = "all")]
         gpus: String,
         /// Stop every rank after this many seconds (exit 124).
-        #[arg(long)]
-        timeout: Option<f64>,
+        #[arg(long, value_parser = seconds)]
+        timeout: Option<std::time::Duration>,
         /// MASTER_PORT for torch.distributed-style rendezvous.
-        #[arg(long, default_value_t = 29500)]
+        #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
         master_port: u16,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
@@ -139,9 +144,10 @@ struct TargetArgs {
     /// Parallel TCP connections per pair of ranks (ECMP can spread them).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     channels: u32,
-    /// Stop the agents after this many seconds.
-    #[arg(long)]
-    timeout: Option<f64>,
+    /// Stop the agents after this many seconds of wall time (default: no limit; each
+    /// agent gives up on its own when a peer is silent for 60 s).
+    #[arg(long, value_parser = seconds)]
+    timeout: Option<std::time::Duration>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -158,32 +164,75 @@ struct BenchOpts {
 }
 
 impl TargetArgs {
-    fn target(&self) -> anyhow::Result<bench::Target<'_>> {
-        let timeout = match self.timeout {
-            Some(t) if t.is_finite() && t > 0.0 => Some(std::time::Duration::from_secs_f64(t)),
-            Some(_) => anyhow::bail!("--timeout must be a positive number of seconds"),
-            None => None,
-        };
-        Ok(bench::Target {
+    fn target(&self) -> bench::Target<'_> {
+        bench::Target {
             fabric: self.fabric.as_ref(),
             gpus: &self.gpus,
             channels: self.channels as usize,
-            timeout,
-        })
+            timeout: self.timeout,
+        }
     }
 }
 
-fn parse_algo(s: &str) -> anyhow::Result<closbox_agents::Algo> {
+/// A usage error found after parsing (bad combinations, values checked against the
+/// fabric): exit 2, as clap's own.
+#[derive(Debug)]
+pub(crate) struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(Usage(msg.into()))
+}
+
+fn parse_algo(s: &str) -> Result<closbox_agents::Algo, String> {
     closbox_agents::Algo::from_name(s)
-        .ok_or_else(|| anyhow::anyhow!("unknown algorithm {s:?}: auto, ring, tree, rhd or hier"))
+        .ok_or_else(|| format!("unknown algorithm {s:?}: auto, ring, tree, rhd or hier"))
 }
 
-fn parse_bytes(what: &str, s: &str) -> anyhow::Result<usize> {
-    let v = closbox_agents::bench::parse_sizes(s).map_err(|e| anyhow::anyhow!("--{what}: {e}"))?;
-    match v.as_slice() {
+fn one_size(s: &str) -> Result<usize, String> {
+    match closbox_agents::bench::parse_sizes(s)?.as_slice() {
         [one] => Ok(*one),
-        _ => anyhow::bail!("--{what} takes one size, such as 64M"),
+        _ => Err("takes one size, such as 64M".into()),
     }
+}
+
+fn number(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| format!("{s:?} is not a number"))
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    number(s).and_then(|v| {
+        if v > 0.0 {
+            Ok(v)
+        } else {
+            Err("must be above 0".into())
+        }
+    })
+}
+
+fn non_negative(s: &str) -> Result<f64, String> {
+    number(s).and_then(|v| {
+        if v >= 0.0 {
+            Ok(v)
+        } else {
+            Err("must not be negative".into())
+        }
+    })
+}
+
+fn seconds(s: &str) -> Result<std::time::Duration, String> {
+    let v = positive(s)?;
+    std::time::Duration::try_from_secs_f64(v).map_err(|_| "too long".into())
 }
 
 fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Result<()> {
@@ -197,7 +246,7 @@ fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Res
         bench::check_plot_path(p)?;
     }
     bench::bench(bench::BenchArgs {
-        target: target.target()?,
+        target: target.target(),
         ops,
         opts: o.agent,
         json: o.json,
@@ -207,19 +256,22 @@ fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Res
 }
 
 #[derive(Debug, clap::Args)]
+#[command(
+    override_usage = "closbox plan FILE [--json]\n       closbox plan --gpus N --topology KIND [--radix K] [--json]"
+)]
 struct PlanArgs {
     /// Topology file to describe.
-    #[arg(conflicts_with_all = ["gpus", "topology"], required_unless_present = "gpus")]
+    #[arg(conflicts_with_all = ["gpus", "topology", "radix"], required_unless_present_any = ["gpus", "topology"])]
     file: Option<PathBuf>,
     /// Size fabrics for this many GPUs instead of reading a file.
     #[arg(long, requires = "topology", value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
     gpus: Option<u64>,
     /// Which fabric to size for --gpus.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, requires = "gpus")]
     topology: Option<SizeKind>,
-    /// Ports per switch for --gpus (even).
-    #[arg(long, default_value_t = 64, value_parser = parse_radix)]
-    radix: u64,
+    /// Ports per switch for --gpus (even) [default: 64].
+    #[arg(long, value_parser = parse_radix, requires = "gpus")]
+    radix: Option<u64>,
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -278,23 +330,27 @@ fn main() -> ExitCode {
             json,
         } => (|| {
             let compute_ms = match (compute_ms, flops, gpu_tflops) {
-                (Some(ms), _, _) => ms,
-                (None, Some(f), Some(t)) if f > 0.0 && t > 0.0 => f / (t * 1e12) * 1e3,
-                (None, Some(_), Some(_)) => {
-                    anyhow::bail!("--flops and --gpu-tflops must be positive")
-                }
-                _ => 200.0,
+                (Some(ms), _, _) => Some(ms),
+                (None, Some(f), Some(t)) => Some(f / (t * 1e12) * 1e3),
+                _ => None,
             };
-            if !(compute_ms.is_finite() && compute_ms >= 0.0) {
-                anyhow::bail!("--compute-ms must be a non-negative number");
+            if model % 4 != 0 || bucket % 4 != 0 {
+                return Err(usage(
+                    "--model and --bucket must be whole numbers of f32 elements (multiples of 4 bytes)",
+                ));
+            }
+            if bucket > model {
+                return Err(usage(format!(
+                    "--bucket ({bucket} bytes) is larger than --model ({model} bytes)"
+                )));
             }
             bench::train(bench::TrainArgs {
-                target: target.target()?,
-                model_bytes: parse_bytes("model", &model)?,
-                bucket_bytes: parse_bytes("bucket", &bucket)?,
+                target: target.target(),
+                model_bytes: model,
+                bucket_bytes: bucket,
                 compute_ms,
-                steps,
-                algo: parse_algo(&algo)?,
+                steps: steps as usize,
+                algo,
                 json,
             })
         })()
@@ -305,33 +361,24 @@ fn main() -> ExitCode {
             timeout,
             master_port,
             cmd,
-        } => {
-            match timeout.map(|t| {
-                if t.is_finite() && t > 0.0 {
-                    Ok(std::time::Duration::from_secs_f64(t))
-                } else {
-                    Err(anyhow::anyhow!(
-                        "--timeout must be a positive number of seconds"
-                    ))
-                }
-            }) {
-                Some(Err(e)) => Err(e),
-                t => live::run(live::RunArgs {
-                    fabric: fabric.as_ref(),
-                    gpus: &gpus,
-                    timeout: t.map(|t| t.expect("checked")),
-                    master_port,
-                    cmd: &cmd,
-                    sink: None,
-                }),
-            }
-        }
+        } => live::run(live::RunArgs {
+            fabric: fabric.as_ref(),
+            gpus: &gpus,
+            timeout,
+            master_port,
+            cmd: &cmd,
+            sink: None,
+        }),
     };
     match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("closbox: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<Usage>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -348,7 +395,7 @@ fn run_plan(args: PlanArgs) -> anyhow::Result<()> {
             }
         }
         (None, Some(gpus), Some(kind)) => {
-            let s = closbox_fabric::plan::Sizing::new(gpus, args.radix);
+            let s = closbox_fabric::plan::Sizing::new(gpus, args.radix.unwrap_or(64));
             if args.json {
                 serde_json::to_string_pretty(&s)?
             } else {

@@ -438,6 +438,12 @@ impl Predictor {
 
     fn hier(&self, s: f64) -> Option<f64> {
         let (nodes, per) = hier_shape(&self.nodes).ok()?;
+        if per == 1 {
+            // One GPU per node: no intra-node phases, and the inter-node all-reduce is the
+            // agents' streaming ring over every rank.
+            let all: Vec<usize> = (0..nodes).collect();
+            return Some(self.stream(&all, 2 * (nodes - 1), s / nodes as f64));
+        }
         let local: Vec<Flow> = (0..nodes)
             .flat_map(|k| {
                 self.ring(
@@ -492,6 +498,22 @@ mod tests {
         let want = 14.0 * ((s / 8.0) / cap) + 2.0 * frame;
         let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
         assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    }
+
+    #[test]
+    fn hier_on_single_gpu_nodes_is_the_ring() {
+        // The agents' hier with one GPU per node is a streaming ring over all ranks.
+        let t =
+            topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 4\n");
+        let p = Predictor::new(&t, (0..8).collect(), 2);
+        for s in [1 << 16, 4 << 20, 64 << 20] {
+            let ring = p.predict(Op::AllReduce, Algo::Ring, s, 0);
+            let hier = p.predict(Op::AllReduce, Algo::Hier, s, 0);
+            assert!(
+                (hier / ring - 1.0).abs() < 1e-9,
+                "{s}: hier {hier} ring {ring}"
+            );
+        }
     }
 
     #[test]

@@ -50,24 +50,47 @@ pub struct Row {
 /// `closbox-agent bench` (which runs them): one definition, one validation.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Options {
-    /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K".
-    #[arg(long, default_value = "8:64M")]
+    /// Sizes in bytes: "8:256M" (doubling), "1M", "4K,64K"; each a whole number of
+    /// elements of --dtype.
+    #[arg(long, default_value = "8:64M", value_parser = check_sizes)]
     pub sizes: String,
-    #[arg(long, default_value_t = 5)]
-    pub iters: usize,
-    #[arg(long, default_value_t = 1)]
-    pub warmup: usize,
+    /// Timed runs per size (the mean is reported).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iters: u32,
+    /// Untimed runs per size before the timed ones.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub warmup: u32,
     /// AllReduce algorithm: auto, ring, tree, rhd, hier.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = check_algo)]
     pub algo: String,
     /// f32 or bf16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = check_dtype)]
     pub dtype: String,
     /// sum, max, min, avg.
-    #[arg(long, default_value = "sum")]
+    #[arg(long, default_value = "sum", value_parser = check_redop)]
     pub redop: String,
+    /// Root of broadcast and reduce: an index into the selected GPUs (0 = the first of
+    /// --gpus), below the number of ranks.
     #[arg(long, default_value_t = 0)]
     pub root: usize,
+}
+
+fn check_sizes(s: &str) -> Result<String, String> {
+    parse_sizes(s).map(|_| s.to_owned())
+}
+
+fn check_algo(s: &str) -> Result<String, String> {
+    Algo::from_name(s)
+        .map(|_| s.to_owned())
+        .ok_or_else(|| format!("unknown algorithm {s:?}: auto, ring, tree, rhd or hier"))
+}
+
+fn check_dtype(s: &str) -> Result<String, String> {
+    s.parse::<DType>().map(|_| s.to_owned())
+}
+
+fn check_redop(s: &str) -> Result<String, String> {
+    s.parse::<ReduceOp>().map(|_| s.to_owned())
 }
 
 /// Parses operation names, comma-separated or not ("allreduce,alltoall").
@@ -82,18 +105,27 @@ pub fn parse_ops<S: AsRef<str>>(names: &[S]) -> anyhow::Result<Vec<Op>> {
 impl Options {
     /// Checks every option and builds the run.
     pub fn spec(&self, ops: Vec<Op>, time_scale: f64) -> anyhow::Result<Spec> {
+        let dtype: DType = self.dtype.parse().map_err(anyhow::Error::msg)?;
+        let sizes = parse_sizes(&self.sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?;
+        if let Some(bad) = sizes.iter().find(|s| *s % dtype.size() != 0) {
+            anyhow::bail!(
+                "--sizes: {bad} bytes is not a whole number of {} elements ({} bytes each)",
+                dtype.name(),
+                dtype.size()
+            );
+        }
         Ok(Spec {
             ops,
-            sizes: parse_sizes(&self.sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?,
-            iters: self.iters,
-            warmup: self.warmup,
+            sizes,
+            iters: self.iters as usize,
+            warmup: self.warmup as usize,
             algo: Algo::from_name(&self.algo).ok_or_else(|| {
                 anyhow::anyhow!(
                     "unknown algorithm {:?}: auto, ring, tree, rhd or hier",
                     self.algo
                 )
             })?,
-            dtype: self.dtype.parse().map_err(anyhow::Error::msg)?,
+            dtype,
             redop: self.redop.parse().map_err(anyhow::Error::msg)?,
             root: self.root,
             time_scale,
@@ -117,22 +149,16 @@ impl Options {
     }
 }
 
-/// Parses "8:256M" (sizes doubling from 8 B to 256 MiB), "1M", or "4K,64K,1M".
+/// Parses "8:256M" (sizes doubling from 8 B to 256 MiB), "1M", or "4K,64K,1M"; each size
+/// in the grammar of topology files (`closbox_fabric::Bytes`: "1M" = "1MiB", "1MB" = 10⁶).
 pub fn parse_sizes(s: &str) -> Result<Vec<usize>, String> {
     fn one(s: &str) -> Result<usize, String> {
-        let s = s.trim();
-        let (num, mult) = match s.char_indices().last() {
-            Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
-            Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
-            Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
-            _ => (s, 1),
-        };
-        let n: usize = num
-            .parse()
-            .map_err(|_| format!("size {s:?} is not a number with an optional K, M or G"))?;
-        n.checked_mul(mult)
-            .filter(|v| *v > 0)
-            .ok_or_else(|| format!("size {s:?} out of range"))
+        let b: closbox_fabric::Bytes = s.trim().parse().map_err(|e| format!("{e}"))?;
+        match usize::try_from(b.get()) {
+            Ok(0) => Err(format!("size {s:?} must be above 0")),
+            Ok(n) if n <= 1 << 40 => Ok(n),
+            _ => Err(format!("size {s:?} is too large")),
+        }
     }
     if let Some((a, b)) = s.split_once(':') {
         let (mut lo, hi) = (one(a)?, one(b)?);
@@ -300,7 +326,12 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
     for &op in &spec.ops {
         for &size in &spec.sizes {
             let count = size / spec.dtype.size();
-            let root = spec.root % n;
+            anyhow::ensure!(
+                spec.root < n,
+                "--root {} is not one of the {n} ranks",
+                spec.root
+            );
+            let root = spec.root;
             let (input_buf, want) = prepare(op, spec.dtype, spec.redop, n, r, root, count);
             let mut buf = input_buf.clone();
             let mut scratch = vec![0u8; buf.len()];
@@ -316,7 +347,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 run_op(comm, call, &mut buf, &mut scratch)?;
             }
             let mut total = 0.0f64;
-            for _ in 0..spec.iters.max(1) {
+            for _ in 0..spec.iters {
                 buf.copy_from_slice(&input_buf);
                 // Everyone starts together, so that no rank's time hides a part of the
                 // operation that happened before it looked (data already buffered).
@@ -331,7 +362,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 0.0
             };
             let my_wrong = wrong(spec.dtype, &buf, &want, tolerance);
-            let mean = total / spec.iters.max(1) as f64;
+            let mean = total / spec.iters as f64;
             // The slowest rank's time and everyone's errors, agreed by all.
             let (slowest, all_wrong) = agree(comm, mean, my_wrong)?;
             let time_us = slowest / spec.time_scale * 1e6;
@@ -386,5 +417,9 @@ mod tests {
         assert!(parse_sizes("64:8").is_err());
         assert!(parse_sizes("x").is_err());
         assert!(parse_sizes("0").is_err());
+        // One grammar with topology files.
+        assert_eq!(parse_sizes("64MiB").unwrap(), vec![64 << 20]);
+        assert_eq!(parse_sizes("1.5M").unwrap(), vec![3 << 19]);
+        assert_eq!(parse_sizes("1MB").unwrap(), vec![1_000_000]);
     }
 }

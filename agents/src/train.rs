@@ -54,12 +54,21 @@ fn sleep_fabric(d: Duration, time_scale: f64) {
 
 /// Runs the steps; every rank returns the same report (times agreed as the slowest).
 pub fn run(comm: &Comm, spec: &Spec) -> anyhow::Result<Report> {
-    if spec.bucket_bytes == 0 || spec.model_bytes < spec.dtype.size() {
+    let esz = spec.dtype.size();
+    if spec.bucket_bytes == 0 || spec.model_bytes == 0 {
         bail!("model and bucket sizes must be positive");
     }
+    if spec.bucket_bytes % esz != 0 || spec.model_bytes % esz != 0 {
+        bail!("model and bucket sizes must be whole numbers of {esz}-byte elements");
+    }
+    if spec.bucket_bytes > spec.model_bytes {
+        bail!("the bucket is larger than the model");
+    }
+    if spec.steps == 0 {
+        bail!("at least one step");
+    }
     let n = comm.g.size();
-    let esz = spec.dtype.size();
-    let bucket_el = (spec.bucket_bytes / esz).max(1);
+    let bucket_el = spec.bucket_bytes / esz;
     let total_el = spec.model_bytes / esz;
     let buckets: Vec<usize> = (0..total_el.div_ceil(bucket_el))
         .map(|b| bucket_el.min(total_el - b * bucket_el))
@@ -77,7 +86,7 @@ pub fn run(comm: &Comm, spec: &Spec) -> anyhow::Result<Report> {
     let expect = |b: usize, i: usize| -> f32 { (0..n).map(|r| ((r + b + i) % 5) as f32).sum() };
 
     let (mut step_total, mut comm_total) = (0.0f64, 0.0f64);
-    let measured = spec.steps.max(1);
+    let measured = spec.steps;
     for step in 0..=measured {
         comm.g.barrier()?;
         let t0 = Instant::now();

@@ -89,10 +89,57 @@ fn read_limited(path: &Path) -> Result<String, String> {
 pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
     let cx = Cx { text, file };
     let raw: RawFile = toml::from_str(text).map_err(|e| {
-        let msg = e.message().trim_end().to_owned();
+        let msg = plain_words(e.message().trim_end());
         cx.err_at(e.span(), msg)
     })?;
+    if let Some(kind) = raw.nic.as_ref().and_then(|n| n.tcp_congestion.as_ref()) {
+        check_congestion(&cx, kind)?;
+    }
     build(&cx, raw)
+}
+
+/// Serde's words for what it expected, in the words of topology files: no Rust types.
+fn plain_words(msg: &str) -> String {
+    let mut out = msg.to_owned();
+    for (rust, plain) in [
+        ("expected f64", "expected a number"),
+        ("expected i64", "expected a whole number"),
+        ("expected u64", "expected a whole number (0 or more)"),
+        ("expected u32", "expected a whole number (0 or more)"),
+        (
+            "expected struct RawEcn",
+            "expected a table such as { k = \"100KiB\" } or { min = \"50KiB\", max = \"200KiB\" }",
+        ),
+    ] {
+        out = out.replace(rust, plain);
+    }
+    // Any other raw struct is a table of this file.
+    if let Some(i) = out.find("expected struct Raw") {
+        out.truncate(i);
+        out += "expected a table";
+    }
+    out
+}
+
+/// A namespace may use only the congestion controls the host allows
+/// (`net.ipv4.tcp_allowed_congestion_control`): checked here, with a position, rather
+/// than when `up` is half-way. Skipped where the host does not say (not Linux).
+fn check_congestion(cx: &Cx, kind: &Spanned<String>) -> Result<(), ConfigError> {
+    let Ok(allowed) = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    else {
+        return Ok(());
+    };
+    let want = kind.get_ref();
+    if allowed.split_whitespace().any(|a| a == want) {
+        return Ok(());
+    }
+    Err(cx.err(
+        kind,
+        format!(
+            "`tcp_congestion` = {want:?} is not one this host lets a network namespace use ({}; see net.ipv4.tcp_allowed_congestion_control)",
+            allowed.split_whitespace().collect::<Vec<_>>().join(", ")
+        ),
+    ))
 }
 
 /// Default address pool: RFC 2544 benchmarking range, never routed on the internet.
@@ -413,6 +460,19 @@ fn queue(
         None => default.buffer,
     };
     let ecn = ecn_raw.as_ref().map(|e| ecn(cx, e)).transpose()?;
+    let first_mark = match ecn {
+        Some(Ecn::Step { k }) => Some(k),
+        Some(Ecn::Red { min, .. }) => Some(min),
+        None => None,
+    };
+    if let (Some(at), Some(mark)) = (ecn_raw, first_mark) {
+        if mark >= buffer {
+            return Err(cx.err(
+                at,
+                format!("ecn: marking starts at {mark}, not below the buffer of {buffer}: no packet would ever be marked"),
+            ));
+        }
+    }
     Ok(QueueParams { buffer, ecn })
 }
 
@@ -519,6 +579,7 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
     };
     check_pool(cx, &raw, &topo)?;
     check_radix(cx, &raw, &topo)?;
+    check_applies(cx, &raw, &topo)?;
     Ok(topo)
 }
 
@@ -1179,6 +1240,128 @@ fn check_pool(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), ConfigError
                 pool.host_capacity()
             ),
         ));
+    }
+    Ok(())
+}
+
+/// Where a `[switches.<tier>]` table is: its first key's position (implicit tables carry
+/// none of their own), else the `[topology]` table's.
+fn tier_span(raw: &RawFile, t: &Option<RawSwitchTier>) -> Option<Range<usize>> {
+    let t = t.as_ref()?;
+    [
+        t.latency.as_ref().map(|v| v.span()),
+        t.buffer.as_ref().map(|v| v.span()),
+    ]
+    .into_iter()
+    .flatten()
+    .chain(t.ecn.as_ref().map(|v| v.span()))
+    .chain(t.routing.as_ref().map(|v| v.span()))
+    .chain(t.radix.as_ref().map(|v| v.span()))
+    .min_by_key(|s| s.start)
+    .or(Some(raw.topology.span()))
+}
+
+/// Where a `[links.<class>]` table is: its first positioned key, else `[topology]`.
+fn link_span(raw: &RawFile, l: &Option<RawLinkClass>) -> Option<Range<usize>> {
+    let l = l.as_ref()?;
+    l.delay
+        .as_ref()
+        .map(|v| v.span())
+        .into_iter()
+        .chain(l.loss.as_ref().map(|v| v.span()))
+        .min_by_key(|s| s.start)
+        .or(Some(raw.topology.span()))
+}
+
+/// Settings for parts the topology does not have are mistakes, not silently ignored; and
+/// every buffer holds at least one packet.
+fn check_applies(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(), ConfigError> {
+    let kind = topo.shape.kind();
+    let has_class = |c: LinkClass| topo.links.iter().any(|l| l.class == c);
+    let has_tier = |t: Tier| topo.switches.iter().any(|s| s.tier == t);
+    for (section, span, present) in [
+        (
+            "[links.nic]",
+            link_span(raw, &raw.links.nic),
+            has_class(LinkClass::Nic),
+        ),
+        (
+            "[links.leaf-spine]",
+            link_span(raw, &raw.links.leaf_spine),
+            has_class(LinkClass::LeafSpine),
+        ),
+        (
+            "[links.spine-core]",
+            link_span(raw, &raw.links.spine_core),
+            has_class(LinkClass::SpineCore),
+        ),
+        (
+            "[switches.leaf]",
+            tier_span(raw, &raw.switches.leaf),
+            has_tier(Tier::Leaf),
+        ),
+        (
+            "[switches.spine]",
+            tier_span(raw, &raw.switches.spine),
+            has_tier(Tier::Spine),
+        ),
+        (
+            "[switches.core]",
+            tier_span(raw, &raw.switches.core),
+            has_tier(Tier::Core),
+        ),
+    ] {
+        if let (Some(span), false) = (span, present) {
+            return Err(cx.err_at(
+                Some(span),
+                format!(
+                    "{section} does not apply: this {kind} topology has no such links or switches"
+                ),
+            ));
+        }
+    }
+    if let Some(n) = &raw.node {
+        let set = n.rate.is_some()
+            || n.delay.is_some()
+            || n.latency.is_some()
+            || n.buffer.is_some()
+            || n.ecn.is_some()
+            || n.loss.is_some();
+        if set && !has_tier(Tier::Node) {
+            // The first key set (sub-tables carry no position of their own).
+            let at = [&n.delay, &n.latency]
+                .into_iter()
+                .flatten()
+                .map(|d| d.span())
+                .chain(n.buffer.as_ref().map(|b| b.span()))
+                .chain(n.ecn.as_ref().map(|e| e.span()))
+                .chain(n.loss.as_ref().map(|l| l.span()))
+                .min_by_key(|s| s.start)
+                .unwrap_or(raw.topology.span());
+            return Err(cx.err_at(
+                Some(at),
+                "[node] settings other than `gpus_per_node` apply to the scale-up switch of nodes of more than one GPU, and this topology has none (set gpus_per_node > 1)",
+            ));
+        }
+    }
+    let mtu = topo.fabric.mtu as u64;
+    let buffers = [
+        raw.nic.as_ref().and_then(|n| n.buffer.as_ref()),
+        raw.node.as_ref().and_then(|n| n.buffer.as_ref()),
+        raw.switches.leaf.as_ref().and_then(|t| t.buffer.as_ref()),
+        raw.switches.spine.as_ref().and_then(|t| t.buffer.as_ref()),
+        raw.switches.core.as_ref().and_then(|t| t.buffer.as_ref()),
+    ];
+    for b in buffers.into_iter().flatten() {
+        if b.get_ref().get() < mtu {
+            return Err(cx.err(
+                b,
+                format!(
+                    "`buffer` = {} cannot hold one packet of the fabric's mtu ({mtu} bytes)",
+                    b.get_ref()
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -124,7 +124,8 @@ impl FromStr for Duration {
         let (value, unit) = split_number(s, "duration")?;
         let scale: f64 = match unit {
             "ns" => 1.0,
-            "us" | "µs" => 1e3,
+            // MICRO SIGN (U+00B5) and GREEK SMALL LETTER MU (U+03BC) look the same.
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1e3,
             "ms" => 1e6,
             "s" => 1e9,
             "" if value == 0.0 => 1.0,
@@ -285,22 +286,27 @@ impl fmt::Display for Bytes {
 impl FromStr for Bytes {
     type Err = UnitError;
 
-    /// "1500", "1500B", "64KiB", "32MiB", "1GiB", "100KB" (decimal), "1.5MB".
+    /// One grammar for topology files and the command line: "1500", "1500B"; binary
+    /// "64K" = "64KiB", "32M" = "32MiB", "1G" = "1GiB", "1T" = "1TiB"; decimal "100KB",
+    /// "1.5MB", "1GB". Fractions are fine when the result is whole: "1.5M".
     fn from_str(s: &str) -> Result<Self, UnitError> {
         let (value, unit) = split_number(s, "size")?;
+        const KI: f64 = 1024.0;
         let mult: f64 = match unit {
             "" | "B" => 1.0,
+            "K" | "k" | "KiB" => KI,
+            "M" | "MiB" => KI * KI,
+            "G" | "GiB" => KI * KI * KI,
+            "T" | "TiB" => KI * KI * KI * KI,
             "KB" | "kB" => 1e3,
             "MB" => 1e6,
             "GB" => 1e9,
-            "KiB" => 1024.0,
-            "MiB" => 1024.0 * 1024.0,
-            "GiB" => 1024.0 * 1024.0 * 1024.0,
+            "TB" => 1e12,
             _ => {
                 return Err(UnitError::new(
                     s,
                     "size",
-                    "expected a unit: B, KiB, MiB, GiB, KB, MB or GB (e.g. \"32MiB\")",
+                    "expected a unit: B; K, M, G, T or KiB, MiB, GiB, TiB (binary); KB, MB, GB, TB (decimal)",
                 ))
             }
         };
@@ -354,32 +360,30 @@ fn split_number<'a>(s: &'a str, what: &'static str) -> Result<(f64, &'a str), Un
     Ok((value, unit.trim()))
 }
 
-/// Deserializes from a string with units or, for sizes and durations, a bare integer
-/// (bytes, nanoseconds). Errors carry the text's position through the TOML deserializer.
+/// Deserializes from a string with units or, for sizes, a bare integer (bytes); a
+/// duration may be a bare 0. Errors carry the text's position through the TOML
+/// deserializer.
 macro_rules! deserialize_from_str {
-    ($ty:ident, $what:literal, $int:expr) => {
+    ($ty:ident, $what:literal, $example:literal, $int:expr) => {
         impl<'de> Deserialize<'de> for $ty {
             fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 struct V;
                 impl de::Visitor<'_> for V {
                     type Value = $ty;
                     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                        f.write_str($what)
+                        write!(f, "a {} such as \"{}\"", $what, $example)
                     }
                     fn visit_str<E: de::Error>(self, v: &str) -> Result<$ty, E> {
                         v.parse().map_err(E::custom)
                     }
                     fn visit_i64<E: de::Error>(self, v: i64) -> Result<$ty, E> {
-                        let int: Option<fn(u64) -> $ty> = $int;
-                        match (int, u64::try_from(v)) {
-                            (Some(f), Ok(v)) => Ok(f(v)),
-                            (Some(_), Err(_)) => {
-                                Err(E::custom(concat!("a ", $what, " cannot be negative")))
-                            }
-                            (None, _) => Err(E::custom(concat!(
-                                "a ",
-                                $what,
-                                " needs a unit, written as a string (e.g. \"100Gbit\")"
+                        let int: fn(u64) -> Option<$ty> = $int;
+                        match u64::try_from(v).ok().map(|v| (v, int(v))) {
+                            Some((_, Some(x))) => Ok(x),
+                            None => Err(E::custom(format!("a {} cannot be negative", $what))),
+                            Some((_, None)) => Err(E::custom(format!(
+                                "a {} needs a unit, written as a string (e.g. \"{}\")",
+                                $what, $example
                             ))),
                         }
                     }
@@ -390,9 +394,10 @@ macro_rules! deserialize_from_str {
     };
 }
 
-deserialize_from_str!(Duration, "duration such as \"1us\"", None);
-deserialize_from_str!(Bandwidth, "rate such as \"400Gbit\"", None);
-deserialize_from_str!(Bytes, "size such as \"32MiB\"", Some(Bytes::new));
+deserialize_from_str!(Duration, "duration", "1us", |ns| (ns == 0)
+    .then_some(Duration::ZERO));
+deserialize_from_str!(Bandwidth, "rate", "400Gbit", |_| None);
+deserialize_from_str!(Bytes, "size", "32MiB", |b| Some(Bytes::new(b)));
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@ use closbox_fabric::routing::{vertex_latency, Routes};
 use closbox_fabric::{HostId, Instant, Topology};
 use serde::Serialize;
 
-use crate::histogram::Histogram;
+use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
 
 /// How long before a departure the loop stops sleeping and polls (covers the ~25 µs a
@@ -33,8 +33,9 @@ const READ_BATCH: usize = 64;
 /// lateness / k, once per path (the model times every hop exactly; only the ends, where
 /// packets enter and leave through TUNs, run late).
 pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
-/// Length of the "recent" lateness window.
+/// Length of the "recent" lateness window (a sliding window of `WINDOW_SLOTS` slots).
 const WINDOW: StdDuration = StdDuration::from_secs(5);
+const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Largest packet a TUN hands over (an IPv4 packet's length field is 16 bits).
 const MAX_PACKET: usize = 65_536;
@@ -135,9 +136,9 @@ pub struct DataPlane {
     /// held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
     scratch: Vec<u8>,
     lateness: Histogram,
-    window: Histogram,
-    last_window: Histogram,
-    window_start: StdInstant,
+    recent: Recent,
+    /// When the recent window was last checked for a warning.
+    checked: StdInstant,
     io_errors: u64,
     warned: Option<StdInstant>,
     /// p99 lateness (wall ns) above which the fabric is behind.
@@ -196,9 +197,8 @@ impl DataPlane {
             start: now,
             scratch: vec![0; MAX_PACKET],
             lateness: Histogram::new(),
-            window: Histogram::new(),
-            last_window: Histogram::new(),
-            window_start: now,
+            recent: Recent::new(WINDOW.as_nanos() as u64, WINDOW_SLOTS),
+            checked: now,
             io_errors: 0,
             warned: None,
             behind_ns,
@@ -290,18 +290,21 @@ impl DataPlane {
                 tracing::debug!("writing to GPU {}: {e}", d.dst.0);
             }
             self.lateness.record(late);
-            self.window.record(late);
+            self.recent.record(
+                wall.saturating_duration_since(self.start).as_nanos() as u64,
+                late,
+            );
         }
     }
 
     fn rotate_window(&mut self, wall: StdInstant) {
-        if wall.duration_since(self.window_start) < WINDOW {
+        if wall.duration_since(self.checked) < WINDOW {
             return;
         }
-        self.last_window = std::mem::take(&mut self.window);
-        self.window_start = wall;
-        let p99 = self.last_window.quantile(0.99);
-        if self.last_window.count() > 100 && p99 > self.behind_ns {
+        self.checked = wall;
+        let recent = self.recent_lateness(wall);
+        let p99 = recent.quantile(0.99);
+        if recent.count() > 100 && p99 > self.behind_ns {
             let quiet = self
                 .warned
                 .is_none_or(|w| wall.duration_since(w) > StdDuration::from_secs(30));
@@ -315,6 +318,11 @@ impl DataPlane {
                 self.warned = Some(wall);
             }
         }
+    }
+
+    fn recent_lateness(&mut self, wall: StdInstant) -> Histogram {
+        self.recent
+            .snapshot(wall.saturating_duration_since(self.start).as_nanos() as u64)
     }
 
     /// Answers control requests; false when asked to stop.
@@ -353,13 +361,7 @@ impl DataPlane {
                 utilization: c.busy.as_nanos() as f64 / elapsed,
             })
             .collect();
-        // The current window if it has enough samples, else the last full one.
-        let recent = if self.window.count() >= 100 {
-            &self.window
-        } else {
-            &self.last_window
-        };
-        let lateness_recent = Lateness::of(recent);
+        let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {
             fabric: self.name.clone(),
             gpus: self.tuns.len(),

@@ -93,6 +93,21 @@ impl Histogram {
         h
     }
 
+    /// Adds `other`'s samples to these.
+    pub fn merge(&mut self, other: &Histogram) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.total += other.total;
+        self.max = self.max.max(other.max);
+    }
+
+    fn clear(&mut self) {
+        self.counts.iter_mut().for_each(|c| *c = 0);
+        self.total = 0;
+        self.max = 0;
+    }
+
     /// The value below which a fraction `q` of samples fall (bucket upper bound, capped
     /// at the maximum seen); 0 when empty.
     pub fn quantile(&self, q: f64) -> u64 {
@@ -111,9 +126,88 @@ impl Histogram {
     }
 }
 
+/// The samples of the last `window`: a ring of histograms, one per slot of
+/// `window / slots`, so that "recent" always means the most recent stretch of time (to
+/// within one slot), not the last completed block. Time is a parameter (nanoseconds since
+/// any epoch), so the window is tested without a clock.
+#[derive(Clone, Debug)]
+pub struct Recent {
+    slot_ns: u64,
+    ring: Vec<Histogram>,
+    /// Number of the slot now being filled (time / slot_ns).
+    current: u64,
+}
+
+impl Recent {
+    pub fn new(window_ns: u64, slots: usize) -> Recent {
+        Recent {
+            slot_ns: (window_ns / slots as u64).max(1),
+            ring: vec![Histogram::new(); slots.max(1)],
+            current: 0,
+        }
+    }
+
+    fn advance(&mut self, now_ns: u64) {
+        let slot = now_ns / self.slot_ns;
+        if slot <= self.current {
+            return;
+        }
+        let n = self.ring.len() as u64;
+        if slot - self.current >= n {
+            self.ring.iter_mut().for_each(Histogram::clear);
+        } else {
+            for s in self.current + 1..=slot {
+                self.ring[(s % n) as usize].clear();
+            }
+        }
+        self.current = slot;
+    }
+
+    pub fn record(&mut self, now_ns: u64, v: u64) {
+        self.advance(now_ns);
+        let n = self.ring.len() as u64;
+        self.ring[(self.current % n) as usize].record(v);
+    }
+
+    /// The samples of the window ending at `now_ns`.
+    pub fn snapshot(&mut self, now_ns: u64) -> Histogram {
+        self.advance(now_ns);
+        let mut h = Histogram::new();
+        for slot in &self.ring {
+            h.merge(slot);
+        }
+        h
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn recent_is_the_last_window_not_the_last_completed_block() {
+        let mut r = Recent::new(5 * S, 10);
+        // A burst at t = 1 s is recent until t = 6 s, then gone.
+        for _ in 0..40 {
+            r.record(S, 1_000);
+        }
+        assert_eq!(r.snapshot(S).count(), 40);
+        assert_eq!(r.snapshot(5 * S).count(), 40);
+        assert_eq!(r.snapshot(6 * S + S / 2).count(), 0);
+        // Lateness that starts now shows now, not after the next block closes.
+        for _ in 0..200 {
+            r.record(7 * S, 900_000);
+        }
+        let h = r.snapshot(7 * S + 1);
+        assert_eq!(h.count(), 200);
+        assert!(h.quantile(0.99) >= 850_000);
+        // A long quiet spell empties it; time going backwards changes nothing.
+        assert_eq!(r.snapshot(100 * S).count(), 0);
+        r.record(50 * S, 5);
+        assert_eq!(r.snapshot(100 * S).count(), 1);
+    }
 
     #[test]
     fn buckets_are_ordered_and_tight() {
