@@ -179,7 +179,11 @@ pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn status(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCode> {
+pub fn status(
+    fabric: Option<&FabricName>,
+    json: bool,
+    ports: Option<&str>,
+) -> anyhow::Result<ExitCode> {
     let names = match fabric {
         Some(n) => vec![n.clone()],
         None => state::fabrics(),
@@ -208,8 +212,15 @@ pub fn status(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCod
             ))
         };
         let (value, ok) = match reply {
-            Reply::Status(v) => {
+            Reply::Status(mut v) => {
                 let ok = !v["behind"].as_bool().unwrap_or(false);
+                // Busy ports only, unless asked for all or some.
+                if let Some(list) = v["ports"].as_array_mut() {
+                    list.retain(|p| match ports {
+                        Some(pattern) => p["port"].as_str().is_some_and(|n| n.contains(pattern)),
+                        None => p["rx_packets"].as_u64().unwrap_or(0) > 0,
+                    });
+                }
                 (*v, ok)
             }
             Reply::Error(e) => (
@@ -223,7 +234,7 @@ pub fn status(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCod
         };
         healthy &= ok;
         if !json {
-            print_status(&st, &value);
+            print_status(&st, &value, ports.is_some());
         }
         out.push(value);
     }
@@ -237,7 +248,7 @@ pub fn status(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCod
     })
 }
 
-fn print_status(st: &State, v: &serde_json::Value) {
+fn print_status(st: &State, v: &serde_json::Value, all_ports: bool) {
     println!(
         "fabric {} ({} GPUs, time_scale {}, config {})",
         st.fabric,
@@ -335,14 +346,24 @@ fn print_status(st: &State, v: &serde_json::Value) {
                 (p["utilization"].as_f64().unwrap_or(0.0) * 1e6) as u64,
             )
         };
-        ports.sort_by_key(|p| std::cmp::Reverse(key(p)));
+        let shown = if all_ports {
+            ports.len()
+        } else {
+            ports.sort_by_key(|p| std::cmp::Reverse(key(p)));
+            5
+        };
         if !ports.is_empty() {
             println!(
                 "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}",
-                "(top 5)", "tx packets", "drops", "ecn", "max queue", "busy"
+                if all_ports { "(egress)" } else { "(top 5)" },
+                "tx packets",
+                "drops",
+                "ecn",
+                "max queue",
+                "busy"
             );
         }
-        for p in ports.iter().take(5) {
+        for p in ports.iter().take(shown) {
             println!(
                 "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}%",
                 p["port"].as_str().unwrap_or("?"),

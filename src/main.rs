@@ -55,6 +55,10 @@ enum Command {
         fabric: Option<FabricName>,
         #[arg(long)]
         json: bool,
+        /// Every port's counters (idle ones too), or only ports whose name contains
+        /// PATTERN ("leaf0->", "spine1"); without it, the five busiest or most dropping.
+        #[arg(long, value_name = "PATTERN", num_args = 0..=1, default_missing_value = "")]
+        ports: Option<String>,
     },
     /// Run a command as one GPU (its network, hostname and /etc/hosts); exit code passed through.
     #[command(after_help = "Example:\n  closbox exec gpu3 -- ping -c 3 gpu0")]
@@ -95,7 +99,7 @@ enum Command {
         /// Forward + backward compute per step, in ms of fabric time [default: the
         /// predicted time of the step's all-reduces on this fabric, so that overlap can
         /// hide up to half the step].
-        #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"], value_parser = non_negative)]
+        #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"], value_parser = non_negative, allow_negative_numbers = true)]
         compute_ms: Option<f64>,
         /// Model FLOPs per step per GPU (with --gpu-tflops instead of --compute-ms).
         #[arg(long, requires = "gpu_tflops", value_parser = positive)]
@@ -123,7 +127,7 @@ enum Command {
         #[arg(long, default_value = "all")]
         gpus: String,
         /// Stop every rank after this many seconds (exit 124).
-        #[arg(long, value_parser = seconds)]
+        #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
         /// MASTER_PORT for torch.distributed-style rendezvous.
         #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
@@ -146,7 +150,7 @@ struct TargetArgs {
     channels: u32,
     /// Stop the agents after this many seconds of wall time (default: no limit; each
     /// agent gives up on its own when a peer is silent for 60 s).
-    #[arg(long, value_parser = seconds)]
+    #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
     timeout: Option<std::time::Duration>,
 }
 
@@ -302,6 +306,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.command {
         Command::Plan(args) => run_plan(args).map(|()| ExitCode::SUCCESS),
@@ -313,7 +318,11 @@ fn main() -> ExitCode {
         Command::Down { fabric, all } => {
             live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
         }
-        Command::Status { fabric, json } => live::status(fabric.as_ref(), json),
+        Command::Status {
+            fabric,
+            json,
+            ports,
+        } => live::status(fabric.as_ref(), json, ports.as_deref()),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)

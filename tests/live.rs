@@ -145,7 +145,37 @@ fn lifecycle_exec_run_and_errors() {
     assert_eq!(out.status.code(), Some(124));
     assert!(text(&out).1.contains("timed out"));
     let out = closbox(&["run", "--fabric", "lt-life", "--gpus", "0-7", "--", "true"]);
-    assert!(text(&out).1.contains("outside 0..4"), "{:?}", text(&out));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out)
+            .1
+            .contains("goes past the last GPU: fabric lt-life has ranks 0 to 3"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["run", "--fabric", "lt-life", "--gpus", "3-1", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("goes downward"), "{:?}", text(&out));
+    // Ranks follow the selection's order, and so do node ranks.
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-life",
+        "--gpus",
+        "3,1",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK $NODE_RANK $LOCAL_RANK $CLOSBOX_GPU",
+    ]);
+    let mut lines: Vec<String> = text(&out).0.lines().map(str::to_owned).collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        ["[0] 0 0 0 gpu3", "[1] 1 1 0 gpu1"],
+        "{:?}",
+        text(&out)
+    );
 
     f.down();
     // Idempotent.

@@ -68,7 +68,9 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                     .name("control-client".into())
                     .spawn(move || {
                         let (state, ctl, wake) = &*shared;
-                        let answer = match read_request(&conn) {
+                        let request = read_request(&conn);
+                        tracing::debug!("control: {request:?}");
+                        let answer = match request {
                             Ok(Request::Status) => status(state, ctl, wake),
                             Ok(Request::Stop) => {
                                 let _ = ctl.lock().expect("control lock").send(Ctl::Stop);

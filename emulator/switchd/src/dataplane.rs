@@ -77,7 +77,7 @@ pub struct Status {
     /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
     /// control plane.
     pub tun_tx_dropped: Option<u64>,
-    /// Per egress port counters (ports that carried or dropped anything).
+    /// Per egress port counters, every port in port order.
     pub ports: Vec<PortStatus>,
 }
 
@@ -224,6 +224,13 @@ impl DataPlane {
         if let Err(e) = sys::set_thread_nice(DATAPLANE_NICE) {
             tracing::warn!("could not raise the data plane's priority: {e}");
         }
+        tracing::info!(
+            "data plane of {}: {} TUNs, time_scale {}, behind above p99 {} µs",
+            self.name,
+            self.tuns.len(),
+            self.time_scale,
+            self.behind_ns / 1_000
+        );
         loop {
             let wall = StdInstant::now();
             self.deliver_due(wall);
@@ -304,6 +311,14 @@ impl DataPlane {
         self.checked = wall;
         let recent = self.recent_lateness(wall);
         let p99 = recent.quantile(0.99);
+        tracing::debug!(
+            "fabric {}: last {} s: {} writes, lateness p99 {:.1} µs, {} bytes of packets held",
+            self.name,
+            WINDOW.as_secs(),
+            recent.count(),
+            p99 as f64 / 1e3,
+            self.model.memory().0
+        );
         if recent.count() > 100 && p99 > self.behind_ns {
             let quiet = self
                 .warned
@@ -348,7 +363,6 @@ impl DataPlane {
             .port_counters(now)
             .iter()
             .zip(&self.port_names)
-            .filter(|(c, _)| c.rx_packets > 0)
             .map(|(c, name)| PortStatus {
                 port: name.clone(),
                 rx_packets: c.rx_packets,

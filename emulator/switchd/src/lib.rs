@@ -164,6 +164,13 @@ pub fn run_fabric(
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     st.phase = Phase::Ready;
     st.save()?;
+    tracing::info!(
+        "fabric {name}: {} GPUs ready in {:.3} s (time_scale {}, packet memory {})",
+        st.gpus.len(),
+        started.elapsed().as_secs_f64(),
+        st.time_scale,
+        topo.fabric.packet_memory
+    );
 
     // Signals set a flag; this watcher turns it into a stop request.
     let watcher = {
@@ -191,6 +198,7 @@ pub fn run_fabric(
 
     st.phase = Phase::Stopping;
     let _ = st.save();
+    tracing::info!("fabric {name}: stopping; removing what up made");
     let result = teardown(&st);
     drop(tuns);
     result

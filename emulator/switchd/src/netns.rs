@@ -143,6 +143,7 @@ pub fn create_all(state: &State, mtu: u32) -> anyhow::Result<Vec<OwnedFd>> {
                             thread::scope(|inner| inner.spawn(|| build_gpu(state, g, mtu)).join())
                                 .map_err(|_| anyhow::anyhow!("GPU setup thread panicked"))?
                                 .with_context(|| format!("setting up {}", g.name))?;
+                        tracing::debug!("{}: namespace {} ready", g.name, g.netns);
                         out.push((i, fd));
                     }
                     Ok(out)

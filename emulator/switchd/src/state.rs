@@ -529,6 +529,12 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
         return Stopped::default();
     }
     let mut seen: BTreeSet<i32> = signal_all(&targets, libc::SIGTERM).into_iter().collect();
+    if !seen.is_empty() {
+        tracing::info!(
+            "fabric {}: SIGTERM to processes in its GPUs: {seen:?}",
+            state.fabric
+        );
+    }
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline && !pids_in(&targets).is_empty() {
         std::thread::sleep(Duration::from_millis(20));
@@ -599,6 +605,12 @@ pub fn remove_objects(state: &State) -> anyhow::Result<()> {
     let dir = state.fabric.dir();
     note(&dir, remove_own_files(&state.fabric).map(drop));
     note(&dir, remove_empty_dir(&dir));
+    tracing::debug!(
+        "fabric {}: removed the objects of {} GPUs ({} errors)",
+        state.fabric,
+        state.gpus.len(),
+        errors.len()
+    );
     if errors.is_empty() {
         Ok(())
     } else {
@@ -746,10 +758,12 @@ fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> 
             "fabric {name}'s lock is held by pid {pid}, which is not a closbox daemon; it was not signalled"
         ),
     }
+    tracing::info!("fabric {name}: SIGTERM to its daemon, pid {pid}");
     fd.signal(libc::SIGTERM)?;
     if let Some(l) = FabricLock::acquire_within(name, DAEMON_GRACE)? {
         return Ok((l, DownHow::Stopped));
     }
+    tracing::warn!("fabric {name}: daemon pid {pid} did not stop; SIGKILL");
     fd.signal(libc::SIGKILL)?;
     match FabricLock::acquire_within(name, KILL_WAIT)? {
         Some(l) => Ok((l, DownHow::Killed)),

@@ -1,0 +1,68 @@
+//! Bad usage of the command line: every case exits 2 with a message that names the
+//! problem, before anything runs (no fabric or root needed).
+
+use std::process::Command;
+
+fn usage_error(args: &[&str], needle: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+}
+
+#[test]
+fn bench_options_are_checked_before_anything_runs() {
+    for (args, needle) in [
+        (vec!["bench", "--iters", "0"], "--iters"),
+        (vec!["bench", "--dtype", "f16"], "unknown type \"f16\""),
+        (
+            vec!["bench", "--redop", "prod"],
+            "unknown reduction \"prod\"",
+        ),
+        (
+            vec!["bench", "--algo", "fast"],
+            "unknown algorithm \"fast\"",
+        ),
+        (vec!["bench", "--sizes", "0"], "must be above 0"),
+        (vec!["bench", "--sizes", "64:8"], "goes downward"),
+        (vec!["bench", "--sizes", "1X"], "invalid size"),
+        (vec!["bench", "--channels", "0"], "--channels"),
+        (vec!["bench", "--timeout", "0"], "must be above 0"),
+        (vec!["bench", "--timeout", "-3"], "--timeout"),
+    ] {
+        usage_error(&args, needle);
+    }
+}
+
+#[test]
+fn train_and_run_options_are_checked_before_anything_runs() {
+    for (args, needle) in [
+        (vec!["train", "--steps", "0"], "--steps"),
+        (vec!["train", "--bucket", "3"], "multiples of 4 bytes"),
+        (
+            vec!["train", "--model", "1M", "--bucket", "16M"],
+            "larger than --model",
+        ),
+        (vec!["train", "--model", "1M,2M"], "takes one size"),
+        (vec!["train", "--compute-ms", "-1"], "must not be negative"),
+        (vec!["train", "--flops", "1e12"], "--gpu-tflops"),
+        (
+            vec!["run", "--timeout", "0", "--", "true"],
+            "must be above 0",
+        ),
+        (
+            vec!["run", "--master-port", "0", "--", "true"],
+            "--master-port",
+        ),
+        (vec!["plan", "--topology", "fat-tree"], "--gpus"),
+        (
+            vec!["plan", "x.toml", "--radix", "8"],
+            "cannot be used with",
+        ),
+    ] {
+        usage_error(&args, needle);
+    }
+}
