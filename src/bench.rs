@@ -188,12 +188,16 @@ struct Ran {
     health: Option<RunHealth>,
 }
 
-/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`.
+/// Every rank's connection endpoints, as their lines arrive.
+type SharedEndpoints = Arc<Mutex<Vec<Endpoints>>>;
+
+/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`, with the
+/// endpoints reported so far.
 fn run_agents(
     st: &State,
     t: &Target,
     agent_args: Vec<String>,
-    mut on_json: impl FnMut(&str) + Send + 'static,
+    mut on_json: impl FnMut(&str, &SharedEndpoints) + Send + 'static,
 ) -> anyhow::Result<Ran> {
     let agent = agent_path()?;
     let mut cmd = vec![
@@ -202,9 +206,10 @@ fn run_agents(
         t.channels.to_string(),
     ];
     cmd.extend(agent_args);
-    let on_json = Arc::new(Mutex::new(move |l: &str| on_json(l)));
-    let endpoints: Arc<Mutex<Vec<Endpoints>>> = Arc::default();
+    let endpoints: SharedEndpoints = Arc::default();
     let collected = Arc::clone(&endpoints);
+    let for_rows = Arc::clone(&endpoints);
+    let on_json = Arc::new(Mutex::new(move |l: &str| on_json(l, &for_rows)));
     let sink: live::Sink = Arc::new(move |rank, is_err, line: &str| {
         if !is_err && line.starts_with('{') {
             match serde_json::from_str::<Endpoints>(line) {
@@ -258,40 +263,75 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             st.gpus[sel[0]].name
         )));
     }
-    let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
+    let predictor = Predictor::new(&topo, ranks, a.target.channels);
     let total = a.ops.len() * spec.sizes.len();
+    // What the sweep should take on the wall clock, from the model (random paths).
+    let runs = (spec.iters + spec.warmup) as f64;
+    let expected: f64 = a
+        .ops
+        .iter()
+        .flat_map(|&op| spec.sizes.iter().map(move |&size| (op, size)))
+        .map(|(op, size)| predictor.predict(op, spec.algo, size, spec.root) * runs * st.time_scale)
+        .sum();
+    eprintln!(
+        "# {} ({} × {}), {} each: about {:.0} s of wall time by the model, plus start-up",
+        plural(total, "result"),
+        plural(a.ops.len(), "op"),
+        plural(spec.sizes.len(), "size"),
+        plural(spec.iters as usize + spec.warmup as usize, "run"),
+        expected.ceil()
+    );
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
     let mut args = vec!["bench".to_owned(), "--ops".to_owned(), ops.join(",")];
     args.extend(a.opts.to_args());
-    let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
-    let progress = std::io::stderr().is_terminal();
-    let collected = Arc::clone(&rows);
-    let ran = run_agents(&st, &a.target, args, move |line| {
+    let format = if a.json {
+        Format::Json
+    } else if a.csv {
+        Format::Csv
+    } else {
+        Format::Table
+    };
+    let sweep = Arc::new(Mutex::new(Sweep {
+        predictor,
+        topo: topo.clone(),
+        ranks: sel.len(),
+        algo: spec.algo,
+        root: spec.root,
+        format,
+        fabric: st.fabric.to_string(),
+        time_scale: st.time_scale,
+        channels: a.target.channels,
+        real_paths: None,
+        rows: Vec::new(),
+        predicted: Vec::new(),
+        progress: format == Format::Json && std::io::stderr().is_terminal(),
+        total,
+    }));
+    let streaming = Arc::clone(&sweep);
+    let ran = run_agents(&st, &a.target, args, move |line, endpoints| {
         if let Ok(row) = serde_json::from_str::<Row>(line) {
-            let mut rows = collected.lock().expect("rows");
-            rows.push(row.clone());
-            if progress {
-                let done = rows.len();
-                let bar = "=".repeat(done * 30 / total.max(1));
-                eprint!(
-                    "\r[{bar:<30}] {done}/{total} {} {}   ",
-                    row.op.name(),
-                    human(row.size)
-                );
-            }
+            streaming.lock().expect("sweep").add(row, endpoints);
         }
     })?;
-    if progress {
+    let mut sweep = Arc::try_unwrap(sweep)
+        .map_err(|_| anyhow::anyhow!("sweep still shared"))?
+        .into_inner()
+        .expect("sweep");
+    if sweep.progress {
         eprintln!();
     }
-    let rows = Arc::try_unwrap(rows)
-        .map_err(|_| anyhow::anyhow!("rows still shared"))?
-        .into_inner()
-        .expect("rows");
-    if rows.len() != total {
-        bail!("the agents reported {} of {total} results", rows.len());
+    if sweep.rows.len() != total {
+        bail!(
+            "the agents reported {} of {total} results",
+            sweep.rows.len()
+        );
     }
-    let real_paths = predictor.use_paths(&topo, &ran.endpoints);
+    // Paths are known for certain now (every rank's endpoints are in).
+    let real_paths = sweep.predictor.use_paths(&topo, &ran.endpoints);
+    if sweep.real_paths != Some(real_paths) && format != Format::Json {
+        eprintln!("# (the first predictions were made before every rank had reported its paths)");
+    }
+    let (rows, predicted) = (sweep.rows, sweep.predicted);
     // Ring all-reduce passes 2(n − 1) messages one after another: the most of any op.
     let steps = 2 * sel.len().saturating_sub(1).max(1);
     let shortest = rows.iter().map(|r| r.time_us).fold(f64::MAX, f64::min);
@@ -299,17 +339,6 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         .health
         .as_ref()
         .is_some_and(|h| h.behind(shortest, steps));
-    let predicted: Vec<f64> = rows
-        .iter()
-        .map(|r| {
-            predictor.predict(
-                r.op,
-                Algo::from_name(&r.algo).unwrap_or(spec.algo),
-                r.size,
-                spec.root,
-            ) * 1e6
-        })
-        .collect();
     if let Some(path) = &a.plot {
         std::fs::write(path, plot(&rows)).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -332,30 +361,6 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&out)?);
-    } else if a.csv {
-        println!("op,algo,ranks,channels,size,count,type,redop,root,time_us,algbw_gbs,busbw_gbs,wrong,predicted_us,measured_over_predicted");
-        for (r, p) in rows.iter().zip(&predicted) {
-            println!(
-                "{},{},{},{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{:.2},{:.3}",
-                r.op.name(),
-                r.algo,
-                r.ranks,
-                r.channels,
-                r.size,
-                r.count,
-                r.dtype.name(),
-                r.redop.map_or("", |o| o.name()),
-                r.root.map_or(String::new(), |x| x.to_string()),
-                r.time_us,
-                r.algbw,
-                r.busbw,
-                r.wrong,
-                p,
-                ratio(r.time_us, *p).map_or(String::new(), |x| format!("{x:.3}"))
-            );
-        }
-    } else {
-        print!("{}", table(&st, &rows, &predicted, real_paths));
     }
     if let Some(h) = &ran.health {
         // Comments after a table; on stderr where stdout is JSON or CSV.
@@ -372,24 +377,126 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn table(st: &State, rows: &[Row], predicted: &[f64], real_paths: bool) -> String {
-    let mut s = String::new();
-    if let Some(r) = rows.first() {
-        let _ = writeln!(
-            s,
-            "# closbox bench: fabric {}, {} ranks, {} channels, time_scale {} (times are fabric time)",
-            st.fabric, r.ranks, r.channels, st.time_scale
-        );
-        let _ = writeln!(
-            s,
-            "# predicted: fabric model on {}",
-            if real_paths {
-                "the ECMP paths this run's connections took"
-            } else {
-                "ECMP paths drawn at random (averaged)"
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Table,
+    Csv,
+    Json,
+}
+
+/// A sweep's results as they arrive: each row is predicted and (as a table or CSV)
+/// printed at once.
+struct Sweep {
+    predictor: Predictor,
+    topo: Topology,
+    ranks: usize,
+    algo: Algo,
+    root: usize,
+    format: Format,
+    fabric: String,
+    time_scale: f64,
+    channels: usize,
+    /// Whether predictions use the run's own paths; decided at the first row.
+    real_paths: Option<bool>,
+    rows: Vec<Row>,
+    predicted: Vec<f64>,
+    progress: bool,
+    total: usize,
+}
+
+impl Sweep {
+    fn add(&mut self, row: Row, endpoints: &SharedEndpoints) {
+        if self.real_paths.is_none() {
+            // Every rank reports its endpoints before the first result, but on its own
+            // pipe: give the other ranks' lines a moment to arrive.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while endpoints.lock().expect("endpoints").len() < self.ranks
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
             }
-        );
+            let known = endpoints.lock().expect("endpoints").clone();
+            let real = self.predictor.use_paths(&self.topo, &known);
+            self.real_paths = Some(real);
+            match self.format {
+                Format::Table => print!(
+                    "{}",
+                    table_header(&self.fabric, self.time_scale, row.ranks, self.channels, real)
+                ),
+                Format::Csv => println!("op,algo,ranks,channels,size,count,type,redop,root,time_us,algbw_gbs,busbw_gbs,wrong,predicted_us,measured_over_predicted"),
+                Format::Json => {}
+            }
+        }
+        let p = self.predictor.predict(
+            row.op,
+            Algo::from_name(&row.algo).unwrap_or(self.algo),
+            row.size,
+            self.root,
+        ) * 1e6;
+        match self.format {
+            Format::Table => {
+                if self.rows.last().map(|r| r.op) != Some(row.op) {
+                    println!("# {}", row.op.name());
+                }
+                println!("{}", table_row(&row, p));
+            }
+            Format::Csv => println!(
+                "{},{},{},{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{:.2},{}",
+                row.op.name(),
+                row.algo,
+                row.ranks,
+                row.channels,
+                row.size,
+                row.count,
+                row.dtype.name(),
+                row.redop.map_or("", |o| o.name()),
+                row.root.map_or(String::new(), |x| x.to_string()),
+                row.time_us,
+                row.algbw,
+                row.busbw,
+                row.wrong,
+                p,
+                ratio(row.time_us, p).map_or(String::new(), |x| format!("{x:.3}"))
+            ),
+            Format::Json => {}
+        }
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        if self.progress {
+            let done = self.rows.len() + 1;
+            let bar = "=".repeat(done * 30 / self.total.max(1));
+            eprint!(
+                "\r[{bar:<30}] {done}/{} {} {}   ",
+                self.total,
+                row.op.name(),
+                human(row.size)
+            );
+        }
+        self.rows.push(row);
+        self.predicted.push(p);
     }
+}
+
+fn table_header(
+    fabric: &str,
+    time_scale: f64,
+    ranks: usize,
+    channels: usize,
+    real_paths: bool,
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# closbox bench: fabric {fabric}, {ranks} ranks, {channels} channels, time_scale {time_scale} (times are fabric time)"
+    );
+    let _ = writeln!(
+        s,
+        "# predicted: fabric model on {}",
+        if real_paths {
+            "the ECMP paths this run's connections took"
+        } else {
+            "ECMP paths drawn at random (averaged)"
+        }
+    );
     let _ = writeln!(s, "#");
     let _ = writeln!(
         s,
@@ -411,30 +518,25 @@ fn table(st: &State, rows: &[Row], predicted: &[f64], real_paths: bool) -> Strin
         "# {:>10} {:>11} {:>8} {:>6} {:>5} {:>12} {:>8} {:>8} {:>7} {:>12} {:>9}",
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", ""
     );
-    let mut last = None;
-    for (r, p) in rows.iter().zip(predicted) {
-        if last != Some(r.op) {
-            let _ = writeln!(s, "# {}", r.op.name());
-            last = Some(r.op);
-        }
-        let _ = writeln!(
-            s,
-            "  {:>10} {:>11} {:>8} {:>6} {:>5} {:>12.1} {:>8.3} {:>8.3} {:>7} {:>12.1} {:>9}  {}",
-            r.size,
-            r.count,
-            r.dtype.name(),
-            r.redop.map_or("-", |o| o.name()),
-            r.root.map_or("-".into(), |x| x.to_string()),
-            r.time_us,
-            r.algbw,
-            r.busbw,
-            r.wrong,
-            p,
-            ratio(r.time_us, *p).map_or("-".into(), |x| format!("{x:.2}")),
-            r.algo
-        );
-    }
     s
+}
+
+fn table_row(r: &Row, p: f64) -> String {
+    format!(
+        "  {:>10} {:>11} {:>8} {:>6} {:>5} {:>12.1} {:>8.3} {:>8.3} {:>7} {:>12.1} {:>9}  {}",
+        r.size,
+        r.count,
+        r.dtype.name(),
+        r.redop.map_or("-", |o| o.name()),
+        r.root.map_or("-".into(), |x| x.to_string()),
+        r.time_us,
+        r.algbw,
+        r.busbw,
+        r.wrong,
+        p,
+        ratio(r.time_us, p).map_or("-".into(), |x| format!("{x:.2}")),
+        r.algo
+    )
 }
 
 /// busbw against size (log₂ axis), one line per operation and algorithm.
@@ -573,7 +675,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    let ran = run_agents(&st, &a.target, args, move |line| {
+    let ran = run_agents(&st, &a.target, args, move |line, _| {
         if let Ok(r) = serde_json::from_str::<Report>(line) {
             collected.lock().expect("reports").push(r);
         }

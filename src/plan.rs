@@ -23,6 +23,15 @@ pub fn approx_bytes(b: u64) -> String {
     format!("{b} B")
 }
 
+/// "1 GPU", "1,024 GPUs".
+pub fn count(n: u64, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{} {what}s", thousands(n))
+    }
+}
+
 pub fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::with_capacity(s.len() + s.len() / 3);
@@ -52,8 +61,8 @@ pub fn render_plan(p: &Plan) -> String {
     let mut s = String::new();
     let nodes = if p.gpus_per_node > 1 {
         format!(
-            " in {} nodes of up to {} (scale-up domains)",
-            thousands(p.nodes),
+            " in {} of up to {} (scale-up domains)",
+            count(p.nodes, "node"),
             p.gpus_per_node
         )
     } else {
@@ -61,10 +70,10 @@ pub fn render_plan(p: &Plan) -> String {
     };
     let _ = writeln!(
         s,
-        "fabric {} ({}): {} GPUs{nodes}",
+        "fabric {} ({}): {}{nodes}",
         p.name,
         p.kind,
-        thousands(p.gpus)
+        count(p.gpus, "GPU")
     );
     if p.tiers.is_empty() {
         let _ = writeln!(s, "\nswitches: none");
@@ -109,6 +118,9 @@ pub fn render_plan(p: &Plan) -> String {
     }
     let verdict = if p.kind == "custom" {
         "a tier-cut upper bound for a custom graph".to_owned()
+    } else if p.kind == "full-mesh" {
+        "every pair of GPUs has a link of its own; the cut is below a GPU's total link capacity"
+            .to_owned()
     } else if p.bisection_ratio >= 0.999 {
         "non-blocking".to_owned()
     } else {
@@ -128,6 +140,28 @@ pub fn render_plan(p: &Plan) -> String {
     let _ = writeln!(s, "hops (links on the path){sampled}");
     let _ = writeln!(s, "  intra-node  {}", hops(&p.hops_intra_node));
     let _ = writeln!(s, "  inter-node  {}", hops(&p.hops_inter_node));
+    let t = &p.time_scale;
+    let k = t.configured;
+    let load = if k >= t.for_load {
+        format!("the box keeps up (it does from time_scale {})", t.for_load)
+    } else {
+        format!(
+            "more than the box moves: expect it to fall behind under full load below time_scale {}",
+            t.for_load
+        )
+    };
+    let _ = writeln!(
+        s,
+        "time_scale           {k}: all GPUs at full rate offer {} on the wall clock, against ~{} this box moves at mtu {}: {load}",
+        Bandwidth::from_bps((t.offered_bps as f64 / k) as u64),
+        Bandwidth::from_bps(t.box_bps),
+        p.mtu,
+    );
+    let _ = writeln!(
+        s,
+        "                     the shortest GPU-to-GPU path takes {:.1} µs on the wall clock (the box's writes run 1–50 µs late, more under load)",
+        t.shortest_path_ns as f64 * k / 1e3
+    );
     let m = &p.daemon_memory;
     let _ = writeln!(
         s,
@@ -138,11 +172,7 @@ pub fn render_plan(p: &Plan) -> String {
         approx_bytes(m.packets),
         approx_bytes(m.base)
     );
-    let _ = writeln!(
-        s,
-        "\nthe same {} GPUs without a hierarchy",
-        thousands(p.gpus)
-    );
+    let _ = writeln!(s, "\nthe same {} without a hierarchy", count(p.gpus, "GPU"));
     let _ = writeln!(
         s,
         "  full mesh      {} ports per GPU, {} cables",
@@ -151,8 +181,8 @@ pub fn render_plan(p: &Plan) -> String {
     );
     let _ = write!(
         s,
-        "  single switch  one switch with {} ports",
-        thousands(p.compare.single_switch_ports)
+        "  single switch  one switch with {}",
+        count(p.compare.single_switch_ports, "port")
     );
     s
 }
@@ -199,12 +229,7 @@ fn design(s: &mut String, d: &Design, gpus: u64) {
 
 pub fn render_sizing(z: &Sizing, kind: SizeKind) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{} GPUs, radix-{} switches\n",
-        thousands(z.gpus),
-        z.radix
-    );
+    let _ = writeln!(s, "{}, radix-{} switches\n", count(z.gpus, "GPU"), z.radix);
     let mesh = format!(
         "full mesh: {} ports per GPU, {} cables\n",
         thousands(z.compare.full_mesh_ports_per_gpu),

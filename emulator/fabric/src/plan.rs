@@ -28,6 +28,7 @@ pub struct Plan {
     pub gpus: u64,
     pub nodes: u64,
     pub gpus_per_node: u64,
+    pub mtu: u32,
     pub tiers: Vec<TierPlan>,
     pub cables: Vec<CablePlan>,
     pub bisection_bps: u64,
@@ -40,6 +41,80 @@ pub struct Plan {
     pub compare: Alternatives,
     /// What the switch daemon of this fabric may take at most.
     pub daemon_memory: DaemonMemory,
+    /// Which time_scale this box needs for the fabric.
+    pub time_scale: TimeScaleHint,
+}
+
+/// What `time_scale` means for this fabric on this box: the load all GPUs offer at once
+/// against what the data plane moves (measured on the 2-core dev VM), and the shortest
+/// GPU-to-GPU latency on the wall clock against the box's timing precision.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TimeScaleHint {
+    /// In the file.
+    pub configured: f64,
+    /// Every GPU sending at its fastest link's rate at once (bits/s of fabric time).
+    pub offered_bps: u64,
+    /// What the box moves at this mtu (bits/s of wall time).
+    pub box_bps: u64,
+    /// The time_scale from which the box carries `offered_bps`.
+    pub for_load: f64,
+    /// A lower bound of the shortest GPU-to-GPU latency (ns of fabric time).
+    pub shortest_path_ns: u64,
+}
+
+/// Packets a second the data plane sustains on the dev VM (measured 105,000 at mtu 9000 and
+/// 225,000 at mtu 1500 for one TCP flow; rounded down).
+pub const BOX_PACKETS_PER_S: u64 = 100_000;
+
+impl TimeScaleHint {
+    pub fn of(topo: &Topology) -> TimeScaleHint {
+        let h = topo.hosts.len();
+        let mut fastest = vec![0u64; h];
+        let mut min_host_link = u64::MAX;
+        let mut min_latency = u64::MAX;
+        let mut direct = u64::MAX;
+        for l in &topo.links {
+            let ends = [l.a, l.b];
+            for (i, e) in ends.iter().enumerate() {
+                if let Vertex::Host(x) = e {
+                    let f = &mut fastest[x.0 as usize];
+                    *f = (*f).max(l.params.rate.bps());
+                    match ends[1 - i] {
+                        Vertex::Switch(s) => {
+                            min_host_link = min_host_link.min(l.params.delay.as_nanos());
+                            min_latency = min_latency.min(topo.switch(s).params.latency.as_nanos());
+                        }
+                        Vertex::Host(_) => direct = direct.min(l.params.delay.as_nanos()),
+                    }
+                }
+            }
+        }
+        let via_switch = min_host_link.saturating_mul(2).saturating_add(min_latency);
+        let shortest = direct.min(via_switch);
+        let shortest = if shortest == u64::MAX { 0 } else { shortest };
+        let offered: u64 = fastest.iter().fold(0u64, |a, b| a.saturating_add(*b));
+        let box_bps = BOX_PACKETS_PER_S * topo.fabric.mtu as u64 * 8;
+        TimeScaleHint {
+            configured: topo.fabric.time_scale,
+            offered_bps: offered,
+            box_bps,
+            for_load: round_up_125((offered as f64 / box_bps as f64).clamp(1.0, 1e6)),
+            shortest_path_ns: shortest,
+        }
+    }
+}
+
+/// The smallest of 1, 2, 5, 10, 20, 50, … at or above `x`.
+fn round_up_125(x: f64) -> f64 {
+    let mut p = 1.0;
+    loop {
+        for m in [1.0, 2.0, 5.0] {
+            if m * p >= x - 1e-9 {
+                return m * p;
+            }
+        }
+        p *= 10.0;
+    }
 }
 
 /// An upper bound on the daemon's memory for a fabric, in bytes, from its declared sizes:
@@ -194,8 +269,11 @@ impl Plan {
                 .iter()
                 .find(|s| s.tier == tier)
                 .and_then(|s| s.params.radix);
+            // A lone switch of a tier turns all traffic around: nothing goes up from it.
             let oversubscription = match (down.get(&tier), up.get(&tier)) {
-                (Some(&d), Some(&u)) if u > 0 && tier != Tier::Node => Some(d as f64 / u as f64),
+                (Some(&d), Some(&u)) if u > 0 && tier != Tier::Node && ports.len() > 1 => {
+                    Some(d as f64 / u as f64)
+                }
                 _ => None,
             };
             tiers.push(TierPlan {
@@ -208,6 +286,14 @@ impl Plan {
             });
         }
         let nic_half = nic_capacity / 2;
+        // A boundary above a lone switch is never crossed (one leaf: no traffic goes to
+        // the spines), so it bounds nothing.
+        let count = |t: Tier| topo.switches.iter().filter(|s| s.tier == t).count();
+        boundary.retain(|class, _| match class {
+            LinkClass::LeafSpine => count(Tier::Leaf) > 1,
+            LinkClass::SpineCore => count(Tier::Spine) > 1,
+            _ => true,
+        });
         let bisection = if topo.shape == Shape::FullMesh {
             full_mesh_cut(topo)
         } else {
@@ -220,6 +306,7 @@ impl Plan {
             gpus: h as u64,
             nodes: topo.nodes() as u64,
             gpus_per_node: topo.gpus_per_node() as u64,
+            mtu: topo.fabric.mtu,
             tiers,
             cables: cables
                 .into_iter()
@@ -240,6 +327,7 @@ impl Plan {
             hops_sampled: sampled,
             compare: Alternatives::for_gpus(h as u64),
             daemon_memory: DaemonMemory::of(topo),
+            time_scale: TimeScaleHint::of(topo),
         }
     }
 }
@@ -389,15 +477,20 @@ impl Sizing {
     }
 }
 
-/// Two tiers: leaves with k/2 GPUs and k/2 uplinks; ⌈leaves/2⌉ spines (k ports each).
+/// Two tiers: leaves with up to k/2 GPUs and as many uplinks (1:1), spines enough for
+/// every uplink (k ports each). GPUs that fit on one leaf need no spine.
 pub fn leaf_spine_design(n: u64, k: u64) -> Design {
     let half = k / 2;
     let leaves = n.div_ceil(half);
-    let spines = leaves.div_ceil(2);
     let mut d = Design::new("leaf-spine", k, k * half, n);
     if d.fits {
-        d.switches = vec![("leaf".into(), leaves), ("spine".into(), spines)];
-        d.cables = vec![("nic".into(), n), ("leaf-spine".into(), leaves * half)];
+        if leaves <= 1 {
+            d.switches = vec![("leaf".into(), 1)];
+            d.cables = vec![("nic".into(), n)];
+        } else {
+            d.switches = vec![("leaf".into(), leaves), ("spine".into(), n.div_ceil(k))];
+            d.cables = vec![("nic".into(), n), ("leaf-spine".into(), n)];
+        }
         // Same leaf: 2 links; different leaves: 4.
         let same: u64 = (0..leaves).map(|l| pairs(per_group(n, half, l))).sum();
         d.hops = hop_mix(n, &[(2, same), (4, pairs(n) - same)]);
@@ -406,7 +499,8 @@ pub fn leaf_spine_design(n: u64, k: u64) -> Design {
 }
 
 /// Three-tier fat-tree (k pods of k/2 leaves and k/2 spines, (k/2)² cores when full),
-/// trimmed to the pods and leaves `n` GPUs need.
+/// trimmed to what `n` GPUs need at 1:1: one leaf needs nothing above it, one pod needs
+/// no cores, and a leaf has as many uplinks as GPUs.
 pub fn fat_tree_design(n: u64, k: u64) -> Design {
     let half = k / 2;
     let pod = half * half;
@@ -414,20 +508,26 @@ pub fn fat_tree_design(n: u64, k: u64) -> Design {
     if d.fits {
         let pods = n.div_ceil(pod);
         let leaves = n.div_ceil(half);
-        let spines = pods * half;
-        // 1:1: each spine has as many links up as down (fewer in a partly filled pod).
-        let uplinks = leaves * half;
-        let cores = uplinks.div_ceil(k);
-        d.switches = vec![
-            ("leaf".into(), leaves),
-            ("spine".into(), spines),
-            ("core".into(), cores),
-        ];
-        d.cables = vec![
-            ("nic".into(), n),
-            ("leaf-spine".into(), leaves * half),
-            ("spine-core".into(), uplinks),
-        ];
+        if leaves <= 1 {
+            d.switches = vec![("leaf".into(), 1)];
+            d.cables = vec![("nic".into(), n)];
+        } else if pods <= 1 {
+            // Every leaf links to every spine once: as many spines as the fullest leaf
+            // has GPUs.
+            d.switches = vec![("leaf".into(), leaves), ("spine".into(), n.min(half))];
+            d.cables = vec![("nic".into(), n), ("leaf-spine".into(), n)];
+        } else {
+            d.switches = vec![
+                ("leaf".into(), leaves),
+                ("spine".into(), pods * half),
+                ("core".into(), n.div_ceil(k)),
+            ];
+            d.cables = vec![
+                ("nic".into(), n),
+                ("leaf-spine".into(), n),
+                ("spine-core".into(), n),
+            ];
+        }
         let same_leaf: u64 = (0..leaves).map(|l| pairs(per_group(n, half, l))).sum();
         let same_pod: u64 = (0..pods).map(|p| pairs(per_group(n, pod, p))).sum();
         d.hops = hop_mix(
@@ -471,6 +571,31 @@ fn hop_mix(n: u64, mix: &[(u32, u64)]) -> Option<HopStats> {
 mod tests {
     use super::*;
     use crate::parse;
+
+    #[test]
+    fn a_lone_switch_turns_traffic_around() {
+        // One leaf under one spine: traffic never goes up, so nothing blocks.
+        let t = parse(
+            "[fabric]\nname = \"x\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 1\nspines = 1\ngpus_per_leaf = 4\n",
+            "t",
+        )
+        .unwrap();
+        let p = Plan::of(&t);
+        assert!(
+            (p.bisection_ratio - 1.0).abs() < 1e-9,
+            "{}",
+            p.bisection_ratio
+        );
+        assert!(p.tiers.iter().all(|t| t.oversubscription.is_none()));
+        // Sizing: what fits on one switch needs one switch.
+        for d in [leaf_spine_design(1, 64), fat_tree_design(32, 64)] {
+            assert_eq!(d.switches, vec![("leaf".to_owned(), 1)], "{d:?}");
+        }
+        // One pod: no cores; 1:1 uplinks.
+        let d = fat_tree_design(100, 64);
+        assert_eq!(d.switches.len(), 2, "{d:?}");
+        assert!(d.cables.contains(&("leaf-spine".to_owned(), 100)), "{d:?}");
+    }
 
     #[test]
     fn two_hundred_thousand_gpus() {
