@@ -458,5 +458,20 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     assert!(reply.contains("longer than"), "{reply:?}");
     let out = closbox(&["status", "lt-ctl"]);
     assert!(out.status.success(), "{:?}", text(&out));
+    // Port counters on demand: every port, idle ones too, or those matching a pattern.
+    let out = closbox(&["status", "lt-ctl", "--ports"]);
+    let all = text(&out).0;
+    for port in ["gpu0->sw0", "sw0->gpu0", "gpu1->sw0", "sw0->gpu1"] {
+        assert!(all.contains(port), "{all}");
+    }
+    let out = closbox(&["status", "lt-ctl", "--ports", "gpu1", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v[0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["gpu1->sw0", "sw0->gpu1"]);
     f.down();
 }

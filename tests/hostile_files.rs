@@ -227,6 +227,36 @@ fn accepted_but_wrong_values_are_refused_with_positions() {
             ":2:8: fabric name \"../x\" must be",
         ),
         (
+            "spine-core links on a single switch",
+            format!("{HEAD}{ss}[links.spine-core]\ndelay = \"1us\"\n"),
+            ":7:9: [links.spine-core] does not apply",
+        ),
+        (
+            "scale-up settings without nodes",
+            format!("{HEAD}{ss}[node]\nlatency = \"1us\"\n"),
+            ":7:11: [node] settings other than `gpus_per_node` apply",
+        ),
+        (
+            "a buffer smaller than one packet",
+            format!("{HEAD}{ss}[nic]\nbuffer = \"1B\"\n"),
+            ":7:10: `buffer` = 1B cannot hold one packet",
+        ),
+        (
+            "ECN threshold at the buffer",
+            format!("{HEAD}{ss}[switches.leaf]\nbuffer = \"100KiB\"\necn = {{ k = \"100KiB\" }}\n"),
+            ":8:7: ecn: marking starts at 100KiB, not below the buffer",
+        ),
+        (
+            "a congestion control that does not exist",
+            format!("{HEAD}{ss}[nic]\ntcp_congestion = \"nonsense\"\n"),
+            ":7:18: `tcp_congestion` = \"nonsense\" is not one this host lets",
+        ),
+        (
+            "Rust types in messages",
+            format!("{HEAD}{ss}[links.nic]\nloss = \"x\"\n"),
+            ":7:8: invalid type: string \"x\", expected a number",
+        ),
+        (
             "tiny packet memory",
             format!("[fabric]\nname = \"bomb\"\npacket_memory = \"1KiB\"\n{ss}"),
             ":3:17: `packet_memory` must be between 16MiB and 16GiB",
