@@ -13,7 +13,7 @@ use closbox_agents::bench::{Options, Row};
 use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::Topology;
-use closbox_switchd::control::{self, Reply, Request};
+use closbox_switchd::control::{self, Reply, Request, Status};
 use closbox_switchd::dataplane::Lateness;
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
@@ -104,36 +104,26 @@ pub struct RunHealth {
 const LATENESS_SHARE: f64 = 0.05;
 
 impl RunHealth {
-    fn snapshot(fabric: &FabricName) -> Option<serde_json::Value> {
+    fn snapshot(fabric: &FabricName) -> Option<Status> {
         match control::request(fabric, &Request::Status) {
-            Ok(Reply::Status(v)) => Some(*v),
+            Ok(Reply::Status(s)) => Some(*s),
             _ => None,
         }
     }
 
-    fn between(before: &serde_json::Value, after: &serde_json::Value) -> RunHealth {
-        let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(0);
-        let drops = |v: &serde_json::Value| -> u64 {
-            v["drops"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter(|d| matches!(d[0].as_str(), Some("buffer_full" | "loss")))
-                        .map(|d| d[1].as_u64().unwrap_or(0))
-                        .sum()
-                })
-                .unwrap_or(0)
-        };
-        let buckets = |v: &serde_json::Value| -> Vec<(u32, u64)> {
-            serde_json::from_value(v["lateness_buckets"].clone()).unwrap_or_default()
-        };
-        let hist = Histogram::since(&buckets(before), &buckets(after));
+    fn between(before: &Status, after: &Status) -> RunHealth {
+        let fabric_drops =
+            |s: &Status| crate::status::drops(s, "buffer_full") + crate::status::drops(s, "loss");
+        let hist = Histogram::since(&before.lateness_buckets, &after.lateness_buckets);
         RunHealth {
-            packets: n(after, "packets_in").saturating_sub(n(before, "packets_in")),
-            fabric_drops: drops(after).saturating_sub(drops(before)),
-            tun_drops: n(after, "tun_tx_dropped").saturating_sub(n(before, "tun_tx_dropped")),
+            packets: after.packets_in.saturating_sub(before.packets_in),
+            fabric_drops: fabric_drops(after).saturating_sub(fabric_drops(before)),
+            tun_drops: after
+                .tun_tx_dropped
+                .unwrap_or(0)
+                .saturating_sub(before.tun_tx_dropped.unwrap_or(0)),
             lateness: Lateness::of(&hist),
-            time_scale: after["time_scale"].as_f64().unwrap_or(1.0),
+            time_scale: after.time_scale,
         }
     }
 

@@ -11,6 +11,7 @@ mod fluid;
 mod live;
 mod plan;
 mod predict;
+mod status;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
 #[derive(Debug, Parser)]
@@ -322,7 +323,7 @@ fn main() -> ExitCode {
             fabric,
             json,
             ports,
-        } => live::status(fabric.as_ref(), json, ports.as_deref()),
+        } => status::status(fabric.as_ref(), json, ports.as_deref()),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)

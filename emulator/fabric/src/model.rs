@@ -674,13 +674,8 @@ fn ecmp_index(flow: u64, seed: u64, n: usize) -> usize {
     (mix(flow ^ seed) % n as u64) as usize
 }
 
-/// Seeded 5-tuple hash (each switch has its own seed, so paths do not polarize).
-#[inline]
-pub fn flow_hash(k: &FlowKey, seed: u64) -> u64 {
-    mix(flow_key_mix(k) ^ seed)
-}
-
-/// The seed-independent part of `flow_hash`, computed once per packet.
+/// The seed-independent part of a flow's ECMP hash (each switch mixes in its own seed,
+/// so paths do not polarize), computed once per packet.
 #[inline]
 fn flow_key_mix(k: &FlowKey) -> u64 {
     let a = (u32::from(k.src) as u64) << 32 | u32::from(k.dst) as u64;

@@ -339,20 +339,6 @@ impl Topology {
         &self.switches[id.0 as usize]
     }
 
-    pub fn vertex_name(&self, v: Vertex) -> &str {
-        match v {
-            Vertex::Host(h) => &self.host(h).name,
-            Vertex::Switch(s) => &self.switch(s).name,
-        }
-    }
-
-    pub fn host_by_addr(&self, addr: Ipv4Addr) -> Option<HostId> {
-        // Addresses are assigned densely from the pool, so this is arithmetic.
-        let i = u32::from(addr).checked_sub(u32::from(self.fabric.pool.addr) + 1)?;
-        let h = self.hosts.get(i as usize)?;
-        (h.addr == addr).then_some(HostId(i))
-    }
-
     pub fn host_by_name(&self, name: &str) -> Option<HostId> {
         self.hosts
             .iter()

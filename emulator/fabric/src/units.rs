@@ -187,11 +187,6 @@ impl Bandwidth {
             }
         }
     }
-
-    /// Divides the rate by `k` (time dilation).
-    pub fn scaled_down(self, k: f64) -> Bandwidth {
-        Bandwidth(((self.0 as f64) / k).round().max(1.0) as u64)
-    }
 }
 
 impl fmt::Display for Bandwidth {

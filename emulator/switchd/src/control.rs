@@ -17,23 +17,61 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
-use crate::dataplane::{Ctl, Status};
+use crate::dataplane::Ctl;
+pub use crate::dataplane::{Lateness, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
 
-#[derive(Debug, Serialize, Deserialize)]
+/// The control API's version: every request and reply carries it as `"v"`. A daemon
+/// answers a request of another version with an error saying so, and a client refuses a
+/// reply of another version, so an old CLI and a newer daemon (or the reverse) never
+/// misread each other.
+pub const API_VERSION: u32 = 1;
+
+/// What a client asks: `{"v":1,"cmd":"status"}`, `{"v":1,"cmd":"stop"}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
 pub enum Request {
     Status,
     Stop,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// What the daemon answers: `{"v":1,"reply":"status", …the Status fields…}`,
+/// `{"v":1,"reply":"stopping"}`, `{"v":1,"reply":"error","message":"…"}`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "lowercase")]
 pub enum Reply {
-    Status(Box<serde_json::Value>),
+    Status(Box<Status>),
     Stopping,
-    Error(String),
+    Error { message: String },
+}
+
+impl Reply {
+    pub fn error(message: impl Into<String>) -> Reply {
+        Reply::Error {
+            message: message.into(),
+        }
+    }
+}
+
+/// A request or reply with the API version beside it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Versioned<T> {
+    v: u32,
+    #[serde(flatten)]
+    body: T,
+}
+
+/// Reads the version of a message before its body, so that a message of another version
+/// is reported as such rather than as a malformed body.
+fn version_of(line: &str) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct V {
+        v: Option<u64>,
+    }
+    serde_json::from_str::<V>(line)
+        .ok()
+        .map(|x| x.v.unwrap_or(0))
 }
 
 /// Clients served at once; more are told to come back.
@@ -60,7 +98,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
             for mut conn in listener.incoming().flatten() {
                 if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
                     clients.fetch_sub(1, Ordering::AcqRel);
-                    let _ = reply(&mut conn, &Reply::Error("busy: too many clients".into()));
+                    let _ = reply(&mut conn, &Reply::error("busy: too many clients"));
                     continue;
                 }
                 let (shared, clients) = (Arc::clone(&shared), Arc::clone(&clients));
@@ -77,7 +115,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                 wake.notify();
                                 Reply::Stopping
                             }
-                            Err(e) => Reply::Error(format!("{e:#}")),
+                            Err(e) => Reply::error(format!("{e:#}")),
                         };
                         let _ = reply(&mut conn, &answer);
                         clients.fetch_sub(1, Ordering::AcqRel);
@@ -92,7 +130,13 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
 
 fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
     conn.set_write_timeout(Some(Duration::from_secs(5)))?;
-    serde_json::to_writer(&mut *conn, r)?;
+    serde_json::to_writer(
+        &mut *conn,
+        &Versioned {
+            v: API_VERSION,
+            body: r,
+        },
+    )?;
     conn.write_all(b"\n")
 }
 
@@ -103,7 +147,34 @@ fn read_request(conn: &UnixStream) -> anyhow::Result<Request> {
     if !line.ends_with('\n') && line.len() as u64 >= MAX_REQUEST {
         bail!("request longer than {MAX_REQUEST} bytes");
     }
-    Ok(serde_json::from_str(line.trim())?)
+    parse_request(line.trim())
+}
+
+/// A request line, checked for this daemon's API version.
+fn parse_request(line: &str) -> anyhow::Result<Request> {
+    match version_of(line) {
+        Some(v) if v == API_VERSION as u64 => {}
+        Some(v) => bail!(
+            "this daemon speaks control API v{API_VERSION}, the client v{v}: use the closbox that started the fabric (or `closbox down` it and `up` it again)"
+        ),
+        None => bail!("not a JSON request"),
+    }
+    let r: Versioned<Request> = serde_json::from_str(line)?;
+    Ok(r.body)
+}
+
+/// A reply line, checked for this client's API version.
+fn parse_reply(fabric: &FabricName, line: &str) -> anyhow::Result<Reply> {
+    match version_of(line) {
+        Some(v) if v == API_VERSION as u64 => {}
+        Some(v) => bail!(
+            "the daemon of fabric {fabric} speaks control API v{v}, this closbox v{API_VERSION}: use the closbox binary that started it (or `closbox down {fabric}` and `up` it again)"
+        ),
+        None => bail!("the daemon of fabric {fabric} sent something that is not JSON"),
+    }
+    let r: Versioned<Reply> = serde_json::from_str(line)
+        .with_context(|| format!("reading the reply of fabric {fabric}'s daemon"))?;
+    Ok(r.body)
 }
 
 fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
@@ -114,12 +185,12 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
         .send(Ctl::Status(tx))
         .is_err()
     {
-        return Reply::Error("the data plane has stopped".into());
+        return Reply::error("the data plane has stopped");
     }
     wake.notify();
     let mut s: Status = match rx.recv_timeout(Duration::from_secs(5)) {
         Ok(s) => s,
-        Err(_) => return Reply::Error("the data plane did not answer within 5 s".into()),
+        Err(_) => return Reply::error("the data plane did not answer within 5 s"),
     };
     let drops: Result<u64, _> = state
         .gpus
@@ -127,10 +198,7 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
         .map(|g| crate::netns::tun_tx_dropped(g, &state.tun))
         .sum();
     s.tun_tx_dropped = drops.ok();
-    match serde_json::to_value(&s) {
-        Ok(v) => Reply::Status(Box::new(v)),
-        Err(e) => Reply::Error(e.to_string()),
-    }
+    Reply::Status(Box::new(s))
 }
 
 /// Sends one request to a fabric's daemon.
@@ -143,12 +211,56 @@ pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
         )
     })?;
     conn.set_read_timeout(Some(Duration::from_secs(15)))?;
-    serde_json::to_writer(&mut conn, req)?;
+    serde_json::to_writer(
+        &mut conn,
+        &Versioned {
+            v: API_VERSION,
+            body: req,
+        },
+    )?;
     conn.write_all(b"\n")?;
     let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line)?;
+    BufReader::new((&conn).take(64 << 20)).read_line(&mut line)?;
     if line.is_empty() {
         bail!("the daemon of fabric {fabric} closed the connection");
     }
-    Ok(serde_json::from_str(&line)?)
+    parse_reply(fabric, &line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_carry_the_version_and_others_are_refused() {
+        let line = serde_json::to_string(&Versioned {
+            v: API_VERSION,
+            body: &Request::Status,
+        })
+        .unwrap();
+        assert_eq!(line, r#"{"v":1,"cmd":"status"}"#);
+        assert_eq!(parse_request(&line).unwrap(), Request::Status);
+        // An unversioned (older) client, and a newer one.
+        for old in [r#"{"cmd":"status"}"#, r#"{"v":2,"cmd":"status"}"#] {
+            let e = parse_request(old).unwrap_err().to_string();
+            assert!(e.contains("control API v1"), "{e}");
+        }
+        assert!(parse_request(r#"{"v":1,"cmd":"reboot"}"#).is_err());
+    }
+
+    #[test]
+    fn replies_of_another_version_are_refused() {
+        let name: FabricName = "f".parse().unwrap();
+        let line = serde_json::to_string(&Versioned {
+            v: API_VERSION,
+            body: &Reply::error("x"),
+        })
+        .unwrap();
+        assert_eq!(line, r#"{"v":1,"reply":"error","message":"x"}"#);
+        assert!(matches!(parse_reply(&name, &line), Ok(Reply::Error { .. })));
+        let e = parse_reply(&name, r#"{"status":{}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("speaks control API v0, this closbox v1"), "{e}");
+    }
 }

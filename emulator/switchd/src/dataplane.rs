@@ -17,7 +17,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::model::{DropReason, Fabric};
 use closbox_fabric::routing::{vertex_latency, Routes};
 use closbox_fabric::{HostId, Instant, Topology};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
@@ -49,8 +49,8 @@ pub enum Ctl {
     Stop,
 }
 
-/// A snapshot for `closbox status`.
-#[derive(Clone, Debug, Serialize)]
+/// A snapshot for `closbox status` (the control API's status reply).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Status {
     pub fabric: String,
     pub gpus: usize,
@@ -82,7 +82,7 @@ pub struct Status {
 }
 
 /// One egress port's counters.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PortStatus {
     /// "leaf0->spine1".
     pub port: String,
@@ -98,7 +98,7 @@ pub struct PortStatus {
 }
 
 /// Write lateness in wall-clock microseconds.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Lateness {
     pub samples: u64,
     pub p50_us: f64,

@@ -1,0 +1,221 @@
+//! `closbox status`: asks each fabric's daemon for its typed status and renders it.
+
+use std::process::ExitCode;
+
+use anyhow::bail;
+use closbox_switchd::control::{self, Lateness, PortStatus, Reply, Request, Status};
+use closbox_switchd::state::{self, FabricName, State};
+use serde::Serialize;
+
+use crate::plan::{approx_bytes, thousands};
+
+/// One fabric's answer: its status, or why there is none.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Answer {
+    Status(Box<Status>),
+    Error { fabric: String, error: String },
+}
+
+pub fn status(
+    fabric: Option<&FabricName>,
+    json: bool,
+    ports: Option<&str>,
+) -> anyhow::Result<ExitCode> {
+    let names = match fabric {
+        Some(n) => vec![n.clone()],
+        None => state::fabrics(),
+    };
+    if names.is_empty() {
+        println!("{}", if json { "[]" } else { "no fabric is up" });
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut out = Vec::new();
+    let mut healthy = true;
+    for n in names {
+        let Some(st) = State::load(&n)? else {
+            bail!("fabric {n} is not up");
+        };
+        let reply = if st.daemon_alive() {
+            control::request(&n, &Request::Status)
+                .unwrap_or_else(|e| Reply::error(format!("{e:#}")))
+        } else {
+            Reply::error(format!(
+                "daemon not running (crashed or killed); `closbox down {n}` cleans up (its log, if it was detached: {})",
+                n.log_path().display()
+            ))
+        };
+        let answer = match reply {
+            Reply::Status(mut s) => {
+                healthy &= !s.behind;
+                // Busy ports only, unless asked for all or some.
+                s.ports.retain(|p| match ports {
+                    Some(pattern) => p.port.contains(pattern),
+                    None => p.rx_packets > 0,
+                });
+                Answer::Status(s)
+            }
+            Reply::Error { message } => Answer::Error {
+                fabric: n.to_string(),
+                error: message,
+            },
+            Reply::Stopping => Answer::Error {
+                fabric: n.to_string(),
+                error: "stopping".into(),
+            },
+        };
+        if matches!(answer, Answer::Error { .. }) {
+            healthy = false;
+        }
+        if !json {
+            print!("{}", render(&st, &answer, ports.is_some()));
+        }
+        out.push(answer);
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
+}
+
+/// A drop count by its reason's name (0 if the daemon does not count that reason).
+pub fn drops(s: &Status, reason: &str) -> u64 {
+    s.drops
+        .iter()
+        .find(|(r, _)| r == reason)
+        .map_or(0, |(_, c)| *c)
+}
+
+fn lateness(l: &Lateness, time_scale: f64) -> String {
+    // Lateness is wall time; in dilated time it shifts fabric timings by lateness / k.
+    let fabric = if time_scale > 1.0 {
+        format!(", p99 = {:.3} µs of fabric time", l.p99_us / time_scale)
+    } else {
+        String::new()
+    };
+    format!(
+        "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} writes{fabric})",
+        l.p50_us,
+        l.p99_us,
+        l.max_us,
+        thousands(l.samples)
+    )
+}
+
+fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "fabric {} ({} GPUs, time_scale {}, config {})",
+        st.fabric,
+        st.gpus.len(),
+        st.time_scale,
+        st.config.display()
+    );
+    let s = match answer {
+        Answer::Error { error, .. } => {
+            let _ = writeln!(o, "  daemon    ERROR: {error}");
+            return o;
+        }
+        Answer::Status(s) => s,
+    };
+    let _ = writeln!(
+        o,
+        "  daemon    pid {}, up {:.1} s (fabric time {:.3} s)",
+        st.daemon_pid, s.uptime_s, s.fabric_time_s
+    );
+    let _ = writeln!(
+        o,
+        "  packets   in {}  delivered {}  queued {}  in flight {}",
+        thousands(s.packets_in),
+        thousands(s.delivered),
+        thousands(s.queued),
+        thousands(s.in_flight)
+    );
+    let mut drop_list: Vec<String> = s
+        .drops
+        .iter()
+        .map(|(r, c)| format!("{r} {}", thousands(*c)))
+        .collect();
+    drop_list.push(match s.tun_tx_dropped {
+        Some(d) => format!("tun_kernel {}", thousands(d)),
+        None => "tun_kernel ?".into(),
+    });
+    let _ = writeln!(o, "  drops     {}", drop_list.join("  "));
+    let _ = writeln!(o, "  lateness  {}", lateness(&s.lateness, st.time_scale));
+    let _ = writeln!(
+        o,
+        "  recent    {}",
+        lateness(&s.lateness_recent, st.time_scale)
+    );
+    if s.behind {
+        let _ = writeln!(
+            o,
+            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
+            s.behind_threshold_us
+        );
+    } else {
+        let _ = writeln!(o, "  health    ok");
+    }
+    let _ = writeln!(
+        o,
+        "  memory    packets hold {} of {} (packet_memory)",
+        approx_bytes(s.packet_memory),
+        approx_bytes(s.packet_memory_limit),
+    );
+    let memory_drops = drops(s, "memory_limit");
+    if memory_drops > 0 {
+        let _ = writeln!(
+            o,
+            "  WARNING   {} packets dropped at the fabric's packet-memory limit: the GPUs offered more than the box lets the fabric hold (raise [fabric] packet_memory, or lower buffers)",
+            thousands(memory_drops)
+        );
+    }
+    // The busiest ports, and any that dropped or marked; or all that were asked for.
+    let mut ports: Vec<&PortStatus> = s.ports.iter().collect();
+    let shown = if all_ports {
+        ports.len()
+    } else {
+        ports.sort_by_key(|p| {
+            std::cmp::Reverse((
+                p.drops_buffer + p.drops_loss,
+                p.ecn_marked,
+                (p.utilization * 1e6) as u64,
+            ))
+        });
+        5
+    };
+    if !ports.is_empty() {
+        let _ = writeln!(
+            o,
+            "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}",
+            if all_ports { "(egress)" } else { "(top 5)" },
+            "tx packets",
+            "drops",
+            "ecn",
+            "max queue",
+            "busy"
+        );
+    }
+    for p in ports.iter().take(shown) {
+        let _ = writeln!(
+            o,
+            "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}%",
+            p.port,
+            thousands(p.tx_packets),
+            thousands(p.drops_buffer + p.drops_loss),
+            thousands(p.ecn_marked),
+            thousands(p.max_queue_bytes),
+            p.utilization * 100.0
+        );
+    }
+    if s.io_errors > 0 {
+        let _ = writeln!(o, "  io errors {}", thousands(s.io_errors));
+    }
+    o
+}
