@@ -9,6 +9,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
@@ -122,13 +123,92 @@ impl Lateness {
     }
 }
 
-pub struct DataPlane {
-    name: String,
-    port_names: Vec<String>,
-    model: Fabric,
+/// Where packets enter and leave the fabric (one port per GPU), and the wall clock they
+/// do it by: TUN devices and the system clock in the daemon (`TunPorts`), in-memory
+/// queues and a virtual clock in tests. The loop above it (reading, the model,
+/// departures, lateness) is the same either way.
+pub trait Ports {
+    fn count(&self) -> usize;
+    /// The wall clock.
+    fn now(&self) -> StdInstant;
+    /// Waits until input may be there or `timeout` has passed; `ready` gets the ports that
+    /// may have input (a wake-up with none is fine: the loop looks at its control queue).
+    fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
+    /// One packet from `port` into `buf`; `Ok(None)` when it has none.
+    fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>>;
+    /// One packet out of `port`.
+    fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()>;
+}
+
+/// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
+/// eventfd that control requests use to wake the loop.
+#[derive(Debug)]
+pub struct TunPorts {
     tuns: Vec<OwnedFd>,
     epoll: Epoll,
     wake: Arc<EventFd>,
+    tokens: Vec<u64>,
+}
+
+impl TunPorts {
+    pub fn new(tuns: Vec<OwnedFd>, wake: Arc<EventFd>) -> io::Result<TunPorts> {
+        let epoll = Epoll::new(tuns.len() + 1)?;
+        for (i, t) in tuns.iter().enumerate() {
+            epoll.add(t.as_raw_fd(), i as u64)?;
+        }
+        epoll.add(wake.raw(), WAKE_TOKEN)?;
+        Ok(TunPorts {
+            tuns,
+            epoll,
+            wake,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The TUN descriptors, to be closed after their namespaces are gone.
+    pub fn into_tuns(self) -> Vec<OwnedFd> {
+        self.tuns
+    }
+}
+
+impl Ports for TunPorts {
+    fn count(&self) -> usize {
+        self.tuns.len()
+    }
+
+    fn now(&self) -> StdInstant {
+        StdInstant::now()
+    }
+
+    fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
+        self.tokens.clear();
+        self.tokens
+            .extend(self.epoll.wait(Some(timeout.as_nanos() as u64))?);
+        for &t in &self.tokens {
+            if t == WAKE_TOKEN {
+                self.wake.drain();
+            } else {
+                ready.push(t as usize);
+            }
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        sys::read_packet(self.tuns[port].as_raw_fd(), buf)
+    }
+
+    fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()> {
+        sys::write_packet(self.tuns[port].as_raw_fd(), packet)
+    }
+}
+
+pub struct DataPlane<P: Ports> {
+    name: String,
+    port_names: Vec<String>,
+    model: Fabric,
+    ports: P,
+    ready: Vec<usize>,
     ctl: Receiver<Ctl>,
     time_scale: f64,
     start: StdInstant,
@@ -145,28 +225,19 @@ pub struct DataPlane {
     behind_ns: u64,
 }
 
-impl std::fmt::Debug for DataPlane {
+impl<P: Ports> std::fmt::Debug for DataPlane<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPlane")
             .field("name", &self.name)
-            .field("tuns", &self.tuns.len())
+            .field("ports", &self.ports.count())
             .finish()
     }
 }
 
-impl DataPlane {
-    pub fn new(
-        topo: &Topology,
-        tuns: Vec<OwnedFd>,
-        wake: Arc<EventFd>,
-        ctl: Receiver<Ctl>,
-    ) -> anyhow::Result<Self> {
-        let epoll = Epoll::new(tuns.len() + 1)?;
-        for (i, t) in tuns.iter().enumerate() {
-            epoll.add(t.as_raw_fd(), i as u64)?;
-        }
-        epoll.add(wake.raw(), WAKE_TOKEN)?;
-        let now = StdInstant::now();
+impl<P: Ports> DataPlane<P> {
+    pub fn new(topo: &Topology, ports: P, ctl: Receiver<Ctl>) -> Self {
+        assert_eq!(ports.count(), topo.hosts.len(), "a port per GPU");
+        let now = ports.now();
         let model = Fabric::new(topo);
         let vname = |v: u32| {
             let h = topo.hosts.len() as u32;
@@ -185,13 +256,12 @@ impl DataPlane {
         let behind_ns = (BEHIND_P99.as_nanos() as u64).max(
             (shortest_gpu_path(topo, model.routes()) as f64 / 4.0 * topo.fabric.time_scale) as u64,
         );
-        Ok(DataPlane {
+        DataPlane {
             name: topo.fabric.name.clone(),
             port_names,
             model,
-            tuns,
-            epoll,
-            wake,
+            ports,
+            ready: Vec::new(),
             ctl,
             time_scale: topo.fabric.time_scale,
             start: now,
@@ -202,7 +272,7 @@ impl DataPlane {
             io_errors: 0,
             warned: None,
             behind_ns,
-        })
+        }
     }
 
     fn fabric_now(&self, wall: StdInstant) -> Instant {
@@ -214,10 +284,10 @@ impl DataPlane {
         self.start + StdDuration::from_nanos((t.as_nanos() as f64 * self.time_scale) as u64)
     }
 
-    /// Runs until a `Ctl::Stop` arrives; hands the TUNs back so that they are closed only
-    /// after their namespaces are gone (closing a TUN in a live namespace unregisters it
-    /// synchronously, ~16 ms each; namespace teardown unregisters them in one batch).
-    pub fn run(mut self) -> Vec<OwnedFd> {
+    /// Runs until a `Ctl::Stop` arrives; hands the ports back (the daemon closes its TUNs
+    /// only after their namespaces are gone: closing a TUN in a live namespace unregisters
+    /// it synchronously, ~16 ms each; namespace teardown unregisters them in one batch).
+    pub fn run(mut self) -> P {
         sys::set_timer_slack_ns(1);
         // GPU processes compete for the same cores; the fabric must not be the one that
         // waits. A nice value (not a real-time class) keeps a busy box responsive.
@@ -225,58 +295,60 @@ impl DataPlane {
             tracing::warn!("could not raise the data plane's priority: {e}");
         }
         tracing::info!(
-            "data plane of {}: {} TUNs, time_scale {}, behind above p99 {} µs",
+            "data plane of {}: {} ports, time_scale {}, behind above p99 {} µs",
             self.name,
-            self.tuns.len(),
+            self.ports.count(),
             self.time_scale,
             self.behind_ns / 1_000
         );
-        loop {
-            let wall = StdInstant::now();
-            self.deliver_due(wall);
-            if !self.handle_ctl() {
-                return std::mem::take(&mut self.tuns);
-            }
-            self.rotate_window(wall);
-            let timeout = self.model.poll_timeout().map(|t| {
-                let due = self.wall_of(t);
-                let wait = due.saturating_duration_since(StdInstant::now());
-                wait.saturating_sub(SPIN).as_nanos() as u64
-            });
-            // No departure pending: sleep until input, or a second for housekeeping.
-            let timeout = Some(timeout.unwrap_or(1_000_000_000));
-            let ready: Vec<u64> = match self.epoll.wait(timeout) {
-                Ok(tokens) => tokens.collect(),
-                Err(e) => {
-                    tracing::error!("epoll: {e}");
-                    self.io_errors += 1;
-                    Vec::new()
-                }
-            };
-            for token in ready {
-                if token == WAKE_TOKEN {
-                    self.wake.drain();
-                } else {
-                    self.read_tun(token as usize);
-                }
-            }
-        }
+        while self.step() {}
+        self.ports
     }
 
-    fn read_tun(&mut self, host: usize) {
-        let fd = self.tuns[host].as_raw_fd();
+    /// One turn of the loop: deliver what is due, answer control requests, wait for input
+    /// or the next departure (until `SPIN` before it, then poll), read what came. False
+    /// once asked to stop.
+    pub fn step(&mut self) -> bool {
+        let wall = self.ports.now();
+        self.deliver_due(wall);
+        if !self.handle_ctl() {
+            return false;
+        }
+        self.rotate_window(wall);
+        // No departure pending: sleep until input, or a second for housekeeping.
+        let timeout = match self.model.poll_timeout() {
+            Some(t) => self
+                .wall_of(t)
+                .saturating_duration_since(self.ports.now())
+                .saturating_sub(SPIN),
+            None => StdDuration::from_secs(1),
+        };
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        if let Err(e) = self.ports.wait(timeout, &mut ready) {
+            tracing::error!("waiting for input: {e}");
+            self.io_errors += 1;
+        }
+        for &port in &ready {
+            self.read_port(port);
+        }
+        self.ready = ready;
+        true
+    }
+
+    fn read_port(&mut self, host: usize) {
         for _ in 0..READ_BATCH {
-            match sys::read_packet(fd, &mut self.scratch) {
+            match self.ports.recv(host, &mut self.scratch) {
                 Ok(Some(n)) => {
                     let buf = self.scratch[..n].to_vec();
-                    let now = self.fabric_now(StdInstant::now());
+                    let now = self.fabric_now(self.ports.now());
                     // Drops are counted by the model; nothing else to do with the verdict.
                     let _ = self.model.send(now, HostId(host as u32), buf);
                 }
                 Ok(None) => return,
                 Err(e) => {
                     self.io_errors += 1;
-                    tracing::warn!("reading TUN of GPU {host}: {e}");
+                    tracing::warn!("reading the port of GPU {host}: {e}");
                     return;
                 }
             }
@@ -289,10 +361,12 @@ impl DataPlane {
         while let Some(d) = self.model.poll_delivery() {
             // Lateness is taken when the write starts: the write itself runs the
             // receiver's network stack, which is the GPU's time, not the fabric's.
-            let late = StdInstant::now()
+            let late = self
+                .ports
+                .now()
                 .saturating_duration_since(self.wall_of(d.at))
                 .as_nanos() as u64;
-            if let Err(e) = sys::write_packet(self.tuns[d.dst.0 as usize].as_raw_fd(), &d.data) {
+            if let Err(e) = self.ports.send(d.dst.0 as usize, &d.data) {
                 self.io_errors += 1;
                 tracing::debug!("writing to GPU {}: {e}", d.dst.0);
             }
@@ -353,8 +427,9 @@ impl DataPlane {
         true
     }
 
-    fn status(&mut self) -> Status {
-        let wall = StdInstant::now();
+    /// A snapshot of counters and lateness (what `closbox status` shows).
+    pub fn status(&mut self) -> Status {
+        let wall = self.ports.now();
         let now = self.fabric_now(wall);
         let totals = self.model.totals(now);
         let elapsed = now.as_nanos().max(1) as f64;
@@ -378,7 +453,7 @@ impl DataPlane {
         let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {
             fabric: self.name.clone(),
-            gpus: self.tuns.len(),
+            gpus: self.ports.count(),
             time_scale: self.time_scale,
             uptime_s: wall.duration_since(self.start).as_secs_f64(),
             fabric_time_s: now.as_nanos() as f64 / 1e9,
@@ -452,6 +527,153 @@ mod tests {
         let t =
             closbox_fabric::parse(&format!("[fabric]\nname = \"t\"\n{body}"), "t.toml").unwrap();
         shortest_gpu_path(&t, &Routes::new(&t))
+    }
+
+    /// Ports in memory on a virtual clock: packets are queued to arrive at given times;
+    /// a wait jumps the clock to the next arrival or the timeout (at least 1 µs, as the
+    /// real loop's polling would take), never sleeping.
+    struct MemPorts {
+        start: StdInstant,
+        elapsed: StdDuration,
+        inbox: Vec<std::collections::VecDeque<(StdDuration, Vec<u8>)>>,
+        sent: Vec<(usize, StdDuration, Vec<u8>)>,
+    }
+
+    impl MemPorts {
+        fn new(n: usize) -> MemPorts {
+            MemPorts {
+                start: StdInstant::now(),
+                elapsed: StdDuration::ZERO,
+                inbox: vec![Default::default(); n],
+                sent: Vec::new(),
+            }
+        }
+    }
+
+    impl Ports for MemPorts {
+        fn count(&self) -> usize {
+            self.inbox.len()
+        }
+
+        fn now(&self) -> StdInstant {
+            self.start + self.elapsed
+        }
+
+        fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
+            let until = self.elapsed + timeout.max(StdDuration::from_micros(1));
+            let next = self
+                .inbox
+                .iter()
+                .filter_map(|q| q.front().map(|p| p.0))
+                .min();
+            match next {
+                Some(t) if t <= until => self.elapsed = self.elapsed.max(t),
+                _ => self.elapsed = until,
+            }
+            for (i, q) in self.inbox.iter().enumerate() {
+                if q.front().is_some_and(|p| p.0 <= self.elapsed) {
+                    ready.push(i);
+                }
+            }
+            Ok(())
+        }
+
+        fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
+            let q = &mut self.inbox[port];
+            if q.front().is_none_or(|p| p.0 > self.elapsed) {
+                return Ok(None);
+            }
+            let (_, p) = q.pop_front().expect("checked");
+            buf[..p.len()].copy_from_slice(&p);
+            Ok(Some(p.len()))
+        }
+
+        fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()> {
+            self.sent.push((port, self.elapsed, packet.to_vec()));
+            Ok(())
+        }
+    }
+
+    fn plane(body: &str) -> (DataPlane<MemPorts>, Topology) {
+        let t =
+            closbox_fabric::parse(&format!("[fabric]\nname = \"t\"\n{body}"), "t.toml").unwrap();
+        let (_tx, rx) = std::sync::mpsc::channel();
+        (DataPlane::new(&t, MemPorts::new(t.hosts.len()), rx), t)
+    }
+
+    fn udp(t: &Topology, from: usize, to: usize, len: usize) -> Vec<u8> {
+        closbox_fabric::packet::build_udp(t.hosts[from].addr, t.hosts[to].addr, 1, 2, 0, len)
+    }
+
+    const TWO: &str = "[topology]\nkind = \"single-switch\"\ngpus = 2\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"1us\"\n[switches.leaf]\nlatency = \"500ns\"\n";
+
+    #[test]
+    fn a_packet_leaves_at_its_fabric_time_scaled_to_the_wall_clock() {
+        for k in [1u64, 1000] {
+            let (mut dp, t) = plane(&format!("time_scale = {k}\n{TWO}"));
+            // 1000 B + 38 B of framing = 8304 ns a hop at 1 Gbit/s, twice; 1 µs a link,
+            // twice; 500 ns in the switch.
+            let fabric_ns = 2 * 8304 + 2 * 1000 + 500;
+            let sent_at = StdDuration::from_micros(3);
+            dp.ports.inbox[0].push_back((sent_at, udp(&t, 0, 1, 1000)));
+            for _ in 0..10_000 {
+                dp.step();
+                if !dp.ports.sent.is_empty() {
+                    break;
+                }
+            }
+            let (port, at, data) = dp.ports.sent[0].clone();
+            assert_eq!(port, 1);
+            assert_eq!(data.len(), 1000);
+            let want = sent_at + StdDuration::from_nanos(fabric_ns * k);
+            // The loop polls in 1 µs steps once it is within SPIN of the departure.
+            assert!(
+                at >= want && at <= want + StdDuration::from_micros(1),
+                "k {k}: {at:?} vs {want:?}"
+            );
+            let st = dp.status();
+            assert_eq!((st.packets_in, st.delivered), (1, 1));
+            assert_eq!(st.lateness.samples, 1);
+            assert!(st.lateness.max_us <= 1.0, "{:?}", st.lateness);
+        }
+    }
+
+    #[test]
+    fn the_loop_counts_drops_and_stops_on_request() {
+        let (mut dp, t) = plane(TWO);
+        // Not IPv4, a packet to nowhere, TTL 1 (expires in the switch): all dropped.
+        let mut ttl1 = udp(&t, 0, 1, 100);
+        ttl1[8] = 1;
+        let sum = {
+            let mut s = 0u32;
+            ttl1[10] = 0;
+            ttl1[11] = 0;
+            for w in ttl1[..20].chunks(2) {
+                s += u16::from_be_bytes([w[0], w[1]]) as u32;
+            }
+            while s > 0xffff {
+                s = (s & 0xffff) + (s >> 16);
+            }
+            !(s as u16)
+        };
+        ttl1[10..12].copy_from_slice(&sum.to_be_bytes());
+        for p in [vec![0x60; 40], udp(&t, 0, 0, 100), ttl1] {
+            dp.ports.inbox[0].push_back((StdDuration::ZERO, p));
+        }
+        for _ in 0..100 {
+            dp.step();
+        }
+        let st = dp.status();
+        let drops: std::collections::BTreeMap<String, u64> = st.drops.into_iter().collect();
+        assert_eq!(drops["unsupported"], 1);
+        assert_eq!(drops["no_route"], 1);
+        assert_eq!(drops["ttl_expired"], 1);
+        assert!(dp.ports.sent.is_empty());
+        // A stop request ends the loop.
+        let (tx, rx) = std::sync::mpsc::channel();
+        dp.ctl = rx;
+        tx.send(Ctl::Stop).unwrap();
+        assert!(!dp.step());
     }
 
     #[test]

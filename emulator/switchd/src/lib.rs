@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use closbox_fabric::Topology;
 
-use crate::dataplane::{Ctl, DataPlane};
+use crate::dataplane::{Ctl, DataPlane, TunPorts};
 use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, TUN_NAME};
 use crate::sys::EventFd;
 
@@ -160,7 +160,7 @@ pub fn run_fabric(
     };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
-    let dp = DataPlane::new(topo, tuns, Arc::clone(&wake), ctl_rx)?;
+    let dp = DataPlane::new(topo, TunPorts::new(tuns, Arc::clone(&wake))?, ctl_rx);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     st.phase = Phase::Ready;
     st.save()?;
@@ -190,7 +190,7 @@ pub fn run_fabric(
     }
     let dataplane = std::thread::Builder::new()
         .name("dataplane".into())
-        .spawn(move || dp.run())
+        .spawn(move || dp.run().into_tuns())
         .context("starting the data plane")?;
     let tuns = dataplane.join().unwrap_or_default();
     stop.store(true, Ordering::Relaxed);
