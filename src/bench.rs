@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use closbox_agents::bench::{Options, Row};
+use closbox_agents::schedule;
 use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::Topology;
@@ -619,7 +620,7 @@ fn plot(rows: &[Row]) -> String {
 /// Overlap simulation for the prediction: backward produces buckets one by one; with
 /// overlap each is all-reduced as soon as it exists and the link is free.
 fn predict_step(compute: f64, comm: &[f64], overlap: bool) -> f64 {
-    let forward = compute / 3.0;
+    let forward = compute * schedule::FORWARD_SHARE;
     let per_bucket = (compute - forward) / comm.len().max(1) as f64;
     if !overlap {
         return compute + comm.iter().sum::<f64>();
@@ -755,16 +756,14 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A model's gradients split into buckets of `bucket` bytes (the last one smaller).
+/// A model's gradients split into buckets as the agents split them (f32 elements; sizes
+/// are checked to be whole elements), in bytes.
 fn bucket_sizes(model: usize, bucket: usize) -> Vec<usize> {
-    let mut left = model;
-    let mut v = Vec::new();
-    while left > 0 {
-        let b = bucket.min(left);
-        v.push(b);
-        left -= b;
-    }
-    v
+    const F32: usize = 4;
+    schedule::buckets(model / F32, bucket / F32)
+        .into_iter()
+        .map(|b| b * F32)
+        .collect()
 }
 
 /// "1 bucket", "3 buckets".

@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 
 use closbox_agents::coll::{auto_choice, hier_shape};
+use closbox_agents::schedule;
 use closbox_agents::{Algo, Endpoints, Op};
 use closbox_fabric::model::Fabric;
 use closbox_fabric::packet::FlowKey;
@@ -34,7 +35,7 @@ use closbox_fabric::{HostId, Topology};
 use crate::fluid::{self, Dep, Transfer};
 
 /// Bytes per piece the agents pipeline with (`Comm::piece`).
-const PIECE: f64 = (256 << 10) as f64;
+const PIECE: f64 = schedule::PIECE as f64;
 
 pub struct Predictor {
     routes: Routes,
@@ -387,18 +388,14 @@ impl Predictor {
     fn tree(&self, s: f64) -> f64 {
         let n = self.n();
         let mut up = Vec::new();
-        let mut depth = 0u32;
         for t in 0..2 {
-            let order: Vec<usize> = if t == 0 {
-                (0..n).collect()
-            } else {
-                (0..n).rev().collect()
-            };
-            for pos in 1..n {
-                up.push((order[pos], order[(pos - 1) / 2], s / 2.0));
+            for r in 0..n {
+                if let (Some(parent), _) = schedule::tree_links(n, t, r) {
+                    up.push((r, parent, s / 2.0));
+                }
             }
-            depth = depth.max(usize::BITS - n.leading_zeros());
         }
+        let depth = schedule::tree_depth(n);
         let down: Vec<Flow> = up.iter().map(|&(a, b, x)| (b, a, x)).collect();
         let piece = PIECE.min(s / 2.0);
         let fill = (depth.saturating_sub(1)) as f64 * self.phase(&[(up[0].0, up[0].1, piece)]);
@@ -409,30 +406,16 @@ impl Predictor {
     /// schedule: fold the first 2·extra ranks, halve (exchanging half of what is owned
     /// with the partner at distance pow/2, pow/4, …), double back, unfold.
     fn rhd(&self, s: f64) -> f64 {
-        let n = self.n();
-        let pow = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - pow;
-        let real = |v: usize| if v < extra { 2 * v + 1 } else { v + extra };
-        let mut halving = Vec::new();
-        let (mut dist, mut bytes) = (pow / 2, s / 2.0);
-        while dist >= 1 {
-            halving.push(
-                (0..pow)
-                    .map(|v| (real(v), real(v ^ dist), bytes))
-                    .collect::<Vec<Flow>>(),
-            );
-            dist /= 2;
-            bytes /= 2.0;
-        }
-        let mut stages = Vec::new();
-        if extra > 0 {
-            stages.push((0..extra).map(|i| (2 * i, 2 * i + 1, s)).collect());
-        }
-        stages.extend(halving.iter().cloned());
-        stages.extend(halving.into_iter().rev());
-        if extra > 0 {
-            stages.push((0..extra).map(|i| (2 * i + 1, 2 * i, s)).collect());
-        }
+        let stages: Vec<Vec<Flow>> = schedule::Rhd::new(self.n())
+            .stages(s as usize)
+            .into_iter()
+            .map(|stage| {
+                stage
+                    .into_iter()
+                    .map(|(a, b, bytes)| (a, b, bytes as f64))
+                    .collect()
+            })
+            .collect();
         self.pairwise(&stages)
     }
 

@@ -144,10 +144,8 @@ pub fn hier_shape(nodes: &[usize]) -> anyhow::Result<(usize, usize)> {
     Ok((distinct.len(), per))
 }
 
-/// Balanced partition: the `i`-th of `n` parts of `0..len`.
-pub fn part(len: usize, n: usize, i: usize) -> Range<usize> {
-    (len * i / n)..(len * (i + 1) / n)
-}
+pub use crate::schedule::part;
+use crate::schedule::{self, Rhd};
 
 /// Elements of block `i` when `count` elements are cut into `n` blocks (all-gather,
 /// reduce-scatter: rank i's block).
@@ -216,7 +214,7 @@ impl<'g> Comm<'g> {
         Comm {
             g,
             nodes,
-            piece: 256 << 10,
+            piece: schedule::PIECE,
         }
     }
 
@@ -238,7 +236,7 @@ impl<'g> Comm<'g> {
         f: impl Fn(usize, Vec<&mut [u8]>) -> anyhow::Result<()> + Sync,
     ) -> anyhow::Result<()> {
         let count = buf.len() / dtype.size();
-        let ch = self.g.channels().min(count.max(1));
+        let ch = schedule::channels_for(count, self.g.channels());
         let mut parts = carve(buf, dtype, count, blocks, ch);
         if ch == 1 {
             return f(0, parts.pop().expect("one channel"));
@@ -403,20 +401,7 @@ impl<'g> Comm<'g> {
         let split = part(count, 2, 0).end * dtype.size();
         let (h0, h1) = buf.split_at_mut(split);
         let run = |t: usize, buf: &mut [u8]| -> anyhow::Result<()> {
-            // Tree 0 over ranks in order, tree 1 over them reversed: the leaves of one are
-            // the interior of the other.
-            let order: Vec<usize> = if t == 0 {
-                (0..n).collect()
-            } else {
-                (0..n).rev().collect()
-            };
-            let pos = order.iter().position(|&x| x == self.r()).expect("member");
-            let parent = (pos > 0).then(|| order[(pos - 1) / 2]);
-            let children: Vec<usize> = [2 * pos + 1, 2 * pos + 2]
-                .into_iter()
-                .filter(|&c| c < n)
-                .map(|c| order[c])
-                .collect();
+            let (parent, children) = schedule::tree_links(n, t, self.r());
             let ch = t % self.g.channels();
             let mut tmp = vec![0u8; self.piece.min(buf.len())];
             let pieces = buf.len().div_ceil(self.piece.max(1)).max(1);
@@ -462,70 +447,49 @@ impl<'g> Comm<'g> {
 
     /// Recursive halving-doubling on one channel's contiguous region.
     fn rhd(&self, ch: usize, buf: &mut [u8], dtype: DType, op: ReduceOp) -> anyhow::Result<()> {
-        let (n, r) = (self.n(), self.r());
-        let pow = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - pow;
+        let r = self.r();
+        let plan = Rhd::new(self.n());
         let count = buf.len() / dtype.size();
+        let bytes = |e: &Range<usize>| (e.start * dtype.size())..(e.end * dtype.size());
         // Fold: among the first 2·extra ranks, odd ones take their even neighbour's data.
         let mut tmp = vec![0u8; buf.len()];
-        let vrank = if r < 2 * extra {
-            if r % 2 == 0 {
+        let vrank = plan.virtual_rank(r);
+        if r < 2 * plan.extra {
+            if vrank.is_none() {
                 self.g.send(r + 1, ch, buf)?;
-                None
             } else {
                 self.g.recv(r - 1, ch, &mut tmp)?;
                 reduce_into(dtype, op, buf, &tmp);
-                Some(r / 2)
             }
-        } else {
-            Some(r - extra)
-        };
-        let real = |v: usize| if v < extra { 2 * v + 1 } else { v + extra };
+        }
         if let Some(v) = vrank {
-            // Halving: keep shrinking the owned range [lo, hi) of elements.
-            let (mut lo, mut hi) = (0usize, count);
-            let mut steps = Vec::new();
-            let mut dist = pow / 2;
-            while dist >= 1 {
-                let partner = v ^ dist;
-                let mid = lo + (hi - lo) / 2;
-                let (keep, give) = if v < partner {
-                    (lo..mid, mid..hi)
-                } else {
-                    (mid..hi, lo..mid)
-                };
-                let bytes = |e: &Range<usize>| (e.start * dtype.size())..(e.end * dtype.size());
-                let (out, acc) = split2(buf, bytes(&give), bytes(&keep));
+            let steps = plan.halving(v, count);
+            // Halving: send the half given, reduce the half kept.
+            for h in &steps {
+                let (out, acc) = split2(buf, bytes(&h.give), bytes(&h.keep));
                 let t = &mut tmp[..acc.len()];
                 self.g.exchange(
                     ch,
-                    (real(partner), out),
-                    (real(partner), t),
+                    (plan.real(h.partner), out),
+                    (plan.real(h.partner), t),
                     self.piece,
                     |off, piece| reduce_into(dtype, op, &mut acc[off..off + piece.len()], piece),
                 )?;
-                steps.push((partner, lo, hi, v < partner));
-                (lo, hi) = (keep.start, keep.end);
-                dist /= 2;
             }
-            // Doubling: retrace the steps, exchanging owned ranges.
-            while let Some((partner, plo, phi, kept_lower)) = steps.pop() {
-                let mid = plo + (phi - plo) / 2;
-                let other = if kept_lower { mid..phi } else { plo..mid };
-                let bytes = |e: &Range<usize>| (e.start * dtype.size())..(e.end * dtype.size());
-                let (out, inp) = split2(buf, bytes(&(lo..hi)), bytes(&other));
+            // Doubling: retrace the steps, sending what is owned, receiving the rest.
+            for h in steps.iter().rev() {
+                let (out, inp) = split2(buf, bytes(&h.keep), bytes(&h.give));
                 self.g.exchange(
                     ch,
-                    (real(partner), out),
-                    (real(partner), inp),
+                    (plan.real(h.partner), out),
+                    (plan.real(h.partner), inp),
                     self.piece,
                     |_, _| {},
                 )?;
-                (lo, hi) = (plo, phi);
             }
         }
         // Unfold: even ranks of the fold get the result back.
-        if r < 2 * extra {
+        if r < 2 * plan.extra {
             if r % 2 == 1 {
                 self.g.send(r - 1, ch, buf)?;
             } else {

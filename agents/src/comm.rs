@@ -11,6 +11,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -35,6 +36,8 @@ pub struct Group {
     peers: Vec<String>,
     /// conns[peer][channel]; `None` for self.
     conns: Vec<Vec<Option<TcpStream>>>,
+    /// Bytes sent to each peer (collectives' payload; the barrier's bytes too).
+    sent: Vec<AtomicU64>,
 }
 
 impl std::fmt::Debug for Group {
@@ -152,6 +155,7 @@ impl Group {
             channels,
             peers: cfg.peers.clone(),
             conns,
+            sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -207,7 +211,17 @@ impl Group {
     pub fn send(&self, peer: usize, ch: usize, buf: &[u8]) -> anyhow::Result<()> {
         let mut s = self.stream(peer, ch);
         s.write_all(buf)
-            .map_err(|e| self.lost(peer, "sending to", e))
+            .map_err(|e| self.lost(peer, "sending to", e))?;
+        self.sent[peer].fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Bytes this rank has sent to each peer so far.
+    pub fn bytes_sent(&self) -> Vec<u64> {
+        self.sent
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
     }
 
     pub fn recv(&self, peer: usize, ch: usize, buf: &mut [u8]) -> anyhow::Result<()> {

@@ -7,6 +7,7 @@ pub mod coll;
 pub mod comm;
 pub mod dtype;
 pub mod env;
+pub mod schedule;
 pub mod train;
 
 pub use coll::{Algo, Comm, Op};

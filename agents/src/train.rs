@@ -70,10 +70,8 @@ pub fn run(comm: &Comm, spec: &Spec) -> anyhow::Result<Report> {
     let n = comm.g.size();
     let bucket_el = spec.bucket_bytes / esz;
     let total_el = spec.model_bytes / esz;
-    let buckets: Vec<usize> = (0..total_el.div_ceil(bucket_el))
-        .map(|b| bucket_el.min(total_el - b * bucket_el))
-        .collect();
-    let forward = spec.compute / 3;
+    let buckets = crate::schedule::buckets(total_el, bucket_el);
+    let forward = spec.compute.mul_f64(crate::schedule::FORWARD_SHARE);
     let backward_per_bucket = (spec.compute - forward) / buckets.len() as u32;
     let rank = comm.g.rank();
     let fill = |b: usize, len: usize| -> Vec<u8> {

@@ -1,55 +1,14 @@
 //! Every collective and algorithm, checked element by element, for 1, 2, odd and even
 //! rank counts and sizes that do not divide by the rank count — over loopback, no root.
 
-use std::sync::atomic::{AtomicU16, Ordering};
+mod common;
+
 use std::time::{Duration, Instant};
+
+use common::{ports, with_group};
 
 use closbox_agents::bench::{self, Spec};
 use closbox_agents::{Algo, Comm, DType, Group, GroupConfig, Op, ReduceOp};
-
-/// Listening ports for a group of `n`: below the kernel's ephemeral range (32768–60999),
-/// where outgoing connections would collide with them; a block per process.
-fn ports(n: usize) -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 10_000 + (std::process::id() % 20) as u16 * 1000;
-    let off = NEXT.fetch_add(n as u16, Ordering::Relaxed);
-    assert!(off + (n as u16) < 1000, "test port block exhausted");
-    base + off
-}
-
-/// Runs `f` on `n` ranks (threads), each with its own group over loopback.
-fn with_group<T: Send>(
-    n: usize,
-    channels: usize,
-    nodes: Vec<usize>,
-    f: impl Fn(&Comm) -> T + Sync,
-) -> Vec<T> {
-    let base = ports(n);
-    let peers: Vec<String> = (0..n)
-        .map(|i| format!("127.0.0.1:{}", base + i as u16))
-        .collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (peers, nodes, f) = (peers.clone(), nodes.clone(), &f);
-                s.spawn(move || {
-                    let g = Group::connect(&GroupConfig {
-                        rank,
-                        peers,
-                        channels,
-                        timeout: Duration::from_secs(20),
-                    })
-                    .expect("group forms");
-                    f(&Comm::new(&g, nodes))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
-    })
-}
 
 /// What one `check` runs.
 struct Case<'a> {
