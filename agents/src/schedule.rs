@@ -144,27 +144,25 @@ impl Rhd {
         }
         let plans: Vec<Vec<Halving>> = (0..self.pow).map(|v| self.halving(v, len)).collect();
         let depth = plans.first().map_or(0, Vec::len);
-        for s in 0..depth {
-            stages.push(
-                (0..self.pow)
-                    .map(|v| {
-                        let h = &plans[v][s];
-                        (self.real(v), self.real(h.partner), h.give.len())
-                    })
-                    .collect(),
-            );
-        }
-        for s in (0..depth).rev() {
-            // Doubling: each sends what it owns after step s to the partner of step s.
-            stages.push(
-                (0..self.pow)
-                    .map(|v| {
-                        let h = &plans[v][s];
-                        (self.real(v), self.real(h.partner), h.keep.len())
-                    })
-                    .collect(),
-            );
-        }
+        // Per halving step: every virtual rank gives one half; when doubling retraces
+        // the step, it sends back what it kept.
+        let (halving, doubling): (Vec<_>, Vec<_>) = (0..depth)
+            .map(|step| {
+                let flows = |half: fn(&Halving) -> usize| -> Vec<(usize, usize, usize)> {
+                    plans
+                        .iter()
+                        .enumerate()
+                        .map(|(v, plan)| {
+                            let h = &plan[step];
+                            (self.real(v), self.real(h.partner), half(h))
+                        })
+                        .collect()
+                };
+                (flows(|h| h.give.len()), flows(|h| h.keep.len()))
+            })
+            .unzip();
+        stages.extend(halving);
+        stages.extend(doubling.into_iter().rev());
         if self.extra > 0 {
             stages.push((0..self.extra).map(|i| (2 * i + 1, 2 * i, len)).collect());
         }
