@@ -21,7 +21,7 @@ use closbox_switchd::state::{FabricName, State};
 
 use crate::live::{self, RunArgs};
 use crate::plan::thousands;
-use crate::predict::Predictor;
+use closbox_predict::{predict_step, Predictor};
 
 /// What both commands share: where to run and how agents connect.
 pub struct Target<'a> {
@@ -615,22 +615,6 @@ fn plot(rows: &[Row]) -> String {
     }
     s.push_str("</svg>\n");
     s
-}
-
-/// Overlap simulation for the prediction: backward produces buckets one by one; with
-/// overlap each is all-reduced as soon as it exists and the link is free.
-fn predict_step(compute: f64, comm: &[f64], overlap: bool) -> f64 {
-    let forward = compute * schedule::FORWARD_SHARE;
-    let per_bucket = (compute - forward) / comm.len().max(1) as f64;
-    if !overlap {
-        return compute + comm.iter().sum::<f64>();
-    }
-    let (mut t, mut free) = (forward, forward);
-    for c in comm {
-        t += per_bucket;
-        free = free.max(t) + c;
-    }
-    t.max(free)
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {

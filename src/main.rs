@@ -7,10 +7,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use closbox_switchd::state::FabricName;
 
 mod bench;
-mod fluid;
 mod live;
 mod plan;
-mod predict;
 mod status;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.

@@ -55,6 +55,16 @@ pub struct Predictor {
     known: Option<HashMap<(usize, usize, usize), Vec<PortId>>>,
 }
 
+impl std::fmt::Debug for Predictor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Predictor")
+            .field("ranks", &self.ranks.len())
+            .field("channels", &self.channels)
+            .field("run_paths", &self.known.is_some())
+            .finish()
+    }
+}
+
 /// Largest AllToAll (in transfers: n(n−1) × channels) simulated flow by flow; larger ones
 /// are predicted phase by phase (no overlap between steps: an upper bound).
 const FLUID_MAX_TRANSFERS: usize = 4096;
