@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use closbox_agents::bench::{Options, Row};
 use closbox_agents::schedule;
 use closbox_agents::train::Report;
-use closbox_agents::{Algo, Endpoints, Op};
+use closbox_agents::{Algo, Endpoints, Op, Output};
 use closbox_fabric::Topology;
 use closbox_switchd::control::{self, Reply, Request, Status};
 use closbox_switchd::dataplane::Lateness;
@@ -182,13 +182,13 @@ struct Ran {
 /// Every rank's connection endpoints, as their lines arrive.
 type SharedEndpoints = Arc<Mutex<Vec<Endpoints>>>;
 
-/// Runs the agent in every selected GPU: rank 0's JSON lines go to `on_json`, with the
+/// Runs the agent in every selected GPU: rank 0's results go to `on_output`, with the
 /// endpoints reported so far.
 fn run_agents(
     st: &State,
     t: &Target,
     agent_args: Vec<String>,
-    mut on_json: impl FnMut(&str, &SharedEndpoints) + Send + 'static,
+    mut on_output: impl FnMut(Output, &SharedEndpoints) + Send + 'static,
 ) -> anyhow::Result<Ran> {
     let agent = agent_path()?;
     let mut cmd = vec![
@@ -200,18 +200,17 @@ fn run_agents(
     let endpoints: SharedEndpoints = Arc::default();
     let collected = Arc::clone(&endpoints);
     let for_rows = Arc::clone(&endpoints);
-    let on_json = Arc::new(Mutex::new(move |l: &str| on_json(l, &for_rows)));
-    let sink: live::Sink = Arc::new(move |rank, is_err, line: &str| {
-        if !is_err && line.starts_with('{') {
-            match serde_json::from_str::<Endpoints>(line) {
-                Ok(e) => collected.lock().expect("endpoints lock").push(e),
-                Err(_) if rank == 0 => (on_json.lock().expect("sink lock"))(line),
-                Err(_) => {}
-            }
-        } else if is_err || rank == 0 {
-            eprintln!("[{rank}] {line}");
-        }
-    });
+    let on_output = Arc::new(Mutex::new(move |o: Output| on_output(o, &for_rows)));
+    let sink: live::Sink =
+        Arc::new(
+            move |rank, is_err, line: &str| match (is_err, Output::parse(line)) {
+                (false, Some(Output::Endpoints(e))) => collected.lock().expect("endpoints").push(e),
+                (false, Some(o)) if rank == 0 => (on_output.lock().expect("sink lock"))(o),
+                (false, Some(_)) => {}
+                _ if is_err || rank == 0 => eprintln!("[{rank}] {line}"),
+                _ => {}
+            },
+        );
     let before = RunHealth::snapshot(&st.fabric);
     let code = live::run(RunArgs {
         fabric: Some(&st.fabric),
@@ -299,8 +298,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         total,
     }));
     let streaming = Arc::clone(&sweep);
-    let ran = run_agents(&st, &a.target, args, move |line, endpoints| {
-        if let Ok(row) = serde_json::from_str::<Row>(line) {
+    let ran = run_agents(&st, &a.target, args, move |out, endpoints| {
+        if let Output::Row(row) = out {
             streaming.lock().expect("sweep").add(row, endpoints);
         }
     })?;
@@ -650,8 +649,8 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    let ran = run_agents(&st, &a.target, args, move |line, _| {
-        if let Ok(r) = serde_json::from_str::<Report>(line) {
+    let ran = run_agents(&st, &a.target, args, move |out, _| {
+        if let Output::Report(r) = out {
             collected.lock().expect("reports").push(r);
         }
     })?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use closbox_agents::env::{JobEnv, DEFAULT_PORT};
-use closbox_agents::{bench, train, Algo, Comm, DType, Endpoints, Group};
+use closbox_agents::{bench, train, Algo, Comm, DType, Endpoints, Group, Output};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -85,10 +85,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         rank: group.rank(),
         endpoints: group.endpoints()?,
     };
-    println!(
-        "{}",
-        serde_json::to_string(&eps).expect("endpoints serialize")
-    );
+    println!("{}", Output::Endpoints(eps).to_line());
     let comm = Comm::new(&group, env.nodes.clone());
     let leader = group.rank() == 0;
     let algo = |s: &str| {
@@ -100,7 +97,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let spec = opts.spec(bench::parse_ops(&[ops])?, env.time_scale)?;
             bench::run(&comm, &spec, |row| {
                 if leader {
-                    println!("{}", serde_json::to_string(row).expect("row serializes"));
+                    println!("{}", Output::Row(row.clone()).to_line());
                 }
             })?;
         }
@@ -135,7 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 let report = train::run(&comm, &spec)?;
                 if leader {
-                    println!("{}", serde_json::to_string(&report)?);
+                    println!("{}", Output::Report(report).to_line());
                 }
             }
         }
