@@ -186,6 +186,7 @@ type SharedEndpoints = Arc<Mutex<Vec<Endpoints>>>;
 /// endpoints reported so far.
 fn run_agents(
     st: &State,
+    sel: &[usize],
     t: &Target,
     agent_args: Vec<String>,
     mut on_output: impl FnMut(Output, &SharedEndpoints) + Send + 'static,
@@ -213,8 +214,8 @@ fn run_agents(
         );
     let before = RunHealth::snapshot(&st.fabric);
     let code = live::run(RunArgs {
-        fabric: Some(&st.fabric),
-        gpus: t.gpus,
+        st,
+        sel,
         timeout: t.timeout,
         master_port: 29500,
         cmd: &cmd,
@@ -298,7 +299,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         total,
     }));
     let streaming = Arc::clone(&sweep);
-    let ran = run_agents(&st, &a.target, args, move |out, endpoints| {
+    let ran = run_agents(&st, &sel, &a.target, args, move |out, endpoints| {
         if let Output::Row(row) = out {
             streaming.lock().expect("sweep").add(row, endpoints);
         }
@@ -649,7 +650,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    let ran = run_agents(&st, &a.target, args, move |out, _| {
+    let ran = run_agents(&st, &sel, &a.target, args, move |out, _| {
         if let Output::Report(r) = out {
             collected.lock().expect("reports").push(r);
         }

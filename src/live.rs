@@ -260,9 +260,11 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
 /// Where ranks' output lines go: `(rank, is_stderr, line)`.
 pub type Sink = Arc<dyn Fn(usize, bool, &str) + Send + Sync>;
 
+/// A job: a command in every selected GPU of a resolved fabric.
 pub struct RunArgs<'a> {
-    pub fabric: Option<&'a FabricName>,
-    pub gpus: &'a str,
+    pub st: &'a State,
+    /// Indexes into `st.gpus`, in rank order (see `select`).
+    pub sel: &'a [usize],
     pub timeout: Option<Duration>,
     pub master_port: u16,
     pub cmd: &'a [String],
@@ -292,8 +294,7 @@ struct Rank {
 
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox run")?;
-    let st = resolve(a.fabric)?;
-    let sel = select(&st, a.gpus)?;
+    let (st, sel) = (a.st, a.sel);
     let world = sel.len();
     // Node ranks and local ranks among the selected GPUs.
     let mut nodes: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
@@ -304,7 +305,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     // and node order agree: RANK = NODE_RANK × LOCAL_WORLD_SIZE + LOCAL_RANK when the
     // selection lists whole nodes one after the other.
     let mut node_rank: BTreeMap<u32, usize> = BTreeMap::new();
-    for &i in &sel {
+    for &i in sel {
         let next = node_rank.len();
         node_rank.entry(st.gpus[i].node).or_insert(next);
     }

@@ -369,14 +369,19 @@ fn main() -> ExitCode {
             timeout,
             master_port,
             cmd,
-        } => live::run(live::RunArgs {
-            fabric: fabric.as_ref(),
-            gpus: &gpus,
-            timeout,
+        } => (|| {
+            closbox_switchd::require_root("closbox run")?;
+            let st = live::resolve(fabric.as_ref())?;
+            let sel = live::select(&st, &gpus)?;
+            live::run(live::RunArgs {
+                st: &st,
+                sel: &sel,
+                timeout,
             master_port,
-            cmd: &cmd,
-            sink: None,
-        }),
+                cmd: &cmd,
+                sink: None,
+            })
+        })(),
     };
     match result {
         Ok(code) => code,
