@@ -13,7 +13,7 @@ use closbox_agents::bench::{Options, Row};
 use closbox_agents::schedule;
 use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op, Output};
-use closbox_fabric::Topology;
+use closbox_fabric::{TimeScale, Topology};
 use closbox_switchd::control::{self, Reply, Request, Status};
 use closbox_switchd::dataplane::Lateness;
 use closbox_switchd::histogram::Histogram;
@@ -98,7 +98,7 @@ pub struct RunHealth {
     tun_drops: u64,
     /// Write lateness during the run (wall time).
     lateness: Lateness,
-    time_scale: f64,
+    time_scale: TimeScale,
 }
 
 /// How much lateness may add to an operation before results are flagged: 5 %.
@@ -131,7 +131,8 @@ impl RunHealth {
     /// Fabric time lateness could add to one operation whose messages pass `steps` times
     /// through the fabric one after another (each late by up to the p99): µs.
     fn added_us(&self, steps: usize) -> f64 {
-        steps as f64 * self.lateness.p99_us / self.time_scale
+        self.time_scale
+            .fabric_of(steps as f64 * self.lateness.p99_us)
     }
 
     /// The box's lateness could have changed a result: it may add more than 5 % to the
@@ -149,7 +150,7 @@ impl RunHealth {
             thousands(self.fabric_drops),
             self.lateness.p50_us,
             self.lateness.p99_us,
-            self.lateness.p99_us / self.time_scale,
+            self.time_scale.fabric_of(self.lateness.p99_us),
             thousands(self.tun_drops),
         );
         if self.behind(shortest_us, steps) {
@@ -262,7 +263,10 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         .ops
         .iter()
         .flat_map(|&op| spec.sizes.iter().map(move |&size| (op, size)))
-        .map(|(op, size)| predictor.predict(op, spec.algo, size, spec.root) * runs * st.time_scale)
+        .map(|(op, size)| {
+            st.time_scale
+                .wall_of(predictor.predict(op, spec.algo, size, spec.root) * runs)
+        })
         .sum();
     eprintln!(
         "# {} ({} × {}), {} each: about {:.0} s of wall time by the model, plus start-up",
@@ -385,7 +389,7 @@ struct Sweep {
     root: usize,
     format: Format,
     fabric: String,
-    time_scale: f64,
+    time_scale: TimeScale,
     channels: usize,
     /// Whether predictions use the run's own paths; decided at the first row.
     real_paths: Option<bool>,
@@ -469,7 +473,7 @@ impl Sweep {
 
 fn table_header(
     fabric: &str,
-    time_scale: f64,
+    time_scale: TimeScale,
     ranks: usize,
     channels: usize,
     real_paths: bool,

@@ -325,7 +325,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .position(|r| *r == rank)
             .expect("rank in its node");
-        let mut enter = netns::open_gpu(&st, g)?;
+        let mut enter = netns::open_gpu(st, g)?;
         enter.new_group = true;
         let enter = Arc::new(enter);
         let args: Vec<String> = a
@@ -336,7 +336,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         let mut command = Command::new(&args[0]);
         command
             .args(&args[1..])
-            .envs(gpu_env(&st, g))
+            .envs(gpu_env(st, g))
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use anyhow::bail;
+use closbox_fabric::TimeScale;
 use closbox_switchd::control::{self, Lateness, PortStatus, Reply, Request, Status};
 use closbox_switchd::state::{self, FabricName, State};
 use serde::Serialize;
@@ -90,10 +91,13 @@ pub fn drops(s: &Status, reason: &str) -> u64 {
         .map_or(0, |(_, c)| *c)
 }
 
-fn lateness(l: &Lateness, time_scale: f64) -> String {
+fn lateness(l: &Lateness, time_scale: TimeScale) -> String {
     // Lateness is wall time; in dilated time it shifts fabric timings by lateness / k.
-    let fabric = if time_scale > 1.0 {
-        format!(", p99 = {:.3} µs of fabric time", l.p99_us / time_scale)
+    let fabric = if time_scale > TimeScale::REAL_TIME {
+        format!(
+            ", p99 = {:.3} µs of fabric time",
+            time_scale.fabric_of(l.p99_us)
+        )
     } else {
         String::new()
     };

@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use closbox_fabric::TimeScale;
 use serde::{Deserialize, Serialize};
 
 use crate::coll::{elem_range, Algo, Comm, Op};
@@ -23,7 +24,7 @@ pub struct Spec {
     pub dtype: DType,
     pub redop: ReduceOp,
     pub root: usize,
-    pub time_scale: f64,
+    pub time_scale: TimeScale,
 }
 
 /// One line of results (nccl-tests columns plus the algorithm).
@@ -104,7 +105,7 @@ pub fn parse_ops<S: AsRef<str>>(names: &[S]) -> anyhow::Result<Vec<Op>> {
 
 impl Options {
     /// Checks every option and builds the run.
-    pub fn spec(&self, ops: Vec<Op>, time_scale: f64) -> anyhow::Result<Spec> {
+    pub fn spec(&self, ops: Vec<Op>, time_scale: TimeScale) -> anyhow::Result<Spec> {
         let dtype: DType = self.dtype.parse().map_err(anyhow::Error::msg)?;
         let sizes = parse_sizes(&self.sizes).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?;
         if let Some(bad) = sizes.iter().find(|s| *s % dtype.size() != 0) {
@@ -365,7 +366,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
             let mean = total / spec.iters as f64;
             // The slowest rank's time and everyone's errors, agreed by all.
             let (slowest, all_wrong) = agree(comm, mean, my_wrong)?;
-            let time_us = slowest / spec.time_scale * 1e6;
+            let time_us = spec.time_scale.fabric_of(slowest * 1e6);
             let algbw = if time_us > 0.0 {
                 size as f64 / (time_us * 1e3)
             } else {

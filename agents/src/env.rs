@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use closbox_fabric::TimeScale;
 
 use crate::comm::GroupConfig;
 
@@ -15,7 +16,7 @@ pub struct JobEnv {
     /// Node of each rank (CLOSBOX_NODES), for hierarchical algorithms.
     pub nodes: Vec<usize>,
     /// Fabric time runs this many times slower than wall time.
-    pub time_scale: f64,
+    pub time_scale: TimeScale,
 }
 
 fn var(name: &str) -> anyhow::Result<String> {
@@ -54,10 +55,12 @@ impl JobEnv {
                 .collect::<anyhow::Result<_>>()?,
             Err(_) => (0..peers.len()).collect(),
         };
-        let time_scale = std::env::var("CLOSBOX_TIME_SCALE")
-            .ok()
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(1.0);
+        let time_scale = match std::env::var("CLOSBOX_TIME_SCALE") {
+            Ok(t) => t.parse().ok().and_then(TimeScale::new).with_context(|| {
+                format!("CLOSBOX_TIME_SCALE={t:?} is not a time scale (1 to 10⁶)")
+            })?,
+            Err(_) => TimeScale::REAL_TIME,
+        };
         Ok(JobEnv {
             group: GroupConfig {
                 rank,

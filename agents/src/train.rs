@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use closbox_fabric::TimeScale;
 use serde::{Deserialize, Serialize};
 
 use crate::coll::{Algo, Comm};
@@ -25,7 +26,7 @@ pub struct Spec {
     pub overlap: bool,
     pub algo: Algo,
     pub dtype: DType,
-    pub time_scale: f64,
+    pub time_scale: TimeScale,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,8 +49,8 @@ pub struct Report {
 /// A gradient bucket: its index and bytes.
 type Bucket = (usize, Vec<u8>);
 
-fn sleep_fabric(d: Duration, time_scale: f64) {
-    std::thread::sleep(d.mul_f64(time_scale));
+fn sleep_fabric(d: Duration, time_scale: TimeScale) {
+    std::thread::sleep(time_scale.stretch(d));
 }
 
 /// Runs the steps; every rank returns the same report (times agreed as the slowest).
@@ -151,7 +152,7 @@ pub fn run(comm: &Comm, spec: &Spec) -> anyhow::Result<Report> {
     DType::F32.put(&mut v, 0, (step_total / measured as f64 * 1e6) as f32);
     DType::F32.put(&mut v, 1, (comm_total / measured as f64 * 1e6) as f32);
     comm.all_reduce(&mut v, DType::F32, ReduceOp::Max, Algo::Ring)?;
-    let to_fabric_ms = |us: f32| us as f64 / 1e3 / spec.time_scale;
+    let to_fabric_ms = |us: f32| spec.time_scale.fabric_of(us as f64 / 1e3);
     let step_ms = to_fabric_ms(DType::F32.get(&v, 0));
     let compute_ms = spec.compute.as_secs_f64() * 1e3;
     Ok(Report {

@@ -37,7 +37,7 @@ fn check(n: usize, channels: usize, nodes: Vec<usize>, case: Case, sizes: &[usiz
             dtype,
             redop,
             root: n / 2,
-            time_scale: 1.0,
+            time_scale: closbox_fabric::TimeScale::REAL_TIME,
         };
         bench::run(&c, &spec, |_| {}).expect("bench runs")
     });

@@ -16,7 +16,7 @@ use crate::topology::{
     Ecn, FabricParams, Ipv4Net, LinkClass, LinkParams, QueueParams, Routing, Shape, SwitchParams,
     Tier, Topology, Vertex,
 };
-use crate::units::{Bandwidth, Bytes, Duration};
+use crate::units::{Bandwidth, Bytes, Duration, TimeScale};
 
 /// A topology file that cannot be used, with where and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -594,8 +594,8 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
                 "`time_scale` must be between 1 (real time) and 1000000 (the fabric runs that many times slower than wall time)",
             ))
         }
-        Some(t) => *t.get_ref(),
-        None => 1.0,
+        Some(t) => TimeScale::new(*t.get_ref()).expect("checked above"),
+        None => TimeScale::REAL_TIME,
     };
     let pool = match &f.address_pool {
         Some(p) => p.get_ref().parse::<Ipv4Net>().map_err(|e| cx.err(p, e))?,

@@ -13,7 +13,7 @@ pub mod units;
 
 pub use config::{load, parse, ConfigError};
 pub use topology::Topology;
-pub use units::{Bandwidth, Bytes, Duration, Instant};
+pub use units::{Bandwidth, Bytes, Duration, Instant, TimeScale};
 pub mod model;
 pub mod packet;
 pub mod plan;

@@ -95,7 +95,7 @@ impl TimeScaleHint {
         let offered: u64 = fastest.iter().fold(0u64, |a, b| a.saturating_add(*b));
         let box_bps = BOX_PACKETS_PER_S * topo.fabric.mtu as u64 * 8;
         TimeScaleHint {
-            configured: topo.fabric.time_scale,
+            configured: topo.fabric.time_scale.get(),
             offered_bps: offered,
             box_bps,
             for_load: round_up_125((offered as f64 / box_bps as f64).clamp(1.0, 1e6)),

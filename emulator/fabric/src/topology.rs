@@ -225,7 +225,7 @@ pub struct FabricParams {
     /// Seeds every random choice (loss, spray, ECMP hash, RED).
     pub seed: u64,
     /// 1 = real time; k > 1 = the fabric runs k times slower than wall time.
-    pub time_scale: f64,
+    pub time_scale: crate::units::TimeScale,
     pub pool: Ipv4Net,
     /// Largest IP packet a GPU sends, in bytes; larger packets are split into frames.
     pub mtu: u32,

@@ -58,6 +58,68 @@ impl fmt::Display for Instant {
     }
 }
 
+/// How many times slower than wall time the fabric runs (k ≥ 1; 1 is real time): the one
+/// place where wall-clock and fabric time convert. Rates are divided by k and delays
+/// multiplied by k on the wall clock; reports divide wall times by k.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd, serde::Serialize)]
+#[serde(transparent)]
+pub struct TimeScale(f64);
+
+impl TimeScale {
+    pub const REAL_TIME: TimeScale = TimeScale(1.0);
+    /// The largest dilation a topology file may ask for.
+    pub const MAX: f64 = 1e6;
+
+    /// `None` unless `k` is a finite number in 1..=10⁶.
+    pub fn new(k: f64) -> Option<TimeScale> {
+        (k.is_finite() && (1.0..=Self::MAX).contains(&k)).then_some(TimeScale(k))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    /// The wall time a span of fabric time takes.
+    pub fn to_wall(self, fabric: Duration) -> std::time::Duration {
+        std::time::Duration::from_nanos((fabric.as_nanos() as f64 * self.0) as u64)
+    }
+
+    /// The fabric time that passes in a span of wall time.
+    pub fn to_fabric(self, wall: std::time::Duration) -> Duration {
+        Duration::from_nanos((wall.as_nanos() as f64 / self.0) as u64)
+    }
+
+    /// `to_wall` for a span given as a std duration (compute time in the agents).
+    pub fn stretch(self, fabric: std::time::Duration) -> std::time::Duration {
+        fabric.mul_f64(self.0)
+    }
+
+    /// A wall-clock quantity in any time unit (µs, s), as fabric time in the same unit.
+    pub fn fabric_of(self, wall: f64) -> f64 {
+        wall / self.0
+    }
+
+    /// A fabric-time quantity in any time unit, as wall time in the same unit.
+    pub fn wall_of(self, fabric: f64) -> f64 {
+        fabric * self.0
+    }
+}
+
+impl fmt::Display for TimeScale {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for TimeScale {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let k = f64::deserialize(d)?;
+        TimeScale::new(k).ok_or_else(|| {
+            de::Error::custom(format!("time scale {k} is not between 1 and {}", Self::MAX))
+        })
+    }
+}
+
 /// A span of fabric time in nanoseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Duration(u64);
@@ -397,6 +459,29 @@ deserialize_from_str!(Bytes, "size", "32MiB", |b| Some(Bytes::new(b)));
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_scale_converts_both_ways() {
+        let k = TimeScale::new(4000.0).unwrap();
+        let fabric = Duration::from_micros(1);
+        assert_eq!(k.to_wall(fabric), std::time::Duration::from_millis(4));
+        assert_eq!(k.to_fabric(std::time::Duration::from_millis(4)), fabric);
+        assert_eq!(k.fabric_of(8.0), 0.002);
+        assert_eq!(k.wall_of(0.002), 8.0);
+        for bad in [0.5, f64::NAN, f64::INFINITY, 2e6] {
+            assert!(TimeScale::new(bad).is_none(), "{bad}");
+        }
+        assert_eq!(parse_scale("4000"), k);
+    }
+
+    /// A TimeScale through serde (from TOML).
+    fn parse_scale(n: &str) -> TimeScale {
+        #[derive(serde::Deserialize)]
+        struct W {
+            k: TimeScale,
+        }
+        toml::from_str::<W>(&format!("k = {n}")).unwrap().k
+    }
 
     #[test]
     fn parses_rates() {

@@ -17,7 +17,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use closbox_fabric::model::{DropReason, Fabric};
 use closbox_fabric::routing::{vertex_latency, Routes};
-use closbox_fabric::{HostId, Instant, Topology};
+use closbox_fabric::{HostId, Instant, TimeScale, Topology};
 use serde::{Deserialize, Serialize};
 
 use crate::histogram::{Histogram, Recent};
@@ -55,7 +55,7 @@ pub enum Ctl {
 pub struct Status {
     pub fabric: String,
     pub gpus: usize,
-    pub time_scale: f64,
+    pub time_scale: closbox_fabric::TimeScale,
     pub uptime_s: f64,
     pub fabric_time_s: f64,
     pub packets_in: u64,
@@ -210,7 +210,7 @@ pub struct DataPlane<P: Ports> {
     ports: P,
     ready: Vec<usize>,
     ctl: Receiver<Ctl>,
-    time_scale: f64,
+    time_scale: TimeScale,
     start: StdInstant,
     /// One read buffer: each packet is then copied into a buffer of its own size, so a
     /// held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
@@ -254,7 +254,12 @@ impl<P: Ports> DataPlane<P> {
             .map(|p| format!("{}->{}", vname(p.from), vname(p.to)))
             .collect();
         let behind_ns = (BEHIND_P99.as_nanos() as u64).max(
-            (shortest_gpu_path(topo, model.routes()) as f64 / 4.0 * topo.fabric.time_scale) as u64,
+            topo.fabric
+                .time_scale
+                .to_wall(closbox_fabric::Duration::from_nanos(
+                    shortest_gpu_path(topo, model.routes()) / 4,
+                ))
+                .as_nanos() as u64,
         );
         DataPlane {
             name: topo.fabric.name.clone(),
@@ -276,12 +281,14 @@ impl<P: Ports> DataPlane<P> {
     }
 
     fn fabric_now(&self, wall: StdInstant) -> Instant {
-        let ns = wall.saturating_duration_since(self.start).as_nanos() as f64 / self.time_scale;
-        Instant::from_nanos(ns as u64)
+        let since = self
+            .time_scale
+            .to_fabric(wall.saturating_duration_since(self.start));
+        Instant::ZERO + since
     }
 
     fn wall_of(&self, t: Instant) -> StdInstant {
-        self.start + StdDuration::from_nanos((t.as_nanos() as f64 * self.time_scale) as u64)
+        self.start + self.time_scale.to_wall(t.saturating_since(Instant::ZERO))
     }
 
     /// Runs until a `Ctl::Stop` arrives; hands the ports back (the daemon closes its TUNs
