@@ -1,0 +1,61 @@
+//! What a file may leave out: link and switch settings per class and tier, the NIC
+//! buffer, the packet-memory budget (documented in the README).
+
+use crate::topology::{
+    LinkClass, LinkParams, QueueParams, Routing, SwitchParams, Tier, Topology, Vertex,
+};
+use crate::units::{Bandwidth, Bytes, Duration};
+
+/// Default link settings per class (documented in the README).
+pub fn default_link(class: LinkClass) -> LinkParams {
+    let (rate, delay) = match class {
+        LinkClass::Nvlink => (Bandwidth::from_bps(3_600_000_000_000), 0),
+        LinkClass::Nic => (Bandwidth::from_gbps(400), 100),
+        LinkClass::LeafSpine => (Bandwidth::from_gbps(400), 500),
+        LinkClass::SpineCore => (Bandwidth::from_gbps(400), 1_000),
+    };
+    LinkParams {
+        rate,
+        delay: Duration::from_nanos(delay),
+        loss: 0.0,
+    }
+}
+
+/// Default switch settings per tier (documented in the README).
+pub fn default_switch(tier: Tier) -> SwitchParams {
+    SwitchParams {
+        latency: Duration::from_nanos(if tier == Tier::Node { 300 } else { 600 }),
+        queue: QueueParams {
+            buffer: Bytes::new(if tier == Tier::Node { 4 << 20 } else { 1 << 20 }),
+            ecn: None,
+        },
+        routing: Routing::Ecmp,
+        radix: None,
+    }
+}
+
+pub const DEFAULT_NIC_BUFFER: Bytes = Bytes::new(2 << 20);
+
+/// Bounds of `[fabric] packet_memory`, and of its default.
+pub const MIN_PACKET_MEMORY: u64 = 16 << 20;
+pub const MAX_PACKET_MEMORY: u64 = 16 << 30;
+pub const DEFAULT_PACKET_MEMORY_CAP: u64 = 1 << 30;
+
+/// Default packet memory: every port's buffer full of full-size packets (plus a quarter
+/// for per-packet overhead and packets on the wire), at least 32 MiB, at most 1 GiB.
+pub fn default_packet_memory(topo: &Topology) -> Bytes {
+    let buffer_of = |v: Vertex| match v {
+        Vertex::Host(_) => topo.fabric.nic_queue.buffer.get(),
+        Vertex::Switch(s) => topo.switches[s.0 as usize].params.queue.buffer.get(),
+    };
+    let total = topo
+        .links
+        .iter()
+        .map(|l| buffer_of(l.a).saturating_add(buffer_of(l.b)))
+        .fold(0u64, u64::saturating_add);
+    Bytes::new(
+        total
+            .saturating_add(total / 4)
+            .clamp(32 << 20, DEFAULT_PACKET_MEMORY_CAP),
+    )
+}

@@ -1,0 +1,405 @@
+//! Topology files (TOML): parse, validate, build a `Topology`.
+//!
+//! Parse into raw structs that reject unknown keys, validate every value against its key's
+//! position in the file, then hand settled numbers to a generator. Every error names the
+//! file, line and column and what is wrong; nothing here panics on input.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::Path;
+
+use toml::Spanned;
+
+use crate::generate::{Builder, Settings};
+use crate::topology::{FabricParams, Ipv4Net, LinkClass, QueueParams, Tier, Topology};
+use crate::units::{Bytes, Duration, TimeScale};
+
+/// A topology file that cannot be used, with where and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    pub file: String,
+    /// 1-based line and column; `None` when the problem is the file as a whole.
+    pub position: Option<(usize, usize)>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.position {
+            Some((line, col)) => write!(f, "{}:{line}:{col}: {}", self.file, self.message),
+            None => write!(f, "{}: {}", self.file, self.message),
+        }
+    }
+}
+
+/// Reads and validates a topology file: a regular file of at most `MAX_FILE_BYTES`
+/// (a FIFO, device or directory is refused without reading it).
+pub fn load(path: &Path) -> Result<Topology, ConfigError> {
+    let file = path.display().to_string();
+    let text = read_limited(path).map_err(|message| ConfigError {
+        file: file.clone(),
+        position: None,
+        message,
+    })?;
+    parse(&text, &file)
+}
+
+fn read_limited(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let meta = f.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a regular file (a topology file is a TOML text file)".into());
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "{} bytes is too large for a topology file (at most {} bytes)",
+            meta.len(),
+            MAX_FILE_BYTES
+        ));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!(
+            "too large for a topology file (at most {MAX_FILE_BYTES} bytes)"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// Validates topology text; `file` names it in errors.
+pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
+    let cx = Cx { text, file };
+    let raw: RawFile = toml::from_str(text).map_err(|e| {
+        let msg = plain_words(e.message().trim_end());
+        cx.err_at(e.span(), msg)
+    })?;
+    if let Some(kind) = raw.nic.as_ref().and_then(|n| n.tcp_congestion.as_ref()) {
+        check_congestion(&cx, kind)?;
+    }
+    build(&cx, raw)
+}
+
+/// Serde's words for what it expected, in the words of topology files: no Rust types.
+fn plain_words(msg: &str) -> String {
+    let mut out = msg.to_owned();
+    for (rust, plain) in [
+        ("expected f64", "expected a number"),
+        ("expected i64", "expected a whole number"),
+        ("expected u64", "expected a whole number (0 or more)"),
+        ("expected u32", "expected a whole number (0 or more)"),
+        (
+            "expected struct RawEcn",
+            "expected a table such as { k = \"100KiB\" } or { min = \"50KiB\", max = \"200KiB\" }",
+        ),
+    ] {
+        out = out.replace(rust, plain);
+    }
+    // Any other raw struct is a table of this file.
+    if let Some(i) = out.find("expected struct Raw") {
+        out.truncate(i);
+        out += "expected a table";
+    }
+    out
+}
+
+/// Default address pool: RFC 2544 benchmarking range, never routed on the internet.
+pub const DEFAULT_POOL: &str = "198.18.0.0/15";
+pub const DEFAULT_MTU: u32 = 1500;
+pub const DEFAULT_L2_OVERHEAD: u32 = 38;
+/// Largest topology file read: a custom file of ~25,000 hosts and links (parsing takes
+/// ~45 bytes of memory per byte of such a file).
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+/// Most GPUs a topology may declare (a namespace and a TUN each, on one box).
+pub const MAX_GPUS: u64 = 65_536;
+/// Most switches a topology may declare (node switches included).
+pub const MAX_SWITCHES: u64 = 65_536;
+/// Most links a topology may declare (a full mesh of 2048 GPUs has 2,096,128).
+pub const MAX_LINKS: u64 = 1 << 22;
+/// Longest link delay or switch latency: fabric time must not overflow, and no GPU fabric
+/// has cables a second long.
+pub const MAX_DELAY: Duration = Duration::from_millis(1_000);
+
+struct Cx<'a> {
+    text: &'a str,
+    file: &'a str,
+}
+
+impl Cx<'_> {
+    fn err_at(&self, span: Option<Range<usize>>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            file: self.file.to_owned(),
+            position: span.map(|s| line_col(self.text, s.start)),
+            message: message.into(),
+        }
+    }
+
+    fn err<T>(&self, at: &Spanned<T>, message: impl Into<String>) -> ConfigError {
+        self.err_at(Some(at.span()), message)
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    (line, col)
+}
+
+mod checks;
+mod custom;
+mod defaults;
+mod raw;
+mod shapes;
+mod values;
+
+use checks::*;
+pub use defaults::{
+    default_link, default_packet_memory, default_switch, DEFAULT_NIC_BUFFER,
+    DEFAULT_PACKET_MEMORY_CAP, MAX_PACKET_MEMORY, MIN_PACKET_MEMORY,
+};
+use raw::RawFile;
+use shapes::generate_shape;
+use values::*;
+
+fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
+    let fabric = fabric_params(cx, &raw)?;
+
+    let mut links = LinkClass::ALL.map(default_link);
+    for (class, r) in [
+        (LinkClass::Nic, &raw.links.nic),
+        (LinkClass::LeafSpine, &raw.links.leaf_spine),
+        (LinkClass::SpineCore, &raw.links.spine_core),
+    ] {
+        if let Some(r) = r {
+            links[class as usize] =
+                link_params(cx, r.rate, &r.delay, &r.loss, links[class as usize])?;
+        }
+    }
+    let mut tiers = [
+        default_switch(Tier::Node),
+        switch_tier(cx, &raw.switches.leaf, Tier::Leaf)?,
+        switch_tier(cx, &raw.switches.spine, Tier::Spine)?,
+        switch_tier(cx, &raw.switches.core, Tier::Core)?,
+    ];
+    let mut gpus_per_node = 1;
+    if let Some(n) = &raw.node {
+        if let Some(g) = &n.gpus_per_node {
+            gpus_per_node = count(cx, g, "gpus_per_node", 1, 1024)?;
+        }
+        let nv = &mut links[LinkClass::Nvlink as usize];
+        *nv = link_params(cx, n.rate, &n.delay, &n.loss, *nv)?;
+        let sw = &mut tiers[Tier::Node as usize];
+        sw.latency = duration(cx, &n.latency, "latency")?.unwrap_or(sw.latency);
+        sw.queue = queue(cx, &n.buffer, &n.ecn, sw.queue)?;
+    }
+    let settings = Settings { links, tiers };
+    let builder = Builder::new(fabric, settings);
+
+    let mut topo = generate_shape(cx, &raw, builder, gpus_per_node)?;
+    topo.fabric.packet_memory = match &raw.fabric.packet_memory {
+        Some(m) if !(MIN_PACKET_MEMORY..=MAX_PACKET_MEMORY).contains(&m.get_ref().get()) => {
+            return Err(cx.err(
+                m,
+                format!(
+                    "`packet_memory` must be between {} and {}",
+                    Bytes::new(MIN_PACKET_MEMORY),
+                    Bytes::new(MAX_PACKET_MEMORY)
+                ),
+            ))
+        }
+        Some(m) => *m.get_ref(),
+        None => default_packet_memory(&topo),
+    };
+    check_pool(cx, &raw, &topo)?;
+    check_radix(cx, &raw, &topo)?;
+    check_applies(cx, &raw, &topo)?;
+    Ok(topo)
+}
+
+fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
+    let f = &raw.fabric;
+    let name = f.name.get_ref();
+    crate::names::check_fabric_name(name).map_err(|e| cx.err(&f.name, e))?;
+    let time_scale = match &f.time_scale {
+        Some(t) if !(t.get_ref().is_finite() && *t.get_ref() >= 1.0 && *t.get_ref() <= 1e6) => {
+            return Err(cx.err(
+                t,
+                "`time_scale` must be between 1 (real time) and 1000000 (the fabric runs that many times slower than wall time)",
+            ))
+        }
+        Some(t) => TimeScale::new(*t.get_ref()).expect("checked above"),
+        None => TimeScale::REAL_TIME,
+    };
+    let pool = match &f.address_pool {
+        Some(p) => p.get_ref().parse::<Ipv4Net>().map_err(|e| cx.err(p, e))?,
+        None => DEFAULT_POOL.parse().expect("default pool parses"),
+    };
+    let mtu = match &f.mtu {
+        Some(m) => count(cx, m, "mtu", 576, 65_535)?,
+        None => DEFAULT_MTU,
+    };
+    let l2_overhead = match &f.l2_overhead {
+        Some(o) if o.get_ref().get() > 1024 => {
+            return Err(cx.err(
+                o,
+                "`l2_overhead` above 1024 bytes per frame is not plausible",
+            ))
+        }
+        Some(o) => o.get_ref().get() as u32,
+        None => DEFAULT_L2_OVERHEAD,
+    };
+    let nic = raw.nic.as_ref();
+    let nic_queue = queue(
+        cx,
+        &nic.and_then(|n| n.buffer.clone()),
+        &nic.and_then(|n| n.ecn.clone()),
+        QueueParams {
+            buffer: DEFAULT_NIC_BUFFER,
+            ecn: None,
+        },
+    )?;
+    let congestion = match nic.and_then(|n| n.tcp_congestion.as_ref()) {
+        Some(c) => {
+            let v = c.get_ref();
+            if v.is_empty()
+                || v.len() > 15
+                || !v.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
+            {
+                return Err(cx.err(c, format!("`tcp_congestion` {v:?} is not a congestion control name (cubic, bbr, reno, …)")));
+            }
+            Some(v.clone())
+        }
+        None => None,
+    };
+    Ok(FabricParams {
+        host_tcp: crate::topology::HostTcp {
+            congestion,
+            ecn: nic.and_then(|n| n.tcp_ecn).unwrap_or(true),
+            slow_start_after_idle: nic
+                .and_then(|n| n.tcp_slow_start_after_idle)
+                .unwrap_or(false),
+        },
+        name: name.clone(),
+        seed: f.seed,
+        time_scale,
+        pool,
+        mtu,
+        l2_overhead,
+        nic_queue,
+        // Settled in `build` once the ports are known.
+        packet_memory: Bytes::new(0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        parse(text, "t.toml").unwrap_err().to_string()
+    }
+
+    const LS: &str = r#"
+[fabric]
+name = "ls"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 2
+gpus_per_leaf = 4
+"#;
+
+    #[test]
+    fn leaf_spine_loads_with_defaults() {
+        let t = parse(LS, "t.toml").unwrap();
+        assert_eq!(t.hosts.len(), 8);
+        assert_eq!(t.switches.len(), 4);
+        assert_eq!(t.links.len(), 8 + 4);
+        assert_eq!(t.hosts[0].addr.to_string(), "198.18.0.1");
+        assert_eq!(t.fabric.mtu, 1500);
+    }
+
+    #[test]
+    fn unknown_key_names_line() {
+        let e = err(&format!("{LS}bogus = 1\n"));
+        assert!(e.starts_with("t.toml:9:1: "), "{e}");
+        assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn bad_unit_names_line() {
+        let e = err(&format!("{LS}[links.nic]\nrate = \"10 furlongs\"\n"));
+        assert!(e.starts_with("t.toml:10:8: "), "{e}");
+        assert!(e.contains("invalid rate"), "{e}");
+    }
+
+    #[test]
+    fn key_foreign_to_kind_is_rejected() {
+        let e = err(
+            "[fabric]\nname = \"x\"\n[topology]\nkind = \"single-switch\"\ngpus = 4\nspines = 2\n",
+        );
+        assert!(e.starts_with("t.toml:6:10: "), "{e}");
+        assert!(e.contains("`spines` does not apply"), "{e}");
+    }
+
+    #[test]
+    fn radix_exceeded_is_an_error() {
+        let e = err(&format!("{LS}[switches.leaf]\nradix = 5\n"));
+        assert!(e.contains("leaf0\" needs 6 ports"), "{e}");
+        assert!(e.starts_with("t.toml:10:9"), "{e}");
+    }
+
+    #[test]
+    fn custom_dangling_and_duplicate_names() {
+        let base = "[fabric]\nname = \"c\"\n[topology]\nkind = \"custom\"\n[[host]]\nname = \"a\"\n[[host]]\nname = \"b\"\n[[switch]]\nname = \"s\"\ntier = \"leaf\"\n";
+        let e = err(&format!("{base}[[link]]\na = \"a\"\nb = \"t\"\n"));
+        assert!(e.contains("\"t\" is not a [[host]]"), "{e}");
+        assert!(e.starts_with("t.toml:14:5"), "{e}");
+        let e = err(&format!("{base}[[host]]\nname = \"s\"\n"));
+        assert!(e.contains("duplicate name \"s\""), "{e}");
+        let e = err(&format!("{base}[[link]]\na = \"a\"\nb = \"s\"\n"));
+        assert!(e.contains("\"b\" cannot reach host \"a\""), "{e}");
+        let ok = parse(&format!("{base}[[link]]\na = \"a\"\nb = \"s\"\n[[link]]\na = \"b\"\nb = \"s\"\nrate = \"1Gbit\"\n"), "t.toml").unwrap();
+        assert_eq!(ok.links[1].params.rate, crate::Bandwidth::from_gbps(1));
+    }
+
+    #[test]
+    fn wrong_types_and_ranges_never_panic() {
+        for (text, needle) in [
+            ("[fabric]\nname = \"Bad Name\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "fabric name"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = -2\n", "out of range"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"fat-tree\"\nk = 5\n", "must be even"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"mesh\"\n", "unknown topology kind"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\n", "needs `spines`"),
+            ("[fabric]\nname = \"x\"\ntime_scale = 0.5\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "time_scale"),
+            ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.1/15\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "host bits"),
+            ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.0/30\"\n[topology]\nkind = \"full-mesh\"\ngpus = 3\n", "do not fit"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[links.nic]\nloss = 1.5\n", "[0, 1)"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[links.nic]\nrate = 100\n", "needs a unit"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[switches.leaf.ecn]\nk = \"1KiB\"\nmin = \"1KiB\"\n", "either `k`"),
+            ("[fabric]\nname = \"x\"\n[node]\ngpus_per_node = 8\n[topology]\nkind = \"single-switch\"\ngpus = 12\n", "not a multiple"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"rail-optimized\"\nnodes = 2\nspines = 1\n", "gpus_per_node ≥ 2"),
+            ("[fabric\n", "t.toml:1:"),
+            ("", "missing field `fabric`"),
+        ] {
+            let e = err(text);
+            assert!(e.contains(needle), "{text:?} gave {e:?}, wanted {needle:?}");
+            assert!(e.starts_with("t.toml"), "{e}");
+        }
+    }
+}
