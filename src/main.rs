@@ -9,6 +9,7 @@ use closbox_switchd::state::FabricName;
 mod bench;
 mod live;
 mod plan;
+mod render;
 mod status;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
