@@ -541,16 +541,15 @@ impl<'g> Comm<'g> {
         if n == 1 || buf.is_empty() {
             return Ok(());
         }
-        let pos = (self.r() + n - root) % n;
-        let (prev, next) = ((self.r() + n - 1) % n, (self.r() + 1) % n);
+        let (prev, next) = schedule::chain_links(n, root, self.r());
         self.per_channel(buf, dtype, 1, |ch, mut parts| {
             let buf = &mut *parts[0];
             for k in 0..buf.len().div_ceil(self.piece).max(1) {
                 let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
-                if pos > 0 {
+                if let Some(prev) = prev {
                     self.g.recv(prev, ch, &mut buf[r.clone()])?;
                 }
-                if pos < n - 1 {
+                if let Some(next) = next {
                     self.g.send(next, ch, &buf[r])?;
                 }
             }
@@ -568,19 +567,19 @@ impl<'g> Comm<'g> {
     ) -> anyhow::Result<()> {
         let n = self.n();
         if n > 1 && !buf.is_empty() {
-            let pos = (self.r() + n - root) % n; // 0 = root; data flows from n−1 down to 0
-            let (prev, next) = ((self.r() + n - 1) % n, (self.r() + 1) % n);
+            // The chain from the root, walked backwards: data flows toward the root.
+            let (prev, next) = schedule::chain_links(n, root, self.r());
             self.per_channel(buf, dtype, 1, |ch, mut parts| {
                 let buf = &mut *parts[0];
                 let mut tmp = vec![0u8; self.piece.min(buf.len())];
                 for k in 0..buf.len().div_ceil(self.piece).max(1) {
                     let r = (k * self.piece)..((k + 1) * self.piece).min(buf.len());
-                    if pos < n - 1 {
+                    if let Some(next) = next {
                         let t = &mut tmp[..r.len()];
                         self.g.recv(next, ch, t)?;
                         reduce_into(dtype, op, &mut buf[r.clone()], t);
                     }
-                    if pos > 0 {
+                    if let Some(prev) = prev {
                         self.g.send(prev, ch, &buf[r])?;
                     }
                 }
@@ -628,7 +627,7 @@ impl<'g> Comm<'g> {
         self.per_channel(&mut recv[..n * bytes], dtype, n, |ch, mut blocks| {
             let mine = elem_part(dtype, 0, block, chans, ch);
             for k in 1..n {
-                let (to, from) = ((r + k) % n, (r + n - k) % n);
+                let (to, from) = schedule::all_to_all_peers(n, r, k);
                 let out = &send[to * bytes + mine.start..to * bytes + mine.end];
                 self.g
                     .exchange(ch, (to, out), (from, blocks[from]), self.piece, |_, _| {})?;

@@ -58,6 +58,39 @@ pub fn tree_depth(n: usize) -> u32 {
     usize::BITS - n.leading_zeros()
 }
 
+// ---- chains and pairwise exchanges ----------------------------------------------------
+
+/// The pipelined chain of broadcast and reduce: the ranks in order starting at `root`
+/// (broadcast flows down it, reduce up it toward the root).
+pub fn chain(n: usize, root: usize) -> Vec<usize> {
+    (0..n).map(|i| (root + i) % n).collect()
+}
+
+/// `rank`'s place in the chain from `root`: the rank before it and the rank after it.
+pub fn chain_links(n: usize, root: usize, rank: usize) -> (Option<usize>, Option<usize>) {
+    let pos = (rank + n - root) % n;
+    let prev = (pos > 0).then(|| (rank + n - 1) % n);
+    let next = (pos + 1 < n).then(|| (rank + 1) % n);
+    (prev, next)
+}
+
+/// All-to-all in n − 1 pairwise steps: in step k (1 ≤ k < n) rank r sends its block for
+/// r + k and receives the block of r − k. Returns `(to, from)`.
+pub fn all_to_all_peers(n: usize, rank: usize, k: usize) -> (usize, usize) {
+    ((rank + k) % n, (rank + n - k) % n)
+}
+
+/// Every rank's transfers per all-to-all step, as `(from, to, block)`.
+pub fn all_to_all_stages(n: usize, block: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    (1..n)
+        .map(|k| {
+            (0..n)
+                .map(|r| (r, all_to_all_peers(n, r, k).0, block))
+                .collect()
+        })
+        .collect()
+}
+
 // ---- recursive halving-doubling --------------------------------------------------------
 
 /// Recursive halving-doubling (Rabenseifner) over `n` ranks, any `n`: the first

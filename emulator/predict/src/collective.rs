@@ -308,7 +308,7 @@ impl Predictor {
             Op::Broadcast | Op::Reduce => {
                 // A pipelined chain: every hop carries everything, all at once, plus the
                 // time for the first piece to reach the end.
-                let order: Vec<usize> = (0..n).map(|i| (root + i) % n).collect();
+                let order = schedule::chain(n, root);
                 let hops: Vec<Flow> = order.windows(2).map(|w| (w[0], w[1], s)).collect();
                 let fill: f64 = hops
                     .iter()
@@ -322,10 +322,9 @@ impl Predictor {
                 if n * (n - 1) * self.channels <= FLUID_MAX_TRANSFERS {
                     self.all_to_all(block)
                 } else {
-                    (1..n)
-                        .map(|k| {
-                            self.phase(&(0..n).map(|r| (r, (r + k) % n, block)).collect::<Vec<_>>())
-                        })
+                    schedule::all_to_all_stages(n, block as usize)
+                        .iter()
+                        .map(|stage| self.phase(&flows(stage)))
                         .sum()
                 }
             }
@@ -336,9 +335,9 @@ impl Predictor {
     /// Pairwise AllToAll as the agents run it: in step k, rank r sends a block to r + k
     /// and receives one from r − k.
     fn all_to_all(&self, block: f64) -> f64 {
-        let n = self.n();
-        let stages: Vec<Vec<Flow>> = (1..n)
-            .map(|k| (0..n).map(|r| (r, (r + k) % n, block)).collect())
+        let stages: Vec<Vec<Flow>> = schedule::all_to_all_stages(self.n(), block as usize)
+            .iter()
+            .map(|stage| flows(stage))
             .collect();
         self.pairwise(&stages)
     }
@@ -418,13 +417,8 @@ impl Predictor {
     fn rhd(&self, s: f64) -> f64 {
         let stages: Vec<Vec<Flow>> = schedule::Rhd::new(self.n())
             .stages(s as usize)
-            .into_iter()
-            .map(|stage| {
-                stage
-                    .into_iter()
-                    .map(|(a, b, bytes)| (a, b, bytes as f64))
-                    .collect()
-            })
+            .iter()
+            .map(|stage| flows(stage))
             .collect();
         self.pairwise(&stages)
     }
@@ -465,6 +459,11 @@ impl Predictor {
         };
         Some(2.0 * intra + inter)
     }
+}
+
+/// A schedule's stage (`(from, to, bytes)`) as the predictor's flows.
+fn flows(stage: &[(usize, usize, usize)]) -> Vec<Flow> {
+    stage.iter().map(|&(a, b, x)| (a, b, x as f64)).collect()
 }
 
 #[cfg(test)]
