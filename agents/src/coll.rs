@@ -514,8 +514,8 @@ impl<'g> Comm<'g> {
         let (nodes, per) = self.hier_shape().context("algorithm hier")?;
         let r = self.r();
         let (node, local) = (r / per, r % per);
-        let local_ring: Vec<usize> = (0..per).map(|l| node * per + l).collect();
-        let cross_ring: Vec<usize> = (0..nodes).map(|k| k * per + local).collect();
+        let local_ring = schedule::hier_local_ring(node, per);
+        let cross_ring = schedule::hier_cross_ring(nodes, per, local);
         self.per_channel(buf, dtype, per, |ch, mut chunks| {
             // 1. Intra-node reduce-scatter: local rank l owns chunks[l].
             self.ring_stream(&local_ring, ch, &mut chunks, dtype, Some(op), false)?;

@@ -58,6 +58,24 @@ pub fn tree_depth(n: usize) -> u32 {
     usize::BITS - n.leading_zeros()
 }
 
+// ---- rings ------------------------------------------------------------------------------
+
+/// Steps of a ring among `n` members, each moving one of n chunks to the next member:
+/// reduce-scatter or all-gather alone take n − 1, an all-reduce (both) 2(n − 1).
+pub fn ring_steps(n: usize, reduce_scatter: bool, all_gather: bool) -> usize {
+    n.saturating_sub(1) * (reduce_scatter as usize + all_gather as usize)
+}
+
+/// `hier`'s rings, ranks numbered node by node (`per` GPUs a node): the ring inside
+/// node `node`, and the ring across nodes of the GPUs with local rank `local`.
+pub fn hier_local_ring(node: usize, per: usize) -> Vec<usize> {
+    (0..per).map(|l| node * per + l).collect()
+}
+
+pub fn hier_cross_ring(nodes: usize, per: usize, local: usize) -> Vec<usize> {
+    (0..nodes).map(|k| k * per + local).collect()
+}
+
 // ---- chains and pairwise exchanges ----------------------------------------------------
 
 /// The pipelined chain of broadcast and reduce: the ranks in order starting at `root`

@@ -298,13 +298,18 @@ impl Predictor {
                 match algo {
                     Algo::Tree => self.tree(s),
                     Algo::Rhd => self.rhd(s),
-                    Algo::Hier => self
-                        .hier(s)
-                        .unwrap_or_else(|| self.stream(&all, 2 * (n - 1), s / n as f64)),
-                    Algo::Ring | Algo::Auto => self.stream(&all, 2 * (n - 1), s / n as f64),
+                    Algo::Hier => self.hier(s).unwrap_or_else(|| {
+                        self.stream(&all, schedule::ring_steps(n, true, true), s / n as f64)
+                    }),
+                    Algo::Ring | Algo::Auto => {
+                        self.stream(&all, schedule::ring_steps(n, true, true), s / n as f64)
+                    }
                 }
             }
-            Op::AllGather | Op::ReduceScatter => self.stream(&all, n - 1, s / n as f64),
+            Op::AllGather => self.stream(&all, schedule::ring_steps(n, false, true), s / n as f64),
+            Op::ReduceScatter => {
+                self.stream(&all, schedule::ring_steps(n, true, false), s / n as f64)
+            }
             Op::Broadcast | Op::Reduce => {
                 // A pipelined chain: every hop carries everything, all at once, plus the
                 // time for the first piece to reach the end.
@@ -429,31 +434,31 @@ impl Predictor {
             // One GPU per node: no intra-node phases, and the inter-node all-reduce is the
             // agents' streaming ring over every rank.
             let all: Vec<usize> = (0..nodes).collect();
-            return Some(self.stream(&all, 2 * (nodes - 1), s / nodes as f64));
+            return Some(self.stream(
+                &all,
+                schedule::ring_steps(nodes, true, true),
+                s / nodes as f64,
+            ));
         }
         let local: Vec<Flow> = (0..nodes)
-            .flat_map(|k| {
-                self.ring(
-                    &(k * per..(k + 1) * per).collect::<Vec<_>>(),
-                    s / per as f64,
-                )
-            })
+            .flat_map(|k| self.ring(&schedule::hier_local_ring(k, per), s / per as f64))
             .collect();
         let cross: Vec<Flow> = (0..per)
             .flat_map(|l| {
                 self.ring(
-                    &(0..nodes).map(|k| k * per + l).collect::<Vec<_>>(),
+                    &schedule::hier_cross_ring(nodes, per, l),
                     s / (per * nodes) as f64,
                 )
             })
             .collect();
+        // Reduce-scatter inside the node, all-reduce across, all-gather inside.
         let intra = if per > 1 {
-            (per - 1) as f64 * self.phase(&local)
+            schedule::ring_steps(per, true, false) as f64 * self.phase(&local)
         } else {
             0.0
         };
         let inter = if nodes > 1 {
-            2.0 * (nodes - 1) as f64 * self.phase(&cross)
+            schedule::ring_steps(nodes, true, true) as f64 * self.phase(&cross)
         } else {
             0.0
         };
