@@ -170,8 +170,19 @@ pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
     if names.is_empty() {
         println!("no fabric is up");
     }
+    // Each fabric on its own: one that cannot come down does not keep the others up.
+    let mut failed = Vec::new();
     for n in names {
-        println!("{}", state::down(&n)?);
+        match state::down(&n) {
+            Ok(msg) => println!("{msg}"),
+            Err(e) => {
+                eprintln!("closbox: fabric {n}: {e:#}");
+                failed.push(n.to_string());
+            }
+        }
+    }
+    if !failed.is_empty() {
+        bail!("could not take down: {}", failed.join(", "));
     }
     Ok(())
 }

@@ -143,6 +143,41 @@ fn crafted_state_files_cannot_aim_down_elsewhere() {
         leftovers("lt-craft")
     );
 
+    // A symlink planted where closbox's /etc/netns directory belongs, leading to another
+    // `hosts`: not followed.
+    let elsewhere = scratch("elsewhere");
+    std::fs::write(elsewhere.join("hosts"), "keep").unwrap();
+    write_state("lt-craft", pid, &[("gpu0", "cb-lt-craft.gpu0")]);
+    std::fs::create_dir_all("/etc/netns").unwrap();
+    let etc = Path::new("/etc/netns/cb-lt-craft.gpu0");
+    let _ = std::fs::remove_file(etc);
+    std::os::unix::fs::symlink(&elsewhere, etc).unwrap();
+    let out = closbox(&["down", "lt-craft"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("not a directory closbox made"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(elsewhere.join("hosts")).unwrap(),
+        "keep"
+    );
+    assert!(
+        Path::new("/run/closbox/fabrics/lt-craft/state.json").exists(),
+        "the state stays while something it lists is left"
+    );
+    std::fs::remove_file(etc).unwrap();
+    let out = closbox(&["down", "lt-craft"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // A fabric directory that is a symlink: nothing in its target is touched.
+    std::fs::write(elsewhere.join("state.json.tmp.1.2"), "keep").unwrap();
+    std::os::unix::fs::symlink(&elsewhere, "/run/closbox/fabrics/lt-craft").unwrap();
+    let out = closbox(&["down", "lt-craft"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(elsewhere.join("state.json.tmp.1.2").exists());
+    std::fs::remove_file("/run/closbox/fabrics/lt-craft").unwrap();
+
     // Names that do not derive from the fabric's: refused, nothing removed or signalled.
     let outside = scratch("outside");
     std::fs::write(outside.join("precious"), "keep").unwrap();

@@ -189,6 +189,7 @@ impl State {
     /// file that is not closbox's own (a symlink, too large, names that do not derive from
     /// the fabric's) is an error, and nothing is done with it.
     pub fn load(name: &FabricName) -> anyhow::Result<Option<State>> {
+        check_bases(name)?;
         let p = name.state_path();
         let f = match fs::OpenOptions::new()
             .read(true)
@@ -554,6 +555,35 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
 
 // ---- removing objects ----------------------------------------------------------------
 
+/// Whether `path` is a real directory: `Ok(false)` if absent, an error if something else
+/// (a symlink, a file) stands there — closbox made directories only, and never follows a
+/// link planted where one of them belongs.
+fn real_dir(path: &Path) -> io::Result<bool> {
+    match path.symlink_metadata() {
+        Ok(m) if m.is_dir() => Ok(true),
+        Ok(_) => Err(io::Error::other(format!(
+            "{} is not a directory closbox made (a symlink or a file); left as it is",
+            path.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The directories closbox's paths run through, each a real directory (or absent).
+fn check_bases(name: &FabricName) -> anyhow::Result<()> {
+    for dir in [
+        Path::new(RUN_DIR).to_path_buf(),
+        fabrics_dir(),
+        name.dir(),
+        Path::new(NETNS_DIR).to_path_buf(),
+        Path::new(ETC_NETNS_DIR).to_path_buf(),
+    ] {
+        real_dir(&dir)?;
+    }
+    Ok(())
+}
+
 /// Removes `path` if it is a plain file (never a directory; a symlink itself, not its
 /// target). Absent is fine.
 fn remove_plain_file(path: &Path) -> io::Result<()> {
@@ -576,12 +606,13 @@ fn remove_empty_dir(path: &Path) -> io::Result<()> {
 /// exist: exactly the paths its validated state names, and directories only when empty.
 /// Processes inside must be gone first (see `kill_gpu_processes`). Idempotent.
 pub fn remove_objects(state: &State) -> anyhow::Result<()> {
+    check_bases(&state.fabric)?;
     let mut errors = Vec::new();
-    let mut note = |what: &Path, r: io::Result<()>| {
+    fn note(errors: &mut Vec<String>, what: &Path, r: io::Result<()>) {
         if let Err(e) = r {
             errors.push(format!("{}: {e}", what.display()));
         }
-    };
+    }
     let nsfs_dev = fs::metadata("/proc/self/ns/net").map(|m| m.dev()).ok();
     for g in &state.gpus {
         for p in [g.netns_path(), g.uts_path(&state.fabric)] {
@@ -591,20 +622,41 @@ pub fn remove_objects(state: &State) -> anyhow::Result<()> {
                 .symlink_metadata()
                 .is_ok_and(|m| Some(m.dev()) == nsfs_dev || m.file_type().is_file());
             if pinned {
-                note(&p, sys::umount(&p).map(drop));
+                note(&mut errors, &p, sys::umount(&p).map(drop));
             }
-            note(&p, remove_plain_file(&p));
+            note(&mut errors, &p, remove_plain_file(&p));
         }
-        note(&g.hosts_path(), remove_plain_file(&g.hosts_path()));
-        note(&g.etc_dir(), remove_empty_dir(&g.etc_dir()));
+        // Inside /etc/netns/<ns> only if that is a real directory: a symlink planted there
+        // must not lead to another `hosts`.
+        match real_dir(&g.etc_dir()) {
+            Ok(true) => {
+                note(
+                    &mut errors,
+                    &g.hosts_path(),
+                    remove_plain_file(&g.hosts_path()),
+                );
+                note(&mut errors, &g.etc_dir(), remove_empty_dir(&g.etc_dir()));
+            }
+            Ok(false) => {}
+            Err(e) => note(&mut errors, &g.etc_dir(), Err(e)),
+        }
     }
     note(
+        &mut errors,
         &state.fabric.uts_dir(),
         remove_empty_dir(&state.fabric.uts_dir()),
     );
+    if !errors.is_empty() {
+        // The state stays: it lists what is left, for another `down` once that is sorted.
+        bail!(
+            "could not remove: {}; the state file stays, for `closbox down {}` once that is sorted",
+            errors.join("; "),
+            state.fabric
+        );
+    }
     let dir = state.fabric.dir();
-    note(&dir, remove_own_files(&state.fabric).map(drop));
-    note(&dir, remove_empty_dir(&dir));
+    note(&mut errors, &dir, remove_own_files(&state.fabric).map(drop));
+    note(&mut errors, &dir, remove_empty_dir(&dir));
     tracing::debug!(
         "fabric {}: removed the objects of {} GPUs ({} errors)",
         state.fabric,
@@ -622,6 +674,9 @@ pub fn remove_objects(state: &State) -> anyhow::Result<()> {
 /// socket, an empty `uts`); returns the entries it left because they are not closbox's.
 fn remove_own_files(name: &FabricName) -> io::Result<Vec<String>> {
     let dir = name.dir();
+    if !real_dir(&dir)? {
+        return Ok(Vec::new());
+    }
     let rd = match fs::read_dir(&dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
