@@ -160,6 +160,14 @@ pub fn build_udp(
     buf
 }
 
+/// Sets the TTL of an IPv4 packet and recomputes its header checksum (for tests).
+pub fn set_ttl(buf: &mut [u8], ttl: u8) {
+    let mut ip = MutableIpv4Packet::new(buf).expect("an IPv4 header");
+    ip.set_ttl(ttl);
+    let sum = ipv4::checksum(&ip.to_immutable());
+    ip.set_checksum(sum);
+}
+
 /// True when the IPv4 header checksum verifies.
 pub fn checksum_ok(buf: &[u8]) -> bool {
     Ipv4Packet::new(buf).is_some_and(|ip| ipv4::checksum(&ip) == ip.get_checksum())
@@ -210,9 +218,7 @@ mod tests {
         for ttl in [2u8, 64, 128, 255] {
             for proto_len in [28usize, 60, 1500] {
                 let mut p = build_udp(A, B, 1, 2, 0b10, proto_len);
-                p[8] = ttl;
-                let sum = ipv4::checksum(&Ipv4Packet::new(&p).unwrap());
-                p[10..12].copy_from_slice(&sum.to_be_bytes());
+                set_ttl(&mut p, ttl);
                 assert!(decrement_ttl(&mut p));
                 assert_eq!(p[8], ttl - 1);
                 assert!(checksum_ok(&p), "ttl {ttl}");

@@ -643,20 +643,7 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     let mut f = Fabric::new(&t);
     let with_ttl = |ttl: u8| {
         let mut p = build_udp(addr(&t, 0), addr(&t, 2), 1, 2, 0, 100);
-        p[8] = ttl;
-        p[10] = 0;
-        p[11] = 0;
-        let sum = {
-            let mut s = 0u32;
-            for w in p[..20].chunks(2) {
-                s += u16::from_be_bytes([w[0], w[1]]) as u32;
-            }
-            while s > 0xffff {
-                s = (s & 0xffff) + (s >> 16);
-            }
-            !(s as u16)
-        };
-        p[10..12].copy_from_slice(&sum.to_be_bytes());
+        packet::set_ttl(&mut p, ttl);
         p
     };
     for ttl in [0u8, 1, 2, 3, 4, 64] {

@@ -650,20 +650,7 @@ mod tests {
         let (mut dp, t) = plane(TWO);
         // Not IPv4, a packet to nowhere, TTL 1 (expires in the switch): all dropped.
         let mut ttl1 = udp(&t, 0, 1, 100);
-        ttl1[8] = 1;
-        let sum = {
-            let mut s = 0u32;
-            ttl1[10] = 0;
-            ttl1[11] = 0;
-            for w in ttl1[..20].chunks(2) {
-                s += u16::from_be_bytes([w[0], w[1]]) as u32;
-            }
-            while s > 0xffff {
-                s = (s & 0xffff) + (s >> 16);
-            }
-            !(s as u16)
-        };
-        ttl1[10..12].copy_from_slice(&sum.to_be_bytes());
+        closbox_fabric::packet::set_ttl(&mut ttl1, 1);
         for p in [vec![0x60; 40], udp(&t, 0, 0, 100), ttl1] {
             dp.ports.inbox[0].push_back((StdDuration::ZERO, p));
         }
