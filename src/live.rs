@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use closbox_switchd::state::{self, FabricName, GpuState, Phase, State};
+use closbox_switchd::stop::{terminate, Targets};
 use closbox_switchd::{netns, sys};
 
 /// The fabric a command addresses: the one named, or the only one up.
@@ -452,27 +453,34 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// SIGTERM to every running rank's process group, SIGKILL after 3 s.
+/// Stops every running rank and its children (SIGTERM to their process groups, SIGKILL
+/// after 3 s), then reaps them.
 fn stop_all(ranks: &mut [Rank]) {
-    let alive = |ranks: &mut [Rank]| -> Vec<i32> {
-        ranks
-            .iter_mut()
-            .filter_map(|r| match r.child.try_wait() {
-                Ok(None) => Some(r.child.id() as i32),
-                _ => None,
-            })
-            .collect()
-    };
-    for pid in alive(ranks) {
-        let _ = sys::kill(-pid, libc::SIGTERM);
+    struct Groups<'a>(&'a mut [Rank]);
+    impl Targets for Groups<'_> {
+        fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
+            let running = self.running();
+            for &pid in &running {
+                let _ = sys::kill(-pid, sig);
+            }
+            running
+        }
+
+        fn running(&mut self) -> Vec<i32> {
+            self.0
+                .iter_mut()
+                .filter_map(|r| match r.child.try_wait() {
+                    Ok(None) => Some(r.child.id() as i32),
+                    _ => None,
+                })
+                .collect()
+        }
     }
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while !alive(ranks).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for pid in alive(ranks) {
-        let _ = sys::kill(-pid, libc::SIGKILL);
-    }
+    let _ = terminate(
+        &mut Groups(ranks),
+        Duration::from_secs(3),
+        Duration::from_secs(2),
+    );
     for r in ranks.iter_mut() {
         let _ = r.child.wait();
     }

@@ -32,6 +32,7 @@ use anyhow::{bail, Context};
 use closbox_fabric::names;
 use serde::{Deserialize, Serialize};
 
+use crate::stop::{terminate, Targets};
 use crate::sys::{self, Pidfd};
 
 /// Where fabric state lives.
@@ -461,15 +462,7 @@ fn closbox_command(pid: u32) -> Option<String> {
 
 // ---- stopping processes --------------------------------------------------------------
 
-/// What `kill_gpu_processes` did.
-#[derive(Debug, Default)]
-pub struct Stopped {
-    /// Processes that were running in the fabric's namespaces and are gone.
-    pub stopped: Vec<i32>,
-    /// Processes still there after SIGKILL and the bounded wait (e.g. in uninterruptible
-    /// sleep); the namespaces are removed all the same (they live on with them).
-    pub survivors: Vec<i32>,
-}
+pub use crate::stop::Stopped;
 
 /// (device, inode) of a network namespace file, if it is one (an nsfs file). `path` is not
 /// followed if it is a symlink: a planted link cannot point the scan elsewhere.
@@ -529,27 +522,67 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
     if targets.is_empty() {
         return Stopped::default();
     }
-    let mut seen: BTreeSet<i32> = signal_all(&targets, libc::SIGTERM).into_iter().collect();
-    if !seen.is_empty() {
+    let stopped = terminate(&mut InNamespaces(targets), grace, KILL_WAIT);
+    if !stopped.stopped.is_empty() || !stopped.survivors.is_empty() {
         tracing::info!(
-            "fabric {}: SIGTERM to processes in its GPUs: {seen:?}",
-            state.fabric
+            "fabric {}: processes in its GPUs: stopped {:?}, surviving {:?}",
+            state.fabric,
+            stopped.stopped,
+            stopped.survivors
         );
     }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline && !pids_in(&targets).is_empty() {
-        std::thread::sleep(Duration::from_millis(20));
+    stopped
+}
+
+/// The processes whose network namespace is one of a fabric's.
+struct InNamespaces(BTreeSet<(u64, u64)>);
+
+impl Targets for InNamespaces {
+    fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
+        signal_all(&self.0, sig)
     }
-    seen.extend(signal_all(&targets, libc::SIGKILL));
-    let deadline = Instant::now() + KILL_WAIT;
-    let mut left = pids_in(&targets);
-    while !left.is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-        left = pids_in(&targets);
+
+    fn running(&mut self) -> Vec<i32> {
+        pids_in(&self.0)
     }
-    Stopped {
-        stopped: seen.iter().copied().filter(|p| !left.contains(p)).collect(),
-        survivors: left,
+}
+
+/// A fabric's daemon, reached through a pidfd; gone once the fabric's lock is free (and
+/// then the lock is ours).
+struct Daemon<'a> {
+    name: &'a FabricName,
+    fd: Pidfd,
+    pid: i32,
+    lock: Option<FabricLock>,
+}
+
+impl Targets for Daemon<'_> {
+    fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
+        if self.lock.is_some() {
+            return Vec::new();
+        }
+        tracing::info!(
+            "fabric {}: signal {sig} to its daemon, pid {}",
+            self.name,
+            self.pid
+        );
+        match self.fd.signal(sig) {
+            Ok(true) => vec![self.pid],
+            _ => Vec::new(),
+        }
+    }
+
+    fn running(&mut self) -> Vec<i32> {
+        if self.lock.is_none() {
+            if let Ok(LockAttempt::Acquired(l)) = FabricLock::try_acquire(self.name) {
+                self.lock = Some(l);
+            }
+        }
+        if self.lock.is_some() {
+            Vec::new()
+        } else {
+            vec![self.pid]
+        }
     }
 }
 
@@ -813,15 +846,16 @@ fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> 
             "fabric {name}'s lock is held by pid {pid}, which is not a closbox daemon; it was not signalled"
         ),
     }
-    tracing::info!("fabric {name}: SIGTERM to its daemon, pid {pid}");
-    fd.signal(libc::SIGTERM)?;
-    if let Some(l) = FabricLock::acquire_within(name, DAEMON_GRACE)? {
-        return Ok((l, DownHow::Stopped));
-    }
-    tracing::warn!("fabric {name}: daemon pid {pid} did not stop; SIGKILL");
-    fd.signal(libc::SIGKILL)?;
-    match FabricLock::acquire_within(name, KILL_WAIT)? {
-        Some(l) => Ok((l, DownHow::Killed)),
+    let mut daemon = Daemon {
+        name,
+        fd,
+        pid: pid as i32,
+        lock: None,
+    };
+    let stopped = terminate(&mut daemon, DAEMON_GRACE, KILL_WAIT);
+    match daemon.lock {
+        Some(l) if stopped.killed => Ok((l, DownHow::Killed)),
+        Some(l) => Ok((l, DownHow::Stopped)),
         None => bail!(
             "the daemon of fabric {name} (pid {pid}) did not exit within {} s of SIGKILL; nothing was removed",
             KILL_WAIT.as_secs()
