@@ -67,7 +67,7 @@ pub struct Status {
     pub lateness_recent: Lateness,
     /// The lateness histogram since start, as (bucket, count): clients diff two snapshots
     /// for the lateness of a run (`Histogram::since`).
-    pub lateness_buckets: Vec<(u32, u64)>,
+    pub lateness_buckets: Vec<(u64, u64)>,
     pub behind: bool,
     /// The p99 lateness (µs, wall) above which `behind` is set.
     pub behind_threshold_us: f64,

@@ -1,15 +1,16 @@
-//! A log-linear histogram of nanosecond values (HDR-style, ~3% resolution): constant
-//! memory, O(1) record, for lateness percentiles.
+//! Lateness percentiles: `hdrhistogram` (2 significant digits, 1 ns to an hour) behind
+//! the few operations the data plane and `status` need, and `Recent`, a sliding window
+//! of them. Snapshots export recorded (value, count) pairs so that another process can
+//! take the difference of two (`since`).
 
-/// Sub-buckets per power of two.
-const SUB: u64 = 32;
-const SUB_BITS: u32 = 5;
-const BUCKETS: usize = (64 - SUB_BITS as usize + 1) * SUB as usize;
+/// Values tracked: 1 ns to an hour (a lateness beyond that is recorded as an hour).
+const HIGHEST_NS: u64 = 3_600_000_000_000;
+const SIGNIFICANT_DIGITS: u8 = 2;
 
 #[derive(Clone, Debug)]
 pub struct Histogram {
-    counts: Vec<u64>,
-    total: u64,
+    h: hdrhistogram::Histogram<u64>,
+    /// The largest sample exactly (the histogram knows it to 2 digits).
     max: u64,
 }
 
@@ -19,110 +20,75 @@ impl Default for Histogram {
     }
 }
 
-fn index(v: u64) -> usize {
-    if v < SUB {
-        return v as usize;
-    }
-    let exp = 63 - v.leading_zeros(); // ≥ SUB_BITS
-    let shift = exp - SUB_BITS;
-    let mantissa = (v >> shift) - SUB; // 0..SUB
-    ((shift as u64 + 1) * SUB + mantissa) as usize
-}
-
-/// Upper bound of the values in bucket `i`.
-fn upper(i: usize) -> u64 {
-    let i = i as u64;
-    if i < SUB {
-        return i;
-    }
-    let shift = i / SUB - 1;
-    let mantissa = i % SUB + SUB;
-    ((mantissa + 1) << shift) - 1
-}
-
 impl Histogram {
     pub fn new() -> Histogram {
         Histogram {
-            counts: vec![0; BUCKETS],
-            total: 0,
+            h: hdrhistogram::Histogram::new_with_bounds(1, HIGHEST_NS, SIGNIFICANT_DIGITS)
+                .expect("valid histogram bounds"),
             max: 0,
         }
     }
 
     pub fn record(&mut self, v: u64) {
-        self.counts[index(v)] += 1;
-        self.total += 1;
+        self.h.saturating_record(v);
         self.max = self.max.max(v);
     }
 
     pub fn count(&self) -> u64 {
-        self.total
+        self.h.len()
     }
 
     pub fn max(&self) -> u64 {
         self.max
     }
 
-    /// The non-empty buckets as (bucket, count): what `status` exports, so that a client
-    /// can take the difference of two snapshots (`since`).
-    pub fn buckets(&self) -> Vec<(u32, u64)> {
-        self.counts
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c > 0)
-            .map(|(i, &c)| (i as u32, c))
+    /// The recorded values as (value, count): what `status` exports, so that a client can
+    /// take the difference of two snapshots (`since`).
+    pub fn buckets(&self) -> Vec<(u64, u64)> {
+        self.h
+            .iter_recorded()
+            .map(|v| (v.value_iterated_to(), v.count_at_value()))
             .collect()
     }
 
     /// The samples recorded between snapshot `earlier` and snapshot `later` (both from
-    /// `buckets` of one histogram). The maximum is the upper bound of the highest bucket.
-    pub fn since(earlier: &[(u32, u64)], later: &[(u32, u64)]) -> Histogram {
-        let mut h = Histogram::new();
-        for &(i, c) in later {
-            if let Some(slot) = h.counts.get_mut(i as usize) {
-                *slot += c;
+    /// `buckets` of one histogram).
+    pub fn since(earlier: &[(u64, u64)], later: &[(u64, u64)]) -> Histogram {
+        let from = |b: &[(u64, u64)]| {
+            let mut h = Histogram::new();
+            for &(v, c) in b {
+                let _ = h.h.record_n(v.min(HIGHEST_NS), c);
             }
+            h
+        };
+        let mut h = from(later);
+        // A snapshot that is not an earlier state of `later` leaves nothing to subtract.
+        if h.h.subtract(&from(earlier).h).is_err() {
+            h.h.reset();
         }
-        for &(i, c) in earlier {
-            if let Some(slot) = h.counts.get_mut(i as usize) {
-                *slot = slot.saturating_sub(c);
-            }
-        }
-        h.total = h.counts.iter().sum();
-        h.max = h.counts.iter().rposition(|&c| c > 0).map_or(0, upper);
+        // Only the bucket is known now: its highest value.
+        h.max = if h.h.is_empty() { 0 } else { h.h.max() };
         h
     }
 
     /// Adds `other`'s samples to these.
     pub fn merge(&mut self, other: &Histogram) {
-        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
-            *a += b;
-        }
-        self.total += other.total;
+        let _ = self.h.add(&other.h);
         self.max = self.max.max(other.max);
     }
 
     fn clear(&mut self) {
-        self.counts.iter_mut().for_each(|c| *c = 0);
-        self.total = 0;
+        self.h.reset();
         self.max = 0;
     }
 
-    /// The value below which a fraction `q` of samples fall (bucket upper bound, capped
-    /// at the maximum seen); 0 when empty.
+    /// The value below which a fraction `q` of samples fall (to 2 significant digits,
+    /// never above the largest sample); 0 when empty.
     pub fn quantile(&self, q: f64) -> u64 {
-        if self.total == 0 {
+        if self.h.is_empty() {
             return 0;
         }
-        let rank = ((q * self.total as f64).ceil() as u64).clamp(1, self.total);
-        let mut seen = 0;
-        for (i, &c) in self.counts.iter().enumerate() {
-            seen += c;
-            if seen >= rank {
-                return upper(i).min(self.max);
-            }
-        }
-        self.max
+        self.h.value_at_quantile(q).min(self.max)
     }
 }
 
@@ -207,18 +173,6 @@ mod tests {
         assert_eq!(r.snapshot(100 * S).count(), 0);
         r.record(50 * S, 5);
         assert_eq!(r.snapshot(100 * S).count(), 1);
-    }
-
-    #[test]
-    fn buckets_are_ordered_and_tight() {
-        let mut last = 0;
-        for v in (0..2_000_000u64).step_by(7).chain([u64::MAX / 2, u64::MAX]) {
-            let i = index(v);
-            assert!(i >= last || v < 2_000_000, "index not monotonic at {v}");
-            last = i;
-            assert!(upper(i) >= v, "{v} above its bucket's bound {}", upper(i));
-            assert!(upper(i) - v <= v / 16 + 1, "bucket of {v} too wide");
-        }
     }
 
     #[test]
