@@ -296,8 +296,15 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         real_paths: None,
         rows: Vec::new(),
         predicted: Vec::new(),
-        progress: format == Format::Json && std::io::stderr().is_terminal(),
-        total,
+        // Tables and CSV stream their rows; JSON comes at the end, so it gets a bar.
+        progress: (format == Format::Json && std::io::stderr().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")
+                    .expect("template"),
+            );
+            bar
+        }),
     }));
     let streaming = Arc::clone(&sweep);
     let ran = run_agents(&st, &sel, &a.target, args, move |out, endpoints| {
@@ -309,8 +316,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("sweep still shared"))?
         .into_inner()
         .expect("sweep");
-    if sweep.progress {
-        eprintln!();
+    if let Some(bar) = &sweep.progress {
+        bar.finish();
     }
     if sweep.rows.len() != total {
         bail!(
@@ -393,8 +400,7 @@ struct Sweep {
     real_paths: Option<bool>,
     rows: Vec<Row>,
     predicted: Vec<f64>,
-    progress: bool,
-    total: usize,
+    progress: Option<indicatif::ProgressBar>,
 }
 
 impl Sweep {
@@ -443,15 +449,9 @@ impl Sweep {
             Format::Json => {}
         }
         let _ = std::io::Write::flush(&mut std::io::stdout());
-        if self.progress {
-            let done = self.rows.len() + 1;
-            let bar = "=".repeat(done * 30 / self.total.max(1));
-            eprint!(
-                "\r[{bar:<30}] {done}/{} {} {}   ",
-                self.total,
-                row.op.name(),
-                render::human(row.size)
-            );
+        if let Some(bar) = &self.progress {
+            bar.set_message(format!("{} {}", row.op.name(), render::human(row.size)));
+            bar.inc(1);
         }
         self.rows.push(row);
         self.predicted.push(p);
