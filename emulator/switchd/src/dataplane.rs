@@ -10,7 +10,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration as StdDuration, Instant as StdInstant};
@@ -154,9 +154,9 @@ impl TunPorts {
     pub fn new(tuns: Vec<OwnedFd>, wake: Arc<EventFd>) -> io::Result<TunPorts> {
         let epoll = Epoll::new(tuns.len() + 1)?;
         for (i, t) in tuns.iter().enumerate() {
-            epoll.add(t.as_raw_fd(), i as u64)?;
+            epoll.add(t.as_fd(), i as u64)?;
         }
-        epoll.add(wake.raw(), WAKE_TOKEN)?;
+        epoll.add(wake.fd(), WAKE_TOKEN)?;
         Ok(TunPorts {
             tuns,
             epoll,
@@ -195,11 +195,11 @@ impl Ports for TunPorts {
     }
 
     fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        sys::read_packet(self.tuns[port].as_raw_fd(), buf)
+        sys::read_packet(self.tuns[port].as_fd(), buf)
     }
 
     fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()> {
-        sys::write_packet(self.tuns[port].as_raw_fd(), packet)
+        sys::write_packet(self.tuns[port].as_fd(), packet)
     }
 }
 

@@ -28,11 +28,10 @@ const PARALLEL: usize = 4;
 fn prepare_netns_dir() -> anyhow::Result<()> {
     let dir = Path::new(NETNS_DIR);
     fs::create_dir_all(dir).with_context(|| format!("creating {NETNS_DIR}"))?;
-    let shared = libc::MS_SHARED | libc::MS_REC;
-    if sys::set_propagation(dir, shared).is_err() {
+    if sys::make_shared(dir).is_err() {
         sys::bind_mount(dir, dir)
             .with_context(|| format!("bind-mounting {NETNS_DIR} on itself"))?;
-        sys::set_propagation(dir, shared).with_context(|| format!("making {NETNS_DIR} shared"))?;
+        sys::make_shared(dir).with_context(|| format!("making {NETNS_DIR} shared"))?;
     }
     Ok(())
 }
@@ -54,7 +53,7 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
     let uts = g.uts_path(&state.fabric);
     mount_point(&netns)?;
     mount_point(&uts)?;
-    sys::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWUTS).context("unshare(net, uts)")?;
+    sys::unshare_net_uts().context("unshare(net, uts)")?;
     sys::bind_mount(Path::new("/proc/thread-self/ns/net"), &netns)
         .with_context(|| format!("pinning {}", netns.display()))?;
     sys::bind_mount(Path::new("/proc/thread-self/ns/uts"), &uts)
@@ -185,8 +184,8 @@ pub fn tun_tx_dropped(g: &GpuState, tun: &str) -> io::Result<u64> {
     let tun = tun.to_owned();
     thread::scope(|s| {
         s.spawn(|| {
-            use std::os::fd::AsRawFd;
-            sys::setns(ns.as_raw_fd(), libc::CLONE_NEWNET)?;
+            use std::os::fd::AsFd;
+            sys::enter_netns(ns.as_fd())?;
             let dev = fs::read_to_string("/proc/thread-self/net/dev")?;
             // "  cb0: rx_bytes rx_packets rx_errs rx_drop ... | tx_bytes tx_packets tx_errs tx_drop ..."
             dev.lines()

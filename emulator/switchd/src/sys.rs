@@ -1,13 +1,22 @@
 //! Every system call closbox makes that std does not wrap: TUN devices, interface
-//! ioctls, namespaces, mounts, epoll, eventfd. The only module with `unsafe`; each block
-//! passes valid pointers to buffers it owns and checks the return value.
+//! ioctls, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix` where it
+//! covers the call (safe wrappers, raw syscalls: nothing allocates, so they are fine
+//! between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
+//! `unshare` (unsafe in rustix too) and the SIGPIPE disposition. The only module with
+//! `unsafe`; each block passes valid pointers to buffers it owns and checks the result.
 
 use std::ffi::CString;
 use std::io;
 use std::mem;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
+
+use rustix::event::epoll;
+use rustix::io::Errno;
+use rustix::process::{self, Pid, Signal};
+use rustix::time::Timespec;
+use rustix::{mount, thread};
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
@@ -118,150 +127,110 @@ pub fn if_configure(
     Ok(())
 }
 
-/// Moves the calling thread into new namespaces (`libc::CLONE_NEW*` flags).
-pub fn unshare(flags: libc::c_int) -> io::Result<()> {
-    // SAFETY: plain syscall.
-    cvt(unsafe { libc::unshare(flags) }).map(drop)
+/// Moves the calling thread into new network and UTS namespaces.
+pub fn unshare_net_uts() -> io::Result<()> {
+    // SAFETY: only NEWNET | NEWUTS: the file table (the unsound case) is not unshared.
+    unsafe {
+        thread::unshare_unsafe(thread::UnshareFlags::NEWNET | thread::UnshareFlags::NEWUTS)
+    }
+    .map_err(io::Error::from)
 }
 
-/// Moves the calling thread into the namespace `fd` refers to.
-pub fn setns(fd: RawFd, nstype: libc::c_int) -> io::Result<()> {
-    // SAFETY: plain syscall; the kernel validates fd.
-    cvt(unsafe { libc::setns(fd, nstype) }).map(drop)
+/// Moves the calling thread into the network namespace `fd` refers to.
+pub fn enter_netns(fd: BorrowedFd<'_>) -> io::Result<()> {
+    thread::move_into_link_name_space(fd, Some(thread::LinkNameSpaceType::Network))
+        .map_err(io::Error::from)
 }
 
 pub fn sethostname(name: &str) -> io::Result<()> {
-    // SAFETY: pointer and length describe `name`.
-    cvt(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
+    rustix::system::sethostname(name.as_bytes()).map_err(io::Error::from)
 }
 
 /// `mount --bind src dst`.
 pub fn bind_mount(src: &Path, dst: &Path) -> io::Result<()> {
-    let (s, d) = (cstr(src)?, cstr(dst)?);
-    // SAFETY: valid C strings; null fstype/data are allowed for MS_BIND.
-    cvt(unsafe {
-        libc::mount(
-            s.as_ptr(),
-            d.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    })
-    .map(drop)
+    mount::mount_bind(src, dst).map_err(io::Error::from)
 }
 
-/// Changes the propagation of the mount at `path` (MS_SHARED, MS_SLAVE, … | MS_REC).
-pub fn set_propagation(path: &Path, flags: libc::c_ulong) -> io::Result<()> {
-    let p = cstr(path)?;
-    // SAFETY: valid C string; propagation changes take no source or data.
-    cvt(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            p.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
-    })
-    .map(drop)
+/// Makes the mount at `path` shared, recursively (as `ip netns` does with /run/netns).
+pub fn make_shared(path: &Path) -> io::Result<()> {
+    mount::mount_change(
+        path,
+        mount::MountPropagationFlags::SHARED | mount::MountPropagationFlags::REC,
+    )
+    .map_err(io::Error::from)
 }
 
 /// Lazily unmounts `path`; `Ok(false)` if nothing was mounted there.
 pub fn umount(path: &Path) -> io::Result<bool> {
-    let p = cstr(path)?;
-    // SAFETY: valid C string.
-    match cvt(unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) }) {
-        Ok(_) => Ok(true),
-        Err(e)
-            if e.raw_os_error() == Some(libc::EINVAL) || e.raw_os_error() == Some(libc::ENOENT) =>
-        {
-            Ok(false)
-        }
-        Err(e) => Err(e),
+    match mount::unmount(path, mount::UnmountFlags::DETACH) {
+        Ok(()) => Ok(true),
+        Err(e) if e == Errno::INVAL || e == Errno::NOENT => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
 /// Reads one packet; `Ok(None)` when the device has nothing (EAGAIN).
 #[inline]
-pub fn read_packet(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
-    // SAFETY: buf is valid for buf.len() bytes.
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EAGAIN) => Ok(None),
-            _ => Err(e),
-        };
+pub fn read_packet(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    match rustix::io::read(fd, buf) {
+        Ok(n) => Ok(Some(n)),
+        Err(Errno::AGAIN) => Ok(None),
+        Err(e) => Err(e.into()),
     }
-    Ok(Some(n as usize))
 }
 
 /// Writes one packet.
 #[inline]
-pub fn write_packet(fd: RawFd, buf: &[u8]) -> io::Result<()> {
-    // SAFETY: buf is valid for buf.len() bytes.
-    let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+pub fn write_packet(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<()> {
+    rustix::io::write(fd, buf).map(drop).map_err(io::Error::from)
 }
 
-/// An epoll instance whose waits take a nanosecond timeout (epoll_pwait2).
+/// An epoll instance whose waits take a nanosecond timeout (`epoll_pwait2`: rustix's
+/// `linux_5_11` feature; without it, timeouts would be rounded to milliseconds).
 #[derive(Debug)]
 pub struct Epoll {
     fd: OwnedFd,
-    events: Vec<libc::epoll_event>,
+    /// The tokens of the last wait (rustix's events hold a pointer-sized union and are
+    /// not `Send`; the tokens are).
+    tokens: Vec<u64>,
 }
+
+/// Events taken from the kernel per wait; more stay ready for the next one.
+const EPOLL_BATCH: usize = 256;
 
 impl Epoll {
     pub fn new(capacity: usize) -> io::Result<Epoll> {
-        // SAFETY: plain syscall.
-        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         Ok(Epoll {
-            // SAFETY: fd was just created.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-            events: vec![libc::epoll_event { events: 0, u64: 0 }; capacity.max(1)],
+            fd: epoll::create(epoll::CreateFlags::CLOEXEC)?,
+            tokens: Vec::with_capacity(capacity.clamp(1, EPOLL_BATCH)),
         })
     }
 
     /// Watches `fd` for input, reported with `token`.
-    pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: token,
-        };
-        // SAFETY: ev is a valid epoll_event.
-        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })
-            .map(drop)
+    pub fn add(&self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        epoll::add(
+            &self.fd,
+            fd,
+            epoll::EventData::new_u64(token),
+            epoll::EventFlags::IN,
+        )
+        .map_err(io::Error::from)
     }
 
     /// Waits up to `timeout_ns` (`None`: forever; 0: poll); returns the ready tokens.
     pub fn wait(&mut self, timeout_ns: Option<u64>) -> io::Result<impl Iterator<Item = u64> + '_> {
-        let ts = timeout_ns.map(|ns| libc::timespec {
-            tv_sec: (ns / 1_000_000_000) as libc::time_t,
-            tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+        let ts = timeout_ns.map(|ns| Timespec {
+            tv_sec: (ns / 1_000_000_000) as _,
+            tv_nsec: (ns % 1_000_000_000) as _,
         });
-        let tsp = ts
-            .as_ref()
-            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: events buffer holds `len` entries; tsp is null or points to ts.
-        let n = unsafe {
-            libc::epoll_pwait2(
-                self.fd.as_raw_fd(),
-                self.events.as_mut_ptr(),
-                self.events.len() as libc::c_int,
-                tsp,
-                std::ptr::null(),
-            )
-        };
-        let n = match cvt(n) {
-            Ok(n) => n as usize,
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => 0,
-            Err(e) => return Err(e),
-        };
-        Ok(self.events[..n].iter().map(|e| e.u64))
+        self.tokens.clear();
+        let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); EPOLL_BATCH];
+        match epoll::wait(&self.fd, &mut buf, ts.as_ref()) {
+            Ok((ready, _)) => self.tokens.extend(ready.iter().map(|e| e.data.u64())),
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(self.tokens.iter().copied())
     }
 }
 
@@ -271,50 +240,56 @@ pub struct EventFd(OwnedFd);
 
 impl EventFd {
     pub fn new() -> io::Result<EventFd> {
-        // SAFETY: plain syscall.
-        let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
-        // SAFETY: fd was just created.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+        Ok(EventFd(rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )?))
     }
 
     pub fn notify(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from `one`. A full counter (EAGAIN) already wakes.
-        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        // A full counter (EAGAIN) already wakes.
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
     }
 
     pub fn drain(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into `v`; EAGAIN when already drained is fine.
-        unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        // EAGAIN when already drained is fine.
+        let _ = rustix::io::read(&self.0, &mut [0u8; 8]);
     }
 
-    pub fn raw(&self) -> RawFd {
-        self.0.as_raw_fd()
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
     }
 }
 
 /// Lets timers of this thread fire within 1 ns of their deadline instead of the default
 /// 50 µs slack.
 pub fn set_timer_slack_ns(ns: u64) {
-    // SAFETY: PR_SET_TIMERSLACK takes an integer.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
+    let _ = thread::set_current_timer_slack(std::num::NonZeroU64::new(ns));
 }
 
 /// Sets the calling thread's nice value (lower = more CPU share under contention).
 pub fn set_thread_nice(nice: i32) -> io::Result<()> {
-    // SAFETY: gettid cannot fail; setpriority on our own thread id.
-    let tid = unsafe { libc::gettid() };
-    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) }).map(drop)
+    process::setpriority_process(Some(thread::gettid()), nice).map_err(io::Error::from)
 }
 
-/// Sends `sig` to `pid` (negative: a process group). `Ok(false)` if it does not exist.
+fn signal(sig: libc::c_int) -> io::Result<Signal> {
+    Signal::from_named_raw(sig).ok_or_else(|| io::Error::other(format!("signal {sig}")))
+}
+
+/// Sends `sig` to `pid` (negative: the process group `-pid`). `Ok(false)` if it does not
+/// exist.
 pub fn kill(pid: i32, sig: libc::c_int) -> io::Result<bool> {
-    // SAFETY: plain syscall.
-    match cvt(unsafe { libc::kill(pid, sig) }) {
-        Ok(_) => Ok(true),
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(false),
-        Err(e) => Err(e),
+    let sig = signal(sig)?;
+    let target = Pid::from_raw(pid.abs()).ok_or_else(|| io::Error::other("pid 0"))?;
+    let sent = if pid < 0 {
+        process::kill_process_group(target, sig)
+    } else {
+        process::kill_process(target, sig)
+    };
+    match sent {
+        Ok(()) => Ok(true),
+        Err(Errno::SRCH) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -326,10 +301,6 @@ pub struct EnterGpu {
     pub net: OwnedFd,
     pub uts: OwnedFd,
     hosts_src: CString,
-    hosts_dst: CString,
-    root: CString,
-    sys: CString,
-    sysfs: CString,
     /// Lead a new process group (for `run`); `exec` stays in the terminal's group.
     pub new_group: bool,
 }
@@ -340,50 +311,40 @@ impl EnterGpu {
             net,
             uts,
             hosts_src: cstr(hosts_file)?,
-            hosts_dst: CString::from(c"/etc/hosts"),
-            root: CString::from(c"/"),
-            sys: CString::from(c"/sys"),
-            sysfs: CString::from(c"sysfs"),
             new_group: false,
         })
     }
 
-    /// Runs in the forked child: only async-signal-safe system calls, no allocation.
+    /// Runs in the forked child: only system calls, no allocation (paths are C strings
+    /// prepared before the fork, or literals).
     pub fn enter(&self) -> io::Result<()> {
-        setns(self.net.as_raw_fd(), libc::CLONE_NEWNET)?;
-        setns(self.uts.as_raw_fd(), libc::CLONE_NEWUTS)?;
-        unshare(libc::CLONE_NEWNS)?;
-        let null: *const libc::c_char = std::ptr::null();
-        let no_data: *const libc::c_void = std::ptr::null();
-        // SAFETY: C strings owned by self; null fstype/data allowed for these flags.
-        unsafe {
-            cvt(libc::mount(
-                null,
-                self.root.as_ptr(),
-                null,
-                libc::MS_SLAVE | libc::MS_REC,
-                no_data,
-            ))?;
-            cvt(libc::mount(
-                self.hosts_src.as_ptr(),
-                self.hosts_dst.as_ptr(),
-                null,
-                libc::MS_BIND,
-                no_data,
-            ))?;
-            // A sysfs that shows this namespace's interfaces; failing that, keep the old.
-            if libc::umount2(self.sys.as_ptr(), libc::MNT_DETACH) == 0 {
-                libc::mount(
-                    self.sysfs.as_ptr(),
-                    self.sys.as_ptr(),
-                    self.sysfs.as_ptr(),
-                    0,
-                    no_data,
-                );
-            }
-            if self.new_group {
-                cvt(libc::setpgid(0, 0))?;
-            }
+        thread::move_into_link_name_space(
+            self.net.as_fd(),
+            Some(thread::LinkNameSpaceType::Network),
+        )?;
+        thread::move_into_link_name_space(
+            self.uts.as_fd(),
+            Some(thread::LinkNameSpaceType::HostNameAndNISDomainName),
+        )?;
+        // SAFETY: a new mount namespace only; the file table is not unshared.
+        unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNS) }?;
+        mount::mount_change(
+            c"/",
+            mount::MountPropagationFlags::DOWNSTREAM | mount::MountPropagationFlags::REC,
+        )?;
+        mount::mount_bind(self.hosts_src.as_c_str(), c"/etc/hosts")?;
+        // A sysfs that shows this namespace's interfaces; failing that, keep the old.
+        if mount::unmount(c"/sys", mount::UnmountFlags::DETACH).is_ok() {
+            let _ = mount::mount(
+                c"sysfs",
+                c"/sys",
+                c"sysfs",
+                mount::MountFlags::empty(),
+                None,
+            );
+        }
+        if self.new_group {
+            process::setpgid(None, None)?;
         }
         Ok(())
     }
@@ -396,8 +357,8 @@ impl EnterGpu {
     ) -> io::Result<std::process::Child> {
         use std::os::unix::process::CommandExt;
         let me = std::sync::Arc::clone(self);
-        // SAFETY: `enter` only makes async-signal-safe system calls on data prepared
-        // before fork, and allocates nothing.
+        // SAFETY: `enter` only makes system calls on data prepared before fork, and
+        // allocates nothing.
         unsafe { cmd.pre_exec(move || me.enter()) };
         cmd.spawn()
     }
@@ -411,34 +372,29 @@ pub fn default_sigpipe() {
 }
 
 pub fn is_root() -> bool {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    process::geteuid().is_root()
 }
 
 /// Takes an exclusive `flock` on `file` without waiting; `Ok(false)` if another open file
 /// description holds it.
 pub fn try_flock_exclusive(file: &std::fs::File) -> io::Result<bool> {
-    // SAFETY: plain syscall on a descriptor we own.
-    match cvt(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }) {
-        Ok(_) => Ok(true),
-        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
-        Err(e) => Err(e),
+    match rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(Errno::WOULDBLOCK) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
 /// Makes `file` the process's stdout and stderr (dup2).
 pub fn redirect_stdout_stderr(file: &std::fs::File) -> io::Result<()> {
-    for target in [libc::STDOUT_FILENO, libc::STDERR_FILENO] {
-        // SAFETY: dup2 on a descriptor we own onto the standard ones.
-        cvt(unsafe { libc::dup2(file.as_raw_fd(), target) })?;
-    }
+    rustix::stdio::dup2_stdout(file)?;
+    rustix::stdio::dup2_stderr(file)?;
     Ok(())
 }
 
 /// Sets the process's file mode creation mask; returns the previous one.
 pub fn umask(mask: u32) -> u32 {
-    // SAFETY: umask cannot fail.
-    unsafe { libc::umask(mask as libc::mode_t) as u32 }
+    process::umask(rustix::fs::Mode::from_raw_mode(mask)).as_raw_mode()
 }
 
 /// A process handle that cannot be confused with a later process of the same pid: signals
@@ -449,38 +405,22 @@ pub struct Pidfd(OwnedFd);
 impl Pidfd {
     /// `Ok(None)` if no process has that pid.
     pub fn open(pid: i32) -> io::Result<Option<Pidfd>> {
-        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::ESRCH) => Ok(None),
-                _ => Err(e),
-            };
+        let Some(pid) = Pid::from_raw(pid) else {
+            return Ok(None);
+        };
+        match process::pidfd_open(pid, process::PidfdFlags::empty()) {
+            Ok(fd) => Ok(Some(Pidfd(fd))),
+            Err(Errno::SRCH) => Ok(None),
+            Err(e) => Err(e.into()),
         }
-        // SAFETY: the kernel just returned this descriptor to us.
-        Ok(Some(Pidfd(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })))
     }
 
     /// Sends `sig`; `Ok(false)` if the process has exited.
     pub fn signal(&self, sig: libc::c_int) -> io::Result<bool> {
-        // SAFETY: pidfd_send_signal(2) with a null siginfo behaves as kill(2).
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.0.as_raw_fd(),
-                sig,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::ESRCH) => Ok(false),
-                _ => Err(e),
-            };
+        match process::pidfd_send_signal(&self.0, signal(sig)?) {
+            Ok(()) => Ok(true),
+            Err(Errno::SRCH) => Ok(false),
+            Err(e) => Err(e.into()),
         }
-        Ok(true)
     }
 }
