@@ -4,9 +4,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use closbox_switchd::control::ChangeRequest;
 use closbox_switchd::state::FabricName;
 
 mod bench;
+mod chaos;
 mod live;
 mod plan;
 mod render;
@@ -116,6 +118,25 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Change a live fabric's links: down, up, set (rate, delay, loss, buffer), reset.
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  closbox link down leaf0 spine1\n  closbox link set leaf0 spine1 --rate 100Gbit --loss 0.001\n  closbox link up leaf0 spine1"
+    )]
+    Link(LinkCmd),
+    /// A switch down or up (all its links): a dead leaf or spine.
+    #[command(subcommand)]
+    Switch(UpDown),
+    /// A GPU's links down or up (its NIC and scale-up link): a dead host port.
+    #[command(subcommand)]
+    Gpu(UpDown),
+    /// The changes made to a fabric since it came up, with their fabric and wall times.
+    Events {
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a command once per GPU, concurrently, with RANK, WORLD_SIZE, MASTER_ADDR, …
     /// set; `{rank}` in arguments becomes the rank.
     #[command(after_help = "Example:\n  closbox run -- /usr/bin/python3 train.py --rank {rank}")]
@@ -134,6 +155,64 @@ enum Command {
         master_port: u16,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
+    },
+}
+
+/// Which parallel link(s) between two vertices.
+#[derive(Debug, clap::Args)]
+struct LinkArgs {
+    /// A GPU or switch name, as `plan` and `status` show them.
+    a: String,
+    b: String,
+    /// One of several parallel links (from 0); default: all of them.
+    #[arg(long)]
+    index: Option<u32>,
+    /// Fabric (default: the only fabric up).
+    #[arg(long, short)]
+    fabric: Option<FabricName>,
+}
+
+#[derive(Debug, Subcommand)]
+enum LinkCmd {
+    /// Take the link(s) down: what they carry is lost; the switches at the ends stop using
+    /// them after `failure_detection`, the fabric reroutes after `route_convergence`.
+    Down(LinkArgs),
+    /// Bring the link(s) back; routes use them again after `route_convergence`.
+    Up(LinkArgs),
+    /// Degrade or change the link(s), both directions, for packets from now on.
+    Set {
+        #[command(flatten)]
+        link: LinkArgs,
+        /// e.g. 100Gbit.
+        #[arg(long)]
+        rate: Option<closbox_fabric::Bandwidth>,
+        /// e.g. 5us.
+        #[arg(long)]
+        delay: Option<closbox_fabric::Duration>,
+        /// Probability a packet is lost on the wire, in [0, 1).
+        #[arg(long)]
+        loss: Option<f64>,
+        /// Egress buffer at both ends, e.g. 1MiB.
+        #[arg(long)]
+        buffer: Option<closbox_fabric::Bytes>,
+    },
+    /// Back to the topology file's rate, delay, loss and buffers.
+    Reset(LinkArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum UpDown {
+    /// Every link of it goes down.
+    Down {
+        name: String,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Every link of it comes back.
+    Up {
+        name: String,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
     },
 }
 
@@ -323,6 +402,66 @@ fn main() -> ExitCode {
             json,
             ports,
         } => status::status(fabric.as_ref(), json, ports.as_deref()),
+        Command::Link(cmd) => {
+            let (l, req) = match cmd {
+                LinkCmd::Down(l) => {
+                    let r = ChangeRequest::LinkDown {
+                        a: l.a.clone(),
+                        b: l.b.clone(),
+                        index: l.index,
+                    };
+                    (l, r)
+                }
+                LinkCmd::Up(l) => {
+                    let r = ChangeRequest::LinkUp {
+                        a: l.a.clone(),
+                        b: l.b.clone(),
+                        index: l.index,
+                    };
+                    (l, r)
+                }
+                LinkCmd::Reset(l) => {
+                    let r = ChangeRequest::LinkReset {
+                        a: l.a.clone(),
+                        b: l.b.clone(),
+                        index: l.index,
+                    };
+                    (l, r)
+                }
+                LinkCmd::Set {
+                    link: l,
+                    rate,
+                    delay,
+                    loss,
+                    buffer,
+                } => {
+                    let r = ChangeRequest::LinkSet {
+                        a: l.a.clone(),
+                        b: l.b.clone(),
+                        index: l.index,
+                        rate_bps: rate.map(|r| r.bps()),
+                        delay_ns: delay.map(|d| d.as_nanos()),
+                        loss,
+                        buffer_bytes: buffer.map(|b| b.get()),
+                    };
+                    (l, r)
+                }
+            };
+            chaos::change(l.fabric.as_ref(), req)
+        }
+        Command::Switch(UpDown::Down { name, fabric }) => {
+            chaos::change(fabric.as_ref(), ChangeRequest::SwitchDown { name })
+        }
+        Command::Switch(UpDown::Up { name, fabric }) => {
+            chaos::change(fabric.as_ref(), ChangeRequest::SwitchUp { name })
+        }
+        Command::Gpu(UpDown::Down { name, fabric }) => {
+            chaos::change(fabric.as_ref(), ChangeRequest::GpuDown { name })
+        }
+        Command::Gpu(UpDown::Up { name, fabric }) => {
+            chaos::change(fabric.as_ref(), ChangeRequest::GpuUp { name })
+        }
+        Command::Events { fabric, json } => chaos::events(fabric.as_ref(), json),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)

@@ -64,6 +64,10 @@ pub fn status(
                 fabric: n.to_string(),
                 error: "stopping".into(),
             },
+            Reply::Changed { .. } | Reply::Events { .. } => Answer::Error {
+                fabric: n.to_string(),
+                error: "the daemon answered something else than its status".into(),
+            },
         };
         if matches!(answer, Answer::Error { .. }) {
             healthy = false;
@@ -178,6 +182,31 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             o,
             "  WARNING   {} packets dropped at the fabric's packet-memory limit: the GPUs offered more than the box lets the fabric hold (raise [fabric] packet_memory, or lower buffers)",
             thousands(memory_drops)
+        );
+    }
+    for l in &s.changed_links {
+        let mut what = Vec::new();
+        if !l.up {
+            what.push(format!(
+                "DOWN since fabric time {:.6} s",
+                l.down_since_s.unwrap_or(0.0)
+            ));
+        }
+        what.push(format!(
+            "{} {} loss {} buffers {}/{}",
+            closbox_fabric::Bandwidth::from_bps(l.rate_bps),
+            closbox_fabric::Duration::from_nanos(l.delay_ns),
+            l.loss,
+            closbox_fabric::Bytes::new(l.buffer_bytes[0]),
+            closbox_fabric::Bytes::new(l.buffer_bytes[1])
+        ));
+        let _ = writeln!(o, "  link      {}: {}", l.link, what.join("; "));
+    }
+    if s.events > 0 {
+        let _ = writeln!(
+            o,
+            "  changes   {} since up (`closbox events`)",
+            thousands(s.events)
         );
     }
     // The busiest ports, and any that dropped or marked; or all that were asked for.

@@ -25,7 +25,7 @@ use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
 use crate::routing::{vertex_latency, PortId, Routes, VertexIdx};
 use crate::topology::{Ecn, HostId, LinkParams, QueueParams, Routing, Topology};
-use crate::units::{Bandwidth, Duration, Instant};
+use crate::units::{Bandwidth, Bytes, Duration, Instant};
 
 /// Why the fabric dropped a packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -42,19 +42,23 @@ pub enum DropReason {
     Loss,
     /// Its TTL ran out at a switch (every switch is a routed hop and decrements it).
     TtlExpired,
+    /// On a link that went down: queued at either end, on the wire, or sent into it before
+    /// the switch noticed (blackholed).
+    LinkDown,
     /// The fabric already holds its packet-memory budget (`Fabric::memory_limit`): the
     /// box's limit, not a switch's, so that no traffic pattern exhausts the box.
     MemoryLimit,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 7] = [
+    pub const ALL: [DropReason; 8] = [
         DropReason::Malformed,
         DropReason::Unsupported,
         DropReason::NoRoute,
         DropReason::BufferFull,
         DropReason::Loss,
         DropReason::TtlExpired,
+        DropReason::LinkDown,
         DropReason::MemoryLimit,
     ];
 
@@ -66,6 +70,7 @@ impl DropReason {
             DropReason::BufferFull => "buffer_full",
             DropReason::Loss => "loss",
             DropReason::TtlExpired => "ttl_expired",
+            DropReason::LinkDown => "link_down",
             DropReason::MemoryLimit => "memory_limit",
         }
     }
@@ -120,6 +125,40 @@ pub struct Delivery {
     pub src: HostId,
     pub dst: HostId,
     pub data: Vec<u8>,
+}
+
+/// A change to a running fabric (`Fabric::apply`), at an instant of fabric time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    /// Link `i` (both directions) goes down: what is queued at either end or on the wire
+    /// is lost. The switch at each end stops using it after the detection time; the rest
+    /// of the fabric reroutes after the convergence time.
+    LinkDown(u32),
+    /// Link `i` comes back; routes use it again after the convergence time.
+    LinkUp(u32),
+    /// New parameters for link `i`, both directions, for packets enqueued from now on
+    /// (`None`: unchanged). The buffer is that of both ends' egress queues.
+    SetLink {
+        link: u32,
+        rate: Option<Bandwidth>,
+        delay: Option<Duration>,
+        loss: Option<f64>,
+        buffer: Option<Bytes>,
+    },
+    /// Link `i` back to the topology's parameters.
+    ResetLink(u32),
+}
+
+/// A link as it is now, where it differs from the topology.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkState {
+    pub link: u32,
+    pub up: bool,
+    /// Since when it is down (fabric time).
+    pub down_since: Option<Instant>,
+    pub params: LinkParams,
+    /// Egress buffer of the a→b and b→a ports.
+    pub buffers: [Bytes; 2],
 }
 
 /// One event in the trace (when tracing is on): a packet finishing on a port.
@@ -193,6 +232,20 @@ pub struct Fabric {
     sent: u64,
     delivered: u64,
     trace: Option<Vec<TraceEntry>>,
+    /// The topology as built (for routes over what is left, and resets).
+    topo: Topology,
+    /// Per link: since when it is down.
+    down_since: Vec<Option<Instant>>,
+    /// Routes the fabric converged to over the links that are up; `None`: the original.
+    live: Option<Routes>,
+    /// When routes converge next (after a link went down or came up).
+    converge_at: Option<Instant>,
+    /// How long the switch at a failed link's end takes to stop using it, and the rest
+    /// of the fabric to reroute.
+    detection: Duration,
+    convergence: Duration,
+    /// A link is down or routes differ: take the slower forwarding path that checks.
+    degraded: bool,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -264,6 +317,13 @@ impl Fabric {
             sent: 0,
             delivered: 0,
             trace: None,
+            down_since: vec![None; topo.links.len()],
+            live: None,
+            converge_at: None,
+            detection: topo.fabric.detection,
+            convergence: topo.fabric.convergence,
+            degraded: false,
+            topo: topo.clone(),
         }
     }
 
@@ -361,12 +421,7 @@ impl Fabric {
         };
         match self.forward(now, src.0, slot) {
             Ok(()) => Verdict::Accepted,
-            Err(r) => {
-                if r == DropReason::NoRoute {
-                    self.vertex_drops.add(r);
-                }
-                Verdict::Dropped(r)
-            }
+            Err(r) => Verdict::Dropped(r),
         }
     }
 
@@ -390,10 +445,11 @@ impl Fabric {
                     break;
                 }
                 let p = &mut self.ports[port as usize];
-                let (_, slot) = p
-                    .transit
-                    .pop_front()
-                    .expect("a port in the heap has arrivals");
+                // A link that went down lost what it carried: nothing arrives.
+                let Some((_, slot)) = p.transit.pop_front() else {
+                    PeekMut::pop(top);
+                    continue;
+                };
                 match p.transit.front() {
                     Some(&(next, _)) => top.0 = pack(next, port),
                     None => {
@@ -403,6 +459,7 @@ impl Fabric {
                 (t, slot, p.to)
             };
             self.in_transit -= 1;
+            self.converge_by(t);
             if v < self.hosts {
                 let pkt = self.release(slot);
                 debug_assert_eq!(pkt.dst.0, v);
@@ -417,6 +474,138 @@ impl Fabric {
                 // Drops inside the fabric are counted on the port.
                 let _ = self.forward(t, v, slot);
             }
+        }
+        // Routes due to converge by now do, even when no packet is moving.
+        self.converge_by(now);
+    }
+
+    /// Applies `change` at `now` (events due by then are processed first). Returns false if
+    /// it changes nothing (a link already down, or already up).
+    pub fn apply(&mut self, now: Instant, change: Change) -> bool {
+        self.advance(now);
+        self.converge_by(now);
+        let ports = |l: u32| [PortId(2 * l), PortId(2 * l + 1)];
+        match change {
+            Change::LinkDown(l) => {
+                if self.down_since[l as usize].is_some() {
+                    return false;
+                }
+                for p in ports(l) {
+                    self.flush(p, now);
+                }
+                self.down_since[l as usize] = Some(now);
+                self.converge_at = Some(now + self.convergence);
+                self.degraded = true;
+            }
+            Change::LinkUp(l) => {
+                if self.down_since[l as usize].take().is_none() {
+                    return false;
+                }
+                self.converge_at = Some(now + self.convergence);
+            }
+            Change::SetLink {
+                link,
+                rate,
+                delay,
+                loss,
+                buffer,
+            } => {
+                for p in ports(link) {
+                    let port = &mut self.ports[p.0 as usize];
+                    settle(port, now);
+                    if let Some(r) = rate {
+                        port.link.rate = r;
+                    }
+                    if let Some(d) = delay {
+                        port.link.delay = d;
+                    }
+                    if let Some(x) = loss {
+                        port.link.loss = x;
+                    }
+                    if let Some(b) = buffer {
+                        port.queue.buffer = b;
+                    }
+                }
+            }
+            Change::ResetLink(link) => {
+                for p in ports(link) {
+                    let buffer = self.original_buffer(p.0);
+                    let port = &mut self.ports[p.0 as usize];
+                    settle(port, now);
+                    port.link = self.topo.links[link as usize].params;
+                    port.queue.buffer = buffer;
+                }
+            }
+        }
+        true
+    }
+
+    /// Links that are down or whose parameters differ from the topology's.
+    pub fn changed_links(&self) -> Vec<LinkState> {
+        (0..self.topo.links.len() as u32)
+            .filter_map(|l| {
+                let (a, b) = (&self.ports[2 * l as usize], &self.ports[2 * l as usize + 1]);
+                let original = &self.topo.links[l as usize].params;
+                let down = self.down_since[l as usize];
+                let changed = a.link != *original
+                    || a.queue.buffer != self.original_buffer(2 * l)
+                    || b.queue.buffer != self.original_buffer(2 * l + 1);
+                (down.is_some() || changed).then_some(LinkState {
+                    link: l,
+                    up: down.is_none(),
+                    down_since: down,
+                    params: a.link,
+                    buffers: [a.queue.buffer, b.queue.buffer],
+                })
+            })
+            .collect()
+    }
+
+    fn original_buffer(&self, port: u32) -> Bytes {
+        let from = self.routes.port(PortId(port)).from;
+        let h = self.topo.hosts.len() as u32;
+        if from < h {
+            self.topo.fabric.nic_queue.buffer
+        } else {
+            self.topo.switches[(from - h) as usize].params.queue.buffer
+        }
+    }
+
+    /// Loses everything port `p` holds (queued or on its wire), counted as `LinkDown`.
+    fn flush(&mut self, p: PortId, now: Instant) {
+        let port = &mut self.ports[p.0 as usize];
+        let lost: Vec<u32> = port.transit.drain(..).map(|(_, slot)| slot).collect();
+        // Lost on the wire (configured loss) were already counted; the rest of the
+        // backlog is in `transit` too.
+        port.backlog.clear();
+        port.backlog_bytes = 0;
+        port.busy_until = now;
+        port.carry = 0;
+        for _ in &lost {
+            port.counters.drops.add(DropReason::LinkDown);
+        }
+        self.in_transit -= lost.len() as u64;
+        for slot in lost {
+            self.release(slot);
+        }
+    }
+
+    /// Routes converge (over the links that are up) if they were due to by `t`.
+    fn converge_by(&mut self, t: Instant) {
+        let Some(at) = self.converge_at else { return };
+        if at > t {
+            return;
+        }
+        self.converge_at = None;
+        let down = &self.down_since;
+        if down.iter().all(Option::is_none) {
+            self.live = None;
+            self.degraded = false;
+        } else {
+            self.live = Some(Routes::over_live_links(&self.topo, |l| {
+                down[l as usize].is_none()
+            }));
+            self.degraded = true;
         }
     }
 
@@ -438,10 +627,31 @@ impl Fabric {
             }
         }
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+        if self.degraded {
+            let port_id = match self.choose_degraded(now, v, pkt.dst, pkt.flow) {
+                Some(p) => p,
+                None => {
+                    self.release(slot);
+                    self.vertex_drops.add(DropReason::NoRoute);
+                    return Err(DropReason::NoRoute);
+                }
+            };
+            if self.down_since[self.routes.port(port_id).link as usize].is_some() {
+                // Sent into a dead link before its switch noticed: blackholed.
+                self.ports[port_id.0 as usize]
+                    .counters
+                    .drops
+                    .add(DropReason::LinkDown);
+                self.release(slot);
+                return Err(DropReason::LinkDown);
+            }
+            return self.enqueue(now, port_id, slot);
+        }
         let group = self.routes.next_hops(v, pkt.dst);
         let port_id = match group.len() {
             0 => {
                 self.release(slot);
+                self.vertex_drops.add(DropReason::NoRoute);
                 return Err(DropReason::NoRoute);
             }
             1 => group[0],
@@ -468,6 +678,50 @@ impl Fabric {
                 }
             }
         };
+        self.enqueue(now, port_id, slot)
+    }
+
+    /// With links down or routes changed: the ports `v` may use toward `dst` (the
+    /// converged routes, less the adjacent dead links `v` has detected), choosing as the
+    /// vertex's routing does. A flow keeps the port of the original ECMP group while it is
+    /// usable (resilient hashing); flows on a dead port are rehashed over the survivors.
+    fn choose_degraded(
+        &mut self,
+        now: Instant,
+        v: VertexIdx,
+        dst: HostId,
+        flow: u64,
+    ) -> Option<PortId> {
+        let detection = self.detection;
+        let down_since = &self.down_since;
+        let routes = &self.routes;
+        let known_dead = |p: PortId| {
+            down_since[routes.port(p).link as usize].is_some_and(|t| now >= t + detection)
+        };
+        let live = self.live.as_ref().unwrap_or(&self.routes).next_hops(v, dst);
+        let candidates: Vec<PortId> = live.iter().copied().filter(|&p| !known_dead(p)).collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let original = self.routes.next_hops(v, dst);
+        let vs = &mut self.vertices[v as usize];
+        Some(match vs.routing {
+            Routing::Ecmp | Routing::Adaptive => {
+                let first = (!original.is_empty())
+                    .then(|| original[ecmp_index(flow, vs.hash_seed, original.len())])
+                    .filter(|p| candidates.contains(p));
+                first.unwrap_or_else(|| {
+                    candidates[ecmp_index(flow, mix(vs.hash_seed), candidates.len())]
+                })
+            }
+            Routing::Spray => candidates[vs.rng.below(candidates.len() as u32) as usize],
+        })
+    }
+
+    /// Admits the packet in `slot` to egress port `port_id` at `now`: tail drop, ECN,
+    /// serialization, and its arrival at the next vertex.
+    fn enqueue(&mut self, now: Instant, port_id: PortId, slot: u32) -> Result<(), DropReason> {
+        let pkt = self.slots[slot as usize].as_ref().expect("live slot");
         let port = &mut self.ports[port_id.0 as usize];
         settle(port, now);
         let (len, wire_bits, ecn, id) = (pkt.len, pkt.wire_bits, pkt.ecn, pkt.id);

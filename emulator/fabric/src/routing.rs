@@ -112,6 +112,12 @@ pub struct Routes {
 
 impl Routes {
     pub fn new(topo: &Topology) -> Routes {
+        Routes::over_live_links(topo, |_| true)
+    }
+
+    /// Shortest paths over the links for which `alive(link index)` holds: what a fabric
+    /// converges to after failures.
+    pub fn over_live_links(topo: &Topology, alive: impl Fn(u32) -> bool) -> Routes {
         let h = topo.hosts.len() as u32;
         let n = h as usize + topo.switches.len();
         let PortGraph { ports, out } = PortGraph::new(topo);
@@ -132,21 +138,27 @@ impl Routes {
                 &mut dist,
                 &mut queue,
                 |v| v < h && v != d,
-                |p, u| nvlink(p) || is_node_switch(u),
+                |p, u| nvlink(p) || is_node_switch(u) || !alive(ports[p.0 as usize].link),
             );
             let d_node = topo.hosts[d as usize].node;
             for v in 0..n as u32 {
                 let start = groups.len() as u32;
                 let mut best = dist[v as usize];
                 let same_node = v < h && v != d && topo.hosts[v as usize].node == d_node;
-                if same_node && out[v as usize].iter().any(|&p| nvlink(p)) {
-                    groups.extend(out[v as usize].iter().copied().filter(|&p| nvlink(p)));
+                let live = |p: PortId| alive(ports[p.0 as usize].link);
+                if same_node && out[v as usize].iter().any(|&p| nvlink(p) && live(p)) {
+                    groups.extend(
+                        out[v as usize]
+                            .iter()
+                            .copied()
+                            .filter(|&p| nvlink(p) && live(p)),
+                    );
                     best = 2;
                 } else if is_node_switch(v) {
                     let direct = out[v as usize]
                         .iter()
                         .copied()
-                        .filter(|&p| ports[p.0 as usize].to == d);
+                        .filter(|&p| ports[p.0 as usize].to == d && live(p));
                     groups.extend(direct);
                     best = if groups.len() as u32 > start {
                         1
@@ -157,7 +169,7 @@ impl Routes {
                     let dv = dist[v as usize];
                     groups.extend(out[v as usize].iter().copied().filter(|&p| {
                         let u = ports[p.0 as usize].to;
-                        !nvlink(p) && dist[u as usize] == dv - 1 && (u >= h || u == d)
+                        live(p) && !nvlink(p) && dist[u as usize] == dv - 1 && (u >= h || u == d)
                     }));
                 }
                 let i = v as usize * h as usize + d as usize;

@@ -240,6 +240,12 @@ pub struct FabricParams {
     /// overhead); beyond it new packets are dropped as `memory_limit`. Bounds the daemon
     /// whatever the GPUs send.
     pub packet_memory: Bytes,
+    /// How long the switch at either end of a failed link keeps sending into it
+    /// (blackholing) before it stops using it.
+    pub detection: Duration,
+    /// How long the rest of the fabric keeps routing over a failed (or restored) link
+    /// before its routes converge.
+    pub convergence: Duration,
 }
 
 /// Kernel TCP settings applied inside every GPU namespace (they are per namespace).

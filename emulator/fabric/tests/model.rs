@@ -673,3 +673,228 @@ fn corrupt_headers_are_dropped_as_malformed() {
     );
     assert!(run(&mut f).is_empty());
 }
+
+// ---- a fabric that changes while it runs ----------------------------------------------
+
+use closbox_fabric::model::Change;
+
+/// 2 leaves × 2 GPUs under 4 spines, 1 Gbit/s, 1 µs links, no switch latency; failures
+/// detected after 10 µs, routes converged after 100 µs.
+const FOUR_SPINES: &str = r#"
+[fabric]
+name = "f"
+failure_detection = "10us"
+route_convergence = "100us"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 4
+gpus_per_leaf = 2
+[links.nic]
+rate = "1Gbit"
+delay = "1us"
+[links.leaf-spine]
+rate = "1Gbit"
+delay = "1us"
+[switches.leaf]
+latency = "0ns"
+[switches.spine]
+latency = "0ns"
+"#;
+
+fn four_spines() -> Topology {
+    parse(FOUR_SPINES, "f.toml").unwrap()
+}
+
+/// The link between two named vertices.
+fn link_between(t: &Topology, f: &Fabric, a: &str, b: &str) -> u32 {
+    f.routes().port(port(t, f, a, b)).link
+}
+
+/// Flows (source ports) from `src` to gpu2 whose ECMP path crosses `spine` (or not).
+fn flows_via(t: &Topology, f: &Fabric, src: u32, spine: &str, want: bool) -> Vec<u16> {
+    let leaf = if src < 2 { "leaf0" } else { "leaf1" };
+    let sp = port(t, f, leaf, spine);
+    (1000..1200)
+        .filter(|&sport| {
+            let key = packet::inspect(&build_udp(addr(t, src), addr(t, 2), sport, 9000, 0, 100))
+                .unwrap()
+                .key;
+            f.flow_path(&key).unwrap().contains(&sp) == want
+        })
+        .collect()
+}
+
+fn totals_conserved(f: &mut Fabric, now: u64) {
+    let tot = f.totals(Instant::from_nanos(now));
+    assert_eq!(
+        tot.sent,
+        tot.delivered + tot.drops.total() + tot.queued + tot.in_flight,
+        "{tot:?}"
+    );
+}
+
+#[test]
+fn a_link_going_down_loses_what_it_carries_then_traffic_reroutes() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let via0 = flows_via(&t, &f, 0, "spine0", true);
+    let from1 = flows_via(&t, &f, 1, "spine0", true);
+    let other1 = flows_via(&t, &f, 1, "spine0", false);
+    // Three 1000-byte packets of one flow over spine0: 8304 ns a hop, 1 µs a link. The
+    // first is on leaf0→spine0 when that link dies at 12 µs, the second reaches leaf0 at
+    // 17.6 µs (before leaf0 detects it, at 22 µs), the third at 25.9 µs.
+    for _ in 0..3 {
+        assert_eq!(
+            send(&mut f, &t, 0, (0, 2), via0[0], 0, 1000),
+            Verdict::Accepted
+        );
+    }
+    let dead = link_between(&t, &f, "leaf0", "spine0");
+    assert!(f.apply(Instant::from_nanos(12_000), Change::LinkDown(dead)));
+    assert!(
+        !f.apply(Instant::from_nanos(12_000), Change::LinkDown(dead)),
+        "already down"
+    );
+    totals_conserved(&mut f, 12_000);
+    // From gpu1 at 13 µs: a flow hashed onto spine0 (blackholed), one on another spine.
+    assert_eq!(
+        send(&mut f, &t, 13_000, (1, 2), from1[0], 0, 100),
+        Verdict::Accepted
+    );
+    assert_eq!(
+        send(&mut f, &t, 13_000, (1, 2), other1[0], 0, 100),
+        Verdict::Accepted
+    );
+    // After detection, leaf0 rehashes the spine0 flow over the three spines left.
+    assert_eq!(
+        send(&mut f, &t, 30_000, (1, 2), from1[0], 0, 100),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(
+        got.len(),
+        3,
+        "the third packet, the other flow, the rehashed one"
+    );
+    let tot = f.totals(Instant::from_nanos(1_000_000));
+    assert_eq!(tot.drops.get(DropReason::LinkDown), 3, "{tot:?}");
+    let c = f.port_counters(Instant::from_nanos(1_000_000));
+    assert_eq!(
+        c[port(&t, &f, "leaf0", "spine0").0 as usize]
+            .drops
+            .get(DropReason::LinkDown),
+        3,
+        "counted on the dead port"
+    );
+    totals_conserved(&mut f, 1_000_000);
+}
+
+#[test]
+fn surviving_flows_keep_their_paths_and_restored_links_rejoin_after_convergence() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let other = flows_via(&t, &f, 0, "spine0", false);
+    let dead = link_between(&t, &f, "spine0", "leaf1");
+    // The far end dies: leaf0 does not see it; spine0 drops (blackhole) until it detects
+    // it, then has no route (its only way to leaf1 is gone) until the fabric converges.
+    f.apply(Instant::ZERO, Change::LinkDown(dead));
+    let via0 = flows_via(&t, &f, 0, "spine0", true);
+    assert_eq!(
+        send(&mut f, &t, 50_000, (0, 2), via0[0], 0, 100),
+        Verdict::Accepted,
+        "leaf0 does not know yet"
+    );
+    let _ = run(&mut f);
+    let tot = f.totals(Instant::from_nanos(60_000));
+    assert_eq!(tot.drops.get(DropReason::NoRoute), 1, "{tot:?}");
+    // After convergence (100 µs), leaf0 avoids spine0 for leaf1 and flows on other
+    // spines keep theirs.
+    for &sp in other.iter().take(20) {
+        let before = {
+            let fresh = Fabric::new(&t);
+            let key = packet::inspect(&build_udp(addr(&t, 0), addr(&t, 2), sp, 9000, 0, 100))
+                .unwrap()
+                .key;
+            fresh.flow_path(&key).unwrap()[1]
+        };
+        f.enable_trace();
+        assert_eq!(
+            send(&mut f, &t, 200_000, (0, 2), sp, 0, 100),
+            Verdict::Accepted
+        );
+        let _ = run(&mut f);
+        let crossed: Vec<PortId> = f.trace().iter().map(|e| e.port).collect();
+        assert!(
+            crossed.contains(&before),
+            "flow {sp} moved off its surviving path"
+        );
+    }
+    assert_eq!(
+        send(&mut f, &t, 200_000, (0, 2), via0[0], 0, 100),
+        Verdict::Accepted
+    );
+    assert_eq!(run(&mut f).len(), 1);
+    // Back up: after convergence the original paths are used again.
+    assert!(f.apply(Instant::from_nanos(300_000), Change::LinkUp(dead)));
+    assert_eq!(
+        send(&mut f, &t, 450_000, (0, 2), via0[0], 0, 100),
+        Verdict::Accepted
+    );
+    f.enable_trace();
+    let _ = run(&mut f);
+    assert!(f.changed_links().is_empty());
+    totals_conserved(&mut f, 1_000_000);
+}
+
+#[test]
+fn a_link_set_slower_serializes_new_packets_at_its_new_rate() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let nic = f.routes().port(port(&t, &f, "gpu0", "sw0")).link;
+    f.apply(
+        Instant::ZERO,
+        Change::SetLink {
+            link: nic,
+            rate: Some(closbox_fabric::Bandwidth::from_bps(100_000_000)),
+            delay: None,
+            loss: None,
+            buffer: None,
+        },
+    );
+    assert_eq!(f.changed_links().len(), 1);
+    assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+    let d = run(&mut f);
+    // 8304 bits at 100 Mbit/s on the first hop, then 8304 ns at 1 Gbit/s.
+    assert_eq!(d[0].at, Instant::from_nanos(83_040 + 8_304));
+    f.apply(Instant::from_nanos(1_000_000), Change::ResetLink(nic));
+    assert!(f.changed_links().is_empty());
+}
+
+#[test]
+fn routes_converge_on_an_idle_fabric_too() {
+    // All of leaf0's uplinks down, then up while nothing moves: the next packet after the
+    // convergence time takes the restored paths.
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let uplinks: Vec<u32> = ["spine0", "spine1", "spine2", "spine3"]
+        .iter()
+        .map(|s| link_between(&t, &f, "leaf0", s))
+        .collect();
+    for &l in &uplinks {
+        f.apply(Instant::ZERO, Change::LinkDown(l));
+    }
+    assert_eq!(
+        send(&mut f, &t, 200_000, (0, 2), 1, 0, 100),
+        Verdict::Dropped(DropReason::NoRoute),
+        "converged: no path"
+    );
+    for &l in &uplinks {
+        f.apply(Instant::from_nanos(300_000), Change::LinkUp(l));
+    }
+    assert_eq!(
+        send(&mut f, &t, 500_000, (0, 2), 1, 0, 100),
+        Verdict::Accepted
+    );
+    assert_eq!(run(&mut f).len(), 1);
+}

@@ -17,8 +17,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
+pub use crate::chaos::{ChangeRequest, Event};
 use crate::dataplane::Ctl;
-pub use crate::dataplane::{Lateness, PortStatus, Status};
+pub use crate::dataplane::{Lateness, LinkStatus, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
 
@@ -33,6 +34,9 @@ pub const API_VERSION: u32 = 1;
 #[serde(tag = "cmd", rename_all = "lowercase")]
 pub enum Request {
     Status,
+    /// `{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":null}`
+    Change(ChangeRequest),
+    Events,
     Stop,
 }
 
@@ -42,8 +46,17 @@ pub enum Request {
 #[serde(tag = "reply", rename_all = "lowercase")]
 pub enum Reply {
     Status(Box<Status>),
+    /// What a change applied.
+    Changed {
+        events: Vec<Event>,
+    },
+    Events {
+        events: Vec<Event>,
+    },
     Stopping,
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 impl Reply {
@@ -110,6 +123,11 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                         tracing::debug!("control: {request:?}");
                         let answer = match request {
                             Ok(Request::Status) => status(state, ctl, wake),
+                            Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
+                                .and_then(|r| r.map_err(|e| e.to_string()))
+                                .map_or_else(Reply::error, |events| Reply::Changed { events }),
+                            Ok(Request::Events) => ask(ctl, wake, Ctl::Events)
+                                .map_or_else(Reply::error, |events| Reply::Events { events }),
                             Ok(Request::Stop) => {
                                 let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
                                 wake.notify();
@@ -175,6 +193,21 @@ fn parse_reply(fabric: &FabricName, line: &str) -> anyhow::Result<Reply> {
     let r: Versioned<Reply> = serde_json::from_str(line)
         .with_context(|| format!("reading the reply of fabric {fabric}'s daemon"))?;
     Ok(r.body)
+}
+
+/// Asks the data plane and waits (up to 5 s) for its answer.
+fn ask<T>(
+    ctl: &Mutex<Sender<Ctl>>,
+    wake: &EventFd,
+    make: impl FnOnce(Sender<T>) -> Ctl,
+) -> Result<T, String> {
+    let (tx, rx) = mpsc::channel();
+    if ctl.lock().expect("control lock").send(make(tx)).is_err() {
+        return Err("the data plane has stopped".into());
+    }
+    wake.notify();
+    rx.recv_timeout(Duration::from_secs(5))
+        .map_err(|_| "the data plane did not answer within 5 s".into())
 }
 
 fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
@@ -246,6 +279,25 @@ mod tests {
             assert!(e.contains("control API v1"), "{e}");
         }
         assert!(parse_request(r#"{"v":1,"cmd":"reboot"}"#).is_err());
+    }
+
+    #[test]
+    fn change_requests_round_trip() {
+        let req = Request::Change(ChangeRequest::LinkDown {
+            a: "leaf0".into(),
+            b: "spine1".into(),
+            index: Some(1),
+        });
+        let line = serde_json::to_string(&Versioned {
+            v: API_VERSION,
+            body: &req,
+        })
+        .unwrap();
+        assert_eq!(
+            line,
+            r#"{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":1}"#
+        );
+        assert_eq!(parse_request(&line).unwrap(), req);
     }
 
     #[test]

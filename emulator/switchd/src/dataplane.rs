@@ -20,6 +20,7 @@ use closbox_fabric::routing::{vertex_latency, Routes};
 use closbox_fabric::{HostId, Instant, TimeScale, Topology};
 use serde::{Deserialize, Serialize};
 
+use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
 
@@ -47,7 +48,28 @@ const DATAPLANE_NICE: i32 = -15;
 #[derive(Debug)]
 pub enum Ctl {
     Status(Sender<Status>),
+    /// A change to apply now; the reply lists what was applied.
+    Change(ChangeRequest, Sender<Result<Vec<Event>, String>>),
+    Events(Sender<Vec<Event>>),
     Stop,
+}
+
+/// Events kept for `closbox events` (the oldest go first).
+const MAX_EVENTS: usize = 10_000;
+
+/// A link that is down or changed, for `status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkStatus {
+    /// "leaf0-spine1 #0".
+    pub link: String,
+    pub up: bool,
+    /// Fabric seconds since it went down.
+    pub down_since_s: Option<f64>,
+    pub rate_bps: u64,
+    pub delay_ns: u64,
+    pub loss: f64,
+    /// Buffers of the a→b and b→a egress queues.
+    pub buffer_bytes: [u64; 2],
 }
 
 /// A snapshot for `closbox status` (the control API's status reply).
@@ -80,6 +102,10 @@ pub struct Status {
     pub tun_tx_dropped: Option<u64>,
     /// Per egress port counters, every port in port order.
     pub ports: Vec<PortStatus>,
+    /// Links that are down or whose parameters were changed.
+    pub changed_links: Vec<LinkStatus>,
+    /// How many changes were applied since the fabric came up.
+    pub events: u64,
 }
 
 /// One egress port's counters.
@@ -205,6 +231,9 @@ impl Ports for TunPorts {
 
 pub struct DataPlane<P: Ports> {
     name: String,
+    topo: Topology,
+    events: Vec<Event>,
+    events_total: u64,
     port_names: Vec<String>,
     model: Fabric,
     ports: P,
@@ -263,6 +292,9 @@ impl<P: Ports> DataPlane<P> {
         );
         DataPlane {
             name: topo.fabric.name.clone(),
+            topo: topo.clone(),
+            events: Vec::new(),
+            events_total: 0,
             port_names,
             model,
             ports,
@@ -429,9 +461,46 @@ impl<P: Ports> DataPlane<P> {
                 Ctl::Status(reply) => {
                     let _ = reply.send(self.status());
                 }
+                Ctl::Change(req, reply) => {
+                    let _ = reply.send(self.change(&req));
+                }
+                Ctl::Events(reply) => {
+                    let _ = reply.send(self.events.clone());
+                }
             }
         }
         true
+    }
+
+    /// Applies a change now, all of it or (a name or value wrong) none of it.
+    pub fn change(&mut self, req: &ChangeRequest) -> Result<Vec<Event>, String> {
+        let changes = chaos::resolve(&self.topo, req)?;
+        let now = self.fabric_now(self.ports.now());
+        let wall_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut applied = Vec::new();
+        for (change, what) in changes {
+            let done = self.model.apply(now, change);
+            let event = Event {
+                fabric_ns: now.as_nanos(),
+                wall_ms,
+                what: if done {
+                    what
+                } else {
+                    format!("{what} (already so)")
+                },
+            };
+            tracing::info!("fabric {}: {}", self.name, event.what);
+            applied.push(event);
+        }
+        self.events_total += applied.len() as u64;
+        self.events.extend(applied.iter().cloned());
+        if self.events.len() > MAX_EVENTS {
+            let extra = self.events.len() - MAX_EVENTS;
+            self.events.drain(..extra);
+        }
+        Ok(applied)
     }
 
     /// A snapshot of counters and lateness (what `closbox status` shows).
@@ -482,6 +551,21 @@ impl<P: Ports> DataPlane<P> {
             packet_memory_limit: self.model.memory().1,
             tun_tx_dropped: None,
             ports,
+            changed_links: self
+                .model
+                .changed_links()
+                .into_iter()
+                .map(|l| LinkStatus {
+                    link: chaos::link_name(&self.topo, l.link),
+                    up: l.up,
+                    down_since_s: l.down_since.map(|t| t.as_nanos() as f64 / 1e9),
+                    rate_bps: l.params.rate.bps(),
+                    delay_ns: l.params.delay.as_nanos(),
+                    loss: l.params.loss,
+                    buffer_bytes: [l.buffers[0].get(), l.buffers[1].get()],
+                })
+                .collect(),
+            events: self.events_total,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! All OS access goes through `sys` (the only module with `unsafe`); the model
 //! (`closbox_fabric`) stays free of I/O and clocks.
 
+pub mod chaos;
 pub mod control;
 pub mod dataplane;
 pub mod histogram;

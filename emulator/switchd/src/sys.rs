@@ -130,10 +130,8 @@ pub fn if_configure(
 /// Moves the calling thread into new network and UTS namespaces.
 pub fn unshare_net_uts() -> io::Result<()> {
     // SAFETY: only NEWNET | NEWUTS: the file table (the unsound case) is not unshared.
-    unsafe {
-        thread::unshare_unsafe(thread::UnshareFlags::NEWNET | thread::UnshareFlags::NEWUTS)
-    }
-    .map_err(io::Error::from)
+    unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNET | thread::UnshareFlags::NEWUTS) }
+        .map_err(io::Error::from)
 }
 
 /// Moves the calling thread into the network namespace `fd` refers to.
@@ -182,7 +180,9 @@ pub fn read_packet(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<usiz
 /// Writes one packet.
 #[inline]
 pub fn write_packet(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<()> {
-    rustix::io::write(fd, buf).map(drop).map_err(io::Error::from)
+    rustix::io::write(fd, buf)
+        .map(drop)
+        .map_err(io::Error::from)
 }
 
 /// An epoll instance whose waits take a nanosecond timeout (`epoll_pwait2`: rustix's

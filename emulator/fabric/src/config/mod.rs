@@ -121,6 +121,11 @@ fn plain_words(msg: &str) -> String {
 pub const DEFAULT_POOL: &str = "198.18.0.0/15";
 pub const DEFAULT_MTU: u32 = 1500;
 pub const DEFAULT_L2_OVERHEAD: u32 = 38;
+/// A failed link's neighbours stop using it after this: loss of signal is seen by the
+/// PHY within microseconds to a millisecond.
+pub const DEFAULT_DETECTION: Duration = Duration::from_millis(1);
+/// The rest of the fabric reroutes after this: eBGP with BFD in a tuned Clos fabric.
+pub const DEFAULT_CONVERGENCE: Duration = Duration::from_millis(10);
 /// Largest topology file read: a custom file of ~25,000 hosts and links (parsing takes
 /// ~45 bytes of memory per byte of such a file).
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
@@ -303,6 +308,10 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
         nic_queue,
         // Settled in `build` once the ports are known.
         packet_memory: Bytes::new(0),
+        detection: duration(cx, &f.failure_detection, "failure_detection")?
+            .unwrap_or(DEFAULT_DETECTION),
+        convergence: duration(cx, &f.route_convergence, "route_convergence")?
+            .unwrap_or(DEFAULT_CONVERGENCE),
     })
 }
 

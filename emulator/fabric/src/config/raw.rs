@@ -36,6 +36,8 @@ pub(super) struct RawFabric {
     pub(super) mtu: Option<Spanned<i64>>,
     pub(super) l2_overhead: Option<Spanned<Bytes>>,
     pub(super) packet_memory: Option<Spanned<Bytes>>,
+    pub(super) failure_detection: Option<Spanned<Duration>>,
+    pub(super) route_convergence: Option<Spanned<Duration>>,
 }
 
 #[derive(Deserialize)]

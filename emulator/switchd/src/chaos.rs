@@ -1,0 +1,348 @@
+//! Changes to a running fabric, by name: what `closbox link|switch|gpu …` ask the daemon
+//! for, resolved against the topology into the model's `Change`s, and the event log of
+//! what was applied when.
+
+use serde::{Deserialize, Serialize};
+
+use closbox_fabric::model::Change;
+use closbox_fabric::topology::{Topology, Vertex};
+use closbox_fabric::{Bandwidth, Bytes, Duration};
+
+/// A change, as a client names it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "change", rename_all = "kebab-case")]
+pub enum ChangeRequest {
+    /// All parallel links between `a` and `b`, or the `index`-th (from 0).
+    LinkDown {
+        a: String,
+        b: String,
+        index: Option<u32>,
+    },
+    LinkUp {
+        a: String,
+        b: String,
+        index: Option<u32>,
+    },
+    LinkSet {
+        a: String,
+        b: String,
+        index: Option<u32>,
+        rate_bps: Option<u64>,
+        delay_ns: Option<u64>,
+        loss: Option<f64>,
+        buffer_bytes: Option<u64>,
+    },
+    LinkReset {
+        a: String,
+        b: String,
+        index: Option<u32>,
+    },
+    /// Every link of a switch (a dead leaf or spine), or of a GPU (its NIC and scale-up
+    /// link: a dead host port).
+    SwitchDown {
+        name: String,
+    },
+    SwitchUp {
+        name: String,
+    },
+    GpuDown {
+        name: String,
+    },
+    GpuUp {
+        name: String,
+    },
+}
+
+/// What was applied, when.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Fabric time, ns since the fabric came up.
+    pub fabric_ns: u64,
+    /// Wall clock, ms since the Unix epoch.
+    pub wall_ms: u64,
+    /// "link leaf0-spine0 #0 down".
+    pub what: String,
+}
+
+/// The vertex called `name`.
+fn vertex(topo: &Topology, name: &str) -> Result<Vertex, String> {
+    if let Some(i) = topo.hosts.iter().position(|h| h.name == name) {
+        return Ok(Vertex::Host(closbox_fabric::HostId(i as u32)));
+    }
+    if let Some(i) = topo.switches.iter().position(|s| s.name == name) {
+        return Ok(Vertex::Switch(closbox_fabric::topology::SwitchId(i as u32)));
+    }
+    Err(format!("no GPU or switch {name:?}; {}", nearby(topo, name)))
+}
+
+fn name(topo: &Topology, v: Vertex) -> &str {
+    match v {
+        Vertex::Host(h) => &topo.hosts[h.0 as usize].name,
+        Vertex::Switch(s) => &topo.switches[s.0 as usize].name,
+    }
+}
+
+/// Names sharing `name`'s letters (its non-digit prefix), to say what exists.
+fn nearby(topo: &Topology, name: &str) -> String {
+    let stem: String = name.chars().take_while(|c| !c.is_ascii_digit()).collect();
+    let all = topo
+        .hosts
+        .iter()
+        .map(|h| h.name.as_str())
+        .chain(topo.switches.iter().map(|s| s.name.as_str()));
+    let mut near: Vec<&str> = all
+        .clone()
+        .filter(|n| !stem.is_empty() && n.starts_with(&stem))
+        .collect();
+    if near.is_empty() {
+        near = all.collect();
+    }
+    let shown: Vec<&str> = near.iter().take(8).copied().collect();
+    let more = near.len().saturating_sub(shown.len());
+    format!(
+        "names here: {}{}",
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    )
+}
+
+/// The links between `a` and `b` (all parallel ones, or the `index`-th).
+fn links_between(
+    topo: &Topology,
+    a: &str,
+    b: &str,
+    index: Option<u32>,
+) -> Result<Vec<u32>, String> {
+    let (va, vb) = (vertex(topo, a)?, vertex(topo, b)?);
+    let all: Vec<u32> = topo
+        .links
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| (l.a == va && l.b == vb) || (l.a == vb && l.b == va))
+        .map(|(i, _)| i as u32)
+        .collect();
+    if all.is_empty() {
+        let neighbours: Vec<&str> = topo
+            .links
+            .iter()
+            .filter_map(|l| match (l.a == va, l.b == va) {
+                (true, _) => Some(name(topo, l.b)),
+                (_, true) => Some(name(topo, l.a)),
+                _ => None,
+            })
+            .collect();
+        let mut neighbours = neighbours;
+        neighbours.sort();
+        neighbours.dedup();
+        return Err(format!(
+            "no link between {a} and {b}; {a} links to {}",
+            neighbours.join(", ")
+        ));
+    }
+    match index {
+        None => Ok(all),
+        Some(i) => all.get(i as usize).map(|&l| vec![l]).ok_or_else(|| {
+            format!(
+                "{a}-{b} has {} parallel link{} (index 0 to {})",
+                all.len(),
+                if all.len() == 1 { "" } else { "s" },
+                all.len() - 1
+            )
+        }),
+    }
+}
+
+/// The links of a switch or a GPU.
+fn links_of(topo: &Topology, name: &str, want_switch: bool) -> Result<Vec<u32>, String> {
+    let v = vertex(topo, name)?;
+    match (v, want_switch) {
+        (Vertex::Host(_), true) => return Err(format!("{name} is a GPU: use `closbox gpu`")),
+        (Vertex::Switch(_), false) => {
+            return Err(format!("{name} is a switch: use `closbox switch`"))
+        }
+        _ => {}
+    }
+    Ok(topo
+        .links
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.a == v || l.b == v)
+        .map(|(i, _)| i as u32)
+        .collect())
+}
+
+/// "leaf0-spine1 #0".
+pub fn link_name(topo: &Topology, l: u32) -> String {
+    let link = &topo.links[l as usize];
+    let (a, b) = (link.a, link.b);
+    let index = topo.links[..l as usize]
+        .iter()
+        .filter(|x| (x.a == a && x.b == b) || (x.a == b && x.b == a))
+        .count();
+    format!("{}-{} #{index}", name(topo, a), name(topo, b))
+}
+
+/// The model's changes for a request, each with its description for the event log.
+pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, String)>, String> {
+    let each = |links: Vec<u32>, f: &dyn Fn(u32) -> Change, what: &str| {
+        links
+            .into_iter()
+            .map(|l| (f(l), format!("link {} {what}", link_name(topo, l))))
+            .collect()
+    };
+    Ok(match req {
+        ChangeRequest::LinkDown { a, b, index } => each(
+            links_between(topo, a, b, *index)?,
+            &Change::LinkDown,
+            "down",
+        ),
+        ChangeRequest::LinkUp { a, b, index } => {
+            each(links_between(topo, a, b, *index)?, &Change::LinkUp, "up")
+        }
+        ChangeRequest::LinkReset { a, b, index } => each(
+            links_between(topo, a, b, *index)?,
+            &Change::ResetLink,
+            "reset to the topology's values",
+        ),
+        ChangeRequest::LinkSet {
+            a,
+            b,
+            index,
+            rate_bps,
+            delay_ns,
+            loss,
+            buffer_bytes,
+        } => {
+            if rate_bps.is_some_and(|r| r == 0) {
+                return Err("a rate must be above 0".into());
+            }
+            if loss.is_some_and(|p| !(0.0..1.0).contains(&p)) {
+                return Err("a loss probability must be in [0, 1)".into());
+            }
+            if delay_ns.is_some_and(|d| d > closbox_fabric::config::MAX_DELAY.as_nanos()) {
+                return Err("a delay must be at most 1 s".into());
+            }
+            if buffer_bytes.is_some_and(|b| b < topo.fabric.mtu as u64) {
+                return Err(format!(
+                    "a buffer must hold one packet of the fabric's mtu ({} bytes)",
+                    topo.fabric.mtu
+                ));
+            }
+            if rate_bps.is_none() && delay_ns.is_none() && loss.is_none() && buffer_bytes.is_none()
+            {
+                return Err("nothing to set: give --rate, --delay, --loss or --buffer".into());
+            }
+            let mut what = Vec::new();
+            if let Some(r) = rate_bps {
+                what.push(format!("rate {}", Bandwidth::from_bps(*r)));
+            }
+            if let Some(d) = delay_ns {
+                what.push(format!("delay {}", Duration::from_nanos(*d)));
+            }
+            if let Some(p) = loss {
+                what.push(format!("loss {p}"));
+            }
+            if let Some(b) = buffer_bytes {
+                what.push(format!("buffer {}", Bytes::new(*b)));
+            }
+            let set = |link| Change::SetLink {
+                link,
+                rate: rate_bps.map(Bandwidth::from_bps),
+                delay: delay_ns.map(Duration::from_nanos),
+                loss: *loss,
+                buffer: buffer_bytes.map(Bytes::new),
+            };
+            each(
+                links_between(topo, a, b, *index)?,
+                &set,
+                &format!("set {}", what.join(", ")),
+            )
+        }
+        ChangeRequest::SwitchDown { name } => {
+            each(links_of(topo, name, true)?, &Change::LinkDown, "down")
+        }
+        ChangeRequest::SwitchUp { name } => {
+            each(links_of(topo, name, true)?, &Change::LinkUp, "up")
+        }
+        ChangeRequest::GpuDown { name } => {
+            each(links_of(topo, name, false)?, &Change::LinkDown, "down")
+        }
+        ChangeRequest::GpuUp { name } => each(links_of(topo, name, false)?, &Change::LinkUp, "up"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo() -> Topology {
+        closbox_fabric::parse(
+            "[fabric]\nname = \"c\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\nuplinks = 2\n",
+            "c.toml",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn names_resolve_to_links_and_mistakes_say_what_exists() {
+        let t = topo();
+        let down = |a: &str, b: &str, index| ChangeRequest::LinkDown {
+            a: a.into(),
+            b: b.into(),
+            index,
+        };
+        assert_eq!(
+            resolve(&t, &down("leaf0", "spine1", None)).unwrap().len(),
+            2
+        );
+        let one = resolve(&t, &down("spine1", "leaf0", Some(1))).unwrap();
+        assert_eq!(one.len(), 1);
+        assert!(one[0].1.ends_with("#1 down"), "{}", one[0].1);
+        let e = resolve(&t, &down("leaf0", "spine7", None)).unwrap_err();
+        assert!(
+            e.contains("no GPU or switch \"spine7\"") && e.contains("spine0"),
+            "{e}"
+        );
+        let e = resolve(&t, &down("leaf0", "leaf1", None)).unwrap_err();
+        assert!(
+            e.contains("no link between leaf0 and leaf1; leaf0 links to"),
+            "{e}"
+        );
+        let e = resolve(&t, &down("leaf0", "spine0", Some(5))).unwrap_err();
+        assert!(e.contains("index 0 to 1"), "{e}");
+        let spine = resolve(
+            &t,
+            &ChangeRequest::SwitchDown {
+                name: "spine0".into(),
+            },
+        )
+        .unwrap();
+        assert_eq!(spine.len(), 4, "2 uplinks from each of 2 leaves");
+        let e = resolve(
+            &t,
+            &ChangeRequest::SwitchDown {
+                name: "gpu0".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("is a GPU"), "{e}");
+        let e = resolve(
+            &t,
+            &ChangeRequest::LinkSet {
+                a: "gpu0".into(),
+                b: "leaf0".into(),
+                index: None,
+                rate_bps: Some(0),
+                delay_ns: None,
+                loss: None,
+                buffer_bytes: None,
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("above 0"), "{e}");
+    }
+}
