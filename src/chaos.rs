@@ -26,6 +26,22 @@ pub fn change(fabric: Option<&FabricName>, req: ChangeRequest) -> anyhow::Result
     }
 }
 
+/// `closbox partition SEL…`: selections resolved against the fabric, sent as names.
+pub fn partition(fabric: Option<&FabricName>, sels: &[String]) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox partition")?;
+    let st = live::resolve(fabric)?;
+    let groups = sels
+        .iter()
+        .map(|sel| {
+            Ok(live::select(&st, sel)?
+                .into_iter()
+                .map(|i| st.gpus[i].name.clone())
+                .collect())
+        })
+        .collect::<anyhow::Result<Vec<Vec<String>>>>()?;
+    change(Some(&st.fabric), ChangeRequest::Partition { groups })
+}
+
 pub fn events(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox events")?;
     let st = live::resolve(fabric)?;

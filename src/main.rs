@@ -130,6 +130,23 @@ enum Command {
     /// A GPU's links down or up (its NIC and scale-up link): a dead host port.
     #[command(subcommand)]
     Gpu(UpDown),
+    /// Cut GPUs off from each other: traffic between the groups is dropped, both ways;
+    /// GPUs in no group form one more.
+    #[command(
+        after_help = "Examples:\n  closbox partition 0-3          # gpu0..gpu3 | the rest\n  closbox partition gpu0 gpu1    # gpu0 | gpu1 | the rest"
+    )]
+    Partition {
+        /// GPU selections as `run --gpus` takes them, one per group.
+        #[arg(required = true)]
+        groups: Vec<String>,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// End a partition.
+    Heal {
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
     /// The changes made to a fabric since it came up, with their fabric and wall times.
     Events {
         #[arg(long, short)]
@@ -462,6 +479,8 @@ fn main() -> ExitCode {
             chaos::change(fabric.as_ref(), ChangeRequest::GpuUp { name })
         }
         Command::Events { fabric, json } => chaos::events(fabric.as_ref(), json),
+        Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
+        Command::Heal { fabric } => chaos::change(fabric.as_ref(), ChangeRequest::Heal),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)

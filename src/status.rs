@@ -202,6 +202,14 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         ));
         let _ = writeln!(o, "  link      {}: {}", l.link, what.join("; "));
     }
+    if !s.partition.is_empty() {
+        let sides: Vec<String> = s.partition.iter().map(|g| g.join(",")).collect();
+        let _ = writeln!(
+            o,
+            "  partition {} (`closbox heal` ends it)",
+            sides.join(" | ")
+        );
+    }
     if s.events > 0 {
         let _ = writeln!(
             o,

@@ -132,6 +132,21 @@ fn links_and_switches_go_down_and_come_back() {
     std::thread::sleep(Duration::from_millis(100));
     assert!(ping(&f, "gpu0", "gpu3"));
 
+    // A partition: gpu0 cut off from the rest, both ways, until healed.
+    let out = run(&["partition", "gpu0"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.contains("partition gpu0 | the rest"), "{:?}", text(&out));
+    let before = drops(&f, "partitioned");
+    assert!(!ping(&f, "gpu0", "gpu3"));
+    assert!(!ping(&f, "gpu3", "gpu0"));
+    assert!(ping(&f, "gpu1", "gpu3"));
+    assert!(drops(&f, "partitioned") > before);
+    assert_eq!(f.status()["partition"][0][0], "gpu0");
+    let out = run(&["partition", "gpu0", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(run(&["heal"]).status.success());
+    assert!(ping(&f, "gpu0", "gpu3"));
+
     // A degraded link, then reset; the event log has it all, in order.
     let out = run(&[
         "link", "set", "gpu3", "leaf1", "--rate", "100Mbit", "--delay", "50us",

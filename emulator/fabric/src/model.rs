@@ -45,13 +45,15 @@ pub enum DropReason {
     /// On a link that went down: queued at either end, on the wire, or sent into it before
     /// the switch noticed (blackholed).
     LinkDown,
+    /// Between GPUs a partition separates (`Change::Partition`).
+    Partitioned,
     /// The fabric already holds its packet-memory budget (`Fabric::memory_limit`): the
     /// box's limit, not a switch's, so that no traffic pattern exhausts the box.
     MemoryLimit,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 8] = [
+    pub const ALL: [DropReason; 9] = [
         DropReason::Malformed,
         DropReason::Unsupported,
         DropReason::NoRoute,
@@ -59,6 +61,7 @@ impl DropReason {
         DropReason::Loss,
         DropReason::TtlExpired,
         DropReason::LinkDown,
+        DropReason::Partitioned,
         DropReason::MemoryLimit,
     ];
 
@@ -71,6 +74,7 @@ impl DropReason {
             DropReason::Loss => "loss",
             DropReason::TtlExpired => "ttl_expired",
             DropReason::LinkDown => "link_down",
+            DropReason::Partitioned => "partitioned",
             DropReason::MemoryLimit => "memory_limit",
         }
     }
@@ -128,7 +132,7 @@ pub struct Delivery {
 }
 
 /// A change to a running fabric (`Fabric::apply`), at an instant of fabric time.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Change {
     /// Link `i` (both directions) goes down: what is queued at either end or on the wire
     /// is lost. The switch at each end stops using it after the detection time; the rest
@@ -147,6 +151,11 @@ pub enum Change {
     },
     /// Link `i` back to the topology's parameters.
     ResetLink(u32),
+    /// GPUs in different groups (one group number per GPU) can no longer reach each
+    /// other: their packets are dropped as they enter the fabric, both ways.
+    Partition(Vec<u16>),
+    /// No partition any more.
+    Heal,
 }
 
 /// A link as it is now, where it differs from the topology.
@@ -246,6 +255,8 @@ pub struct Fabric {
     convergence: Duration,
     /// A link is down or routes differ: take the slower forwarding path that checks.
     degraded: bool,
+    /// Group of each GPU while a partition holds.
+    partition: Option<Vec<u16>>,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -323,6 +334,7 @@ impl Fabric {
             detection: topo.fabric.detection,
             convergence: topo.fabric.convergence,
             degraded: false,
+            partition: None,
             topo: topo.clone(),
         }
     }
@@ -389,6 +401,12 @@ impl Fabric {
         if dst >= self.hosts || dst == src.0 {
             self.vertex_drops.add(DropReason::NoRoute);
             return Verdict::Dropped(DropReason::NoRoute);
+        }
+        if let Some(groups) = &self.partition {
+            if groups[src.0 as usize] != groups[dst as usize] {
+                self.vertex_drops.add(DropReason::Partitioned);
+                return Verdict::Dropped(DropReason::Partitioned);
+            }
         }
         let charge = charge(&data);
         if self.memory_used + charge > self.memory_limit {
@@ -527,6 +545,18 @@ impl Fabric {
                     }
                 }
             }
+            Change::Partition(groups) => {
+                assert_eq!(groups.len(), self.hosts as usize, "a group per GPU");
+                if self.partition.as_ref() == Some(&groups) {
+                    return false;
+                }
+                self.partition = Some(groups);
+            }
+            Change::Heal => {
+                if self.partition.take().is_none() {
+                    return false;
+                }
+            }
             Change::ResetLink(link) => {
                 for p in ports(link) {
                     let buffer = self.original_buffer(p.0);
@@ -538,6 +568,11 @@ impl Fabric {
             }
         }
         true
+    }
+
+    /// The group of each GPU while a partition holds.
+    pub fn partition(&self) -> Option<&[u16]> {
+        self.partition.as_deref()
     }
 
     /// Links that are down or whose parameters differ from the topology's.

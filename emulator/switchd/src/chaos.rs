@@ -51,6 +51,11 @@ pub enum ChangeRequest {
     GpuUp {
         name: String,
     },
+    /// GPUs in different groups cannot reach each other; GPUs in no group form one more.
+    Partition {
+        groups: Vec<Vec<String>>,
+    },
+    Heal,
 }
 
 /// What was applied, when.
@@ -272,6 +277,38 @@ pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, Stri
             each(links_of(topo, name, false)?, &Change::LinkDown, "down")
         }
         ChangeRequest::GpuUp { name } => each(links_of(topo, name, false)?, &Change::LinkUp, "up"),
+        ChangeRequest::Partition { groups } => {
+            let rest = groups.len() as u16;
+            let mut of = vec![rest; topo.hosts.len()];
+            for (g, names) in groups.iter().enumerate() {
+                for n in names {
+                    let i = topo
+                        .hosts
+                        .iter()
+                        .position(|h| &h.name == n)
+                        .ok_or_else(|| format!("no GPU {n:?}; {}", nearby(topo, n)))?;
+                    if of[i] != rest {
+                        return Err(format!("GPU {n} is in two groups"));
+                    }
+                    of[i] = g as u16;
+                }
+            }
+            let mut used = of.clone();
+            used.sort();
+            used.dedup();
+            if used.len() < 2 {
+                return Err("a partition needs GPUs on two sides".into());
+            }
+            let mut sides: Vec<String> = groups.iter().map(|g| g.join(",")).collect();
+            if of.contains(&rest) {
+                sides.push("the rest".into());
+            }
+            vec![(
+                Change::Partition(of),
+                format!("partition {}", sides.join(" | ")),
+            )]
+        }
+        ChangeRequest::Heal => vec![(Change::Heal, "heal: partition removed".into())],
     })
 }
 

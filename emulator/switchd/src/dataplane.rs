@@ -106,6 +106,8 @@ pub struct Status {
     pub changed_links: Vec<LinkStatus>,
     /// How many changes were applied since the fabric came up.
     pub events: u64,
+    /// While a partition holds: the GPUs of each side.
+    pub partition: Vec<Vec<String>>,
 }
 
 /// One egress port's counters.
@@ -566,6 +568,15 @@ impl<P: Ports> DataPlane<P> {
                 })
                 .collect(),
             events: self.events_total,
+            partition: self.model.partition().map_or_else(Vec::new, |groups| {
+                let sides = groups.iter().max().map_or(0, |m| *m as usize + 1);
+                let mut out = vec![Vec::new(); sides];
+                for (h, &g) in groups.iter().enumerate() {
+                    out[g as usize].push(self.topo.hosts[h].name.clone());
+                }
+                out.retain(|s| !s.is_empty());
+                out
+            }),
         }
     }
 }
