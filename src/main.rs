@@ -215,6 +215,17 @@ enum LinkCmd {
     },
     /// Back to the topology file's rate, delay, loss and buffers.
     Reset(LinkArgs),
+    /// Down for --down, up for --up, --count times (fabric time), starting now.
+    Flap {
+        #[command(flatten)]
+        link: LinkArgs,
+        #[arg(long)]
+        down: closbox_fabric::Duration,
+        #[arg(long)]
+        up: closbox_fabric::Duration,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -442,6 +453,22 @@ fn main() -> ExitCode {
                         a: l.a.clone(),
                         b: l.b.clone(),
                         index: l.index,
+                    };
+                    (l, r)
+                }
+                LinkCmd::Flap {
+                    link: l,
+                    down,
+                    up,
+                    count,
+                } => {
+                    let r = ChangeRequest::LinkFlap {
+                        a: l.a.clone(),
+                        b: l.b.clone(),
+                        index: l.index,
+                        down_ns: down.as_nanos(),
+                        up_ns: up.as_nanos(),
+                        count,
                     };
                     (l, r)
                 }

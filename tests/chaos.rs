@@ -135,7 +135,11 @@ fn links_and_switches_go_down_and_come_back() {
     // A partition: gpu0 cut off from the rest, both ways, until healed.
     let out = run(&["partition", "gpu0"]);
     assert!(out.status.success(), "{:?}", text(&out));
-    assert!(text(&out).0.contains("partition gpu0 | the rest"), "{:?}", text(&out));
+    assert!(
+        text(&out).0.contains("partition gpu0 | the rest"),
+        "{:?}",
+        text(&out)
+    );
     let before = drops(&f, "partitioned");
     assert!(!ping(&f, "gpu0", "gpu3"));
     assert!(!ping(&f, "gpu3", "gpu0"));
@@ -156,14 +160,20 @@ fn links_and_switches_go_down_and_come_back() {
     assert_eq!(st["changed_links"][0]["rate_bps"], 100_000_000);
     assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
     assert!(f.status()["changed_links"].as_array().unwrap().is_empty());
+    // A flap, on schedule: down 100 ms, up 100 ms, twice.
+    let out = run(&[
+        "link", "flap", "gpu3", "leaf1", "--down", "100ms", "--up", "100ms", "--count", "2",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(ping(&f, "gpu0", "gpu3"), "the flap is over");
     let out = run(&["events", "--json"]);
     let events: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
     let what: Vec<&str> = events.iter().map(|e| e["what"].as_str().unwrap()).collect();
     assert_eq!(what.first(), Some(&"link leaf0-spine0 #0 down"));
-    assert_eq!(
-        what.last(),
-        Some(&"link gpu3-leaf1 #0 reset to the topology's values")
-    );
+    assert_eq!(what.last(), Some(&"link gpu3-leaf1 #0 up (flap 2 of 2)"));
+    assert!(what.contains(&"link gpu3-leaf1 #0 reset to the topology's values"));
+    assert_eq!(what.iter().filter(|w| w.contains("(flap")).count(), 4);
     assert!(what.contains(&"link leaf0-spine0 #0 down (already so)"));
     let times: Vec<u64> = events
         .iter()

@@ -905,7 +905,10 @@ fn a_partition_drops_traffic_between_its_sides_until_healed() {
     let mut f = Fabric::new(&t);
     // gpu0 | gpu1, gpu2, gpu3.
     assert!(f.apply(Instant::ZERO, Change::Partition(vec![0, 1, 1, 1])));
-    assert!(!f.apply(Instant::ZERO, Change::Partition(vec![0, 1, 1, 1])), "same one");
+    assert!(
+        !f.apply(Instant::ZERO, Change::Partition(vec![0, 1, 1, 1])),
+        "same one"
+    );
     assert_eq!(
         send(&mut f, &t, 1_000, (0, 2), 1, 0, 100),
         Verdict::Dropped(DropReason::Partitioned)
@@ -914,10 +917,19 @@ fn a_partition_drops_traffic_between_its_sides_until_healed() {
         send(&mut f, &t, 1_000, (2, 0), 1, 0, 100),
         Verdict::Dropped(DropReason::Partitioned)
     );
-    assert_eq!(send(&mut f, &t, 1_000, (1, 2), 1, 0, 100), Verdict::Accepted);
+    assert_eq!(
+        send(&mut f, &t, 1_000, (1, 2), 1, 0, 100),
+        Verdict::Accepted
+    );
     assert!(f.apply(Instant::from_nanos(2_000), Change::Heal));
-    assert!(!f.apply(Instant::from_nanos(2_000), Change::Heal), "nothing to heal");
-    assert_eq!(send(&mut f, &t, 3_000, (0, 2), 1, 0, 100), Verdict::Accepted);
+    assert!(
+        !f.apply(Instant::from_nanos(2_000), Change::Heal),
+        "nothing to heal"
+    );
+    assert_eq!(
+        send(&mut f, &t, 3_000, (0, 2), 1, 0, 100),
+        Verdict::Accepted
+    );
     assert_eq!(run(&mut f).len(), 2);
     totals_conserved(&mut f, 1_000_000);
 }

@@ -51,6 +51,15 @@ pub enum ChangeRequest {
     GpuUp {
         name: String,
     },
+    /// The link(s) go down for `down_ns`, come back for `up_ns`, `count` times.
+    LinkFlap {
+        a: String,
+        b: String,
+        index: Option<u32>,
+        down_ns: u64,
+        up_ns: u64,
+        count: u32,
+    },
     /// GPUs in different groups cannot reach each other; GPUs in no group form one more.
     Partition {
         groups: Vec<Vec<String>>,
@@ -191,6 +200,56 @@ pub fn link_name(topo: &Topology, l: u32) -> String {
     format!("{}-{} #{index}", name(topo, a), name(topo, b))
 }
 
+/// Most cycles one flap may schedule.
+pub const MAX_FLAPS: u32 = 10_000;
+
+/// The changes a request makes, each with when (fabric ns after now) and its description.
+pub fn schedule(
+    topo: &Topology,
+    req: &ChangeRequest,
+) -> Result<Vec<(u64, Change, String)>, String> {
+    let ChangeRequest::LinkFlap {
+        a,
+        b,
+        index,
+        down_ns,
+        up_ns,
+        count,
+    } = req
+    else {
+        return Ok(resolve(topo, req)?
+            .into_iter()
+            .map(|(c, w)| (0, c, w))
+            .collect());
+    };
+    if *down_ns == 0 || *up_ns == 0 {
+        return Err("a flap needs --down and --up above 0".into());
+    }
+    if *count == 0 || *count > MAX_FLAPS {
+        return Err(format!("--count must be 1 to {MAX_FLAPS}"));
+    }
+    let links = links_between(topo, a, b, *index)?;
+    let mut out = Vec::new();
+    let period = down_ns.saturating_add(*up_ns);
+    for k in 0..*count as u64 {
+        let start = period.saturating_mul(k);
+        for &l in &links {
+            let name = link_name(topo, l);
+            out.push((
+                start,
+                Change::LinkDown(l),
+                format!("link {name} down (flap {} of {count})", k + 1),
+            ));
+            out.push((
+                start.saturating_add(*down_ns),
+                Change::LinkUp(l),
+                format!("link {name} up (flap {} of {count})", k + 1),
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// The model's changes for a request, each with its description for the event log.
 pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, String)>, String> {
     let each = |links: Vec<u32>, f: &dyn Fn(u32) -> Change, what: &str| {
@@ -309,6 +368,7 @@ pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, Stri
             )]
         }
         ChangeRequest::Heal => vec![(Change::Heal, "heal: partition removed".into())],
+        ChangeRequest::LinkFlap { .. } => return Err("a flap is a schedule: see `schedule`".into()),
     })
 }
 

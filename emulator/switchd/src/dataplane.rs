@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration as StdDuration, Instant as StdInstant};
 
-use closbox_fabric::model::{DropReason, Fabric};
+use closbox_fabric::model::{Change, DropReason, Fabric};
 use closbox_fabric::routing::{vertex_latency, Routes};
 use closbox_fabric::{HostId, Instant, TimeScale, Topology};
 use serde::{Deserialize, Serialize};
@@ -233,6 +233,9 @@ impl Ports for TunPorts {
 
 pub struct DataPlane<P: Ports> {
     name: String,
+    /// Changes due at fabric times (flaps): (when, order) → change and its description.
+    scheduled: std::collections::BTreeMap<(Instant, u64), (Change, String)>,
+    scheduled_seq: u64,
     topo: Topology,
     events: Vec<Event>,
     events_total: u64,
@@ -294,6 +297,8 @@ impl<P: Ports> DataPlane<P> {
         );
         DataPlane {
             name: topo.fabric.name.clone(),
+            scheduled: Default::default(),
+            scheduled_seq: 0,
             topo: topo.clone(),
             events: Vec::new(),
             events_total: 0,
@@ -351,13 +356,18 @@ impl<P: Ports> DataPlane<P> {
     /// once asked to stop.
     pub fn step(&mut self) -> bool {
         let wall = self.ports.now();
+        self.apply_due(wall);
         self.deliver_due(wall);
         if !self.handle_ctl() {
             return false;
         }
         self.rotate_window(wall);
         // No departure pending: sleep until input, or a second for housekeeping.
-        let timeout = match self.model.poll_timeout() {
+        let next = match (self.model.poll_timeout(), self.scheduled.keys().next()) {
+            (Some(a), Some(&(b, _))) => Some(a.min(b)),
+            (a, b) => a.or(b.map(|k| k.0)),
+        };
+        let timeout = match next {
             Some(t) => self
                 .wall_of(t)
                 .saturating_duration_since(self.ports.now())
@@ -474,35 +484,64 @@ impl<P: Ports> DataPlane<P> {
         true
     }
 
-    /// Applies a change now, all of it or (a name or value wrong) none of it.
+    /// Applies a change now (or schedules it, for a flap), all of it or (a name or value
+    /// wrong) none of it. Returns what was applied now.
     pub fn change(&mut self, req: &ChangeRequest) -> Result<Vec<Event>, String> {
-        let changes = chaos::resolve(&self.topo, req)?;
+        let changes = chaos::schedule(&self.topo, req)?;
         let now = self.fabric_now(self.ports.now());
-        let wall_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let mut applied = Vec::new();
-        for (change, what) in changes {
-            let done = self.model.apply(now, change);
-            let event = Event {
-                fabric_ns: now.as_nanos(),
-                wall_ms,
-                what: if done {
-                    what
-                } else {
-                    format!("{what} (already so)")
-                },
-            };
-            tracing::info!("fabric {}: {}", self.name, event.what);
-            applied.push(event);
+        for (after, change, what) in changes {
+            if after == 0 {
+                applied.push(self.apply(now, change, what));
+            } else {
+                self.scheduled_seq += 1;
+                let at = now + closbox_fabric::Duration::from_nanos(after);
+                self.scheduled
+                    .insert((at, self.scheduled_seq), (change, what));
+            }
         }
-        self.events_total += applied.len() as u64;
-        self.events.extend(applied.iter().cloned());
+        Ok(applied)
+    }
+
+    /// Fabric time now.
+    #[cfg(test)]
+    fn applied_now(&self) -> u64 {
+        self.fabric_now(self.ports.now()).as_nanos()
+    }
+
+    /// Applies the scheduled changes that are due.
+    fn apply_due(&mut self, wall: StdInstant) {
+        let now = self.fabric_now(wall);
+        while let Some(entry) = self.scheduled.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let (change, what) = entry.remove();
+            self.apply(now, change, what);
+        }
+    }
+
+    fn apply(&mut self, now: Instant, change: Change, what: String) -> Event {
+        let done = self.model.apply(now, change);
+        let event = Event {
+            fabric_ns: now.as_nanos(),
+            wall_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            what: if done {
+                what
+            } else {
+                format!("{what} (already so)")
+            },
+        };
+        tracing::info!("fabric {}: {}", self.name, event.what);
+        self.events_total += 1;
+        self.events.push(event.clone());
         if self.events.len() > MAX_EVENTS {
             let extra = self.events.len() - MAX_EVENTS;
             self.events.drain(..extra);
         }
-        Ok(applied)
+        event
     }
 
     /// A snapshot of counters and lateness (what `closbox status` shows).
@@ -763,6 +802,59 @@ mod tests {
         dp.ctl = rx;
         tx.send(Ctl::Stop).unwrap();
         assert!(!dp.step());
+    }
+
+    #[test]
+    fn a_flap_is_applied_on_schedule_in_fabric_time() {
+        let (mut dp, _t) = plane(&format!("time_scale = 10\n{TWO}"));
+        let now = dp.applied_now();
+        let applied = dp
+            .change(&ChangeRequest::LinkFlap {
+                a: "gpu0".into(),
+                b: "sw0".into(),
+                index: None,
+                down_ns: 10_000,
+                up_ns: 5_000,
+                count: 2,
+            })
+            .unwrap();
+        assert_eq!(applied.len(), 1, "the first down is now");
+        for _ in 0..100_000 {
+            dp.step();
+            if dp.events.len() == 4 {
+                break;
+            }
+        }
+        let got: Vec<(u64, &str)> = dp
+            .events
+            .iter()
+            .map(|e| (e.fabric_ns - now, e.what.as_str()))
+            .collect();
+        let whats: Vec<&str> = got.iter().map(|g| g.1).collect();
+        assert_eq!(
+            whats,
+            [
+                "link gpu0-sw0 #0 down (flap 1 of 2)",
+                "link gpu0-sw0 #0 up (flap 1 of 2)",
+                "link gpu0-sw0 #0 down (flap 2 of 2)",
+                "link gpu0-sw0 #0 up (flap 2 of 2)"
+            ]
+        );
+        // On time to within the loop's 1 µs polling (0.1 µs of fabric time at k = 10).
+        for ((at, _), want) in got.iter().zip([0u64, 10_000, 15_000, 25_000]) {
+            assert!(*at >= want && *at <= want + 200, "{at} vs {want}");
+        }
+        let e = dp
+            .change(&ChangeRequest::LinkFlap {
+                a: "gpu0".into(),
+                b: "sw0".into(),
+                index: None,
+                down_ns: 0,
+                up_ns: 5_000,
+                count: 2,
+            })
+            .unwrap_err();
+        assert!(e.contains("above 0"), "{e}");
     }
 
     #[test]
