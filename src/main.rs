@@ -431,30 +431,20 @@ fn main() -> ExitCode {
             ports,
         } => status::status(fabric.as_ref(), json, ports.as_deref()),
         Command::Link(cmd) => {
+            // The link(s) a command names, as the request's three fields.
+            let named = |l: &LinkArgs| (l.a.clone(), l.b.clone(), l.index);
             let (l, req) = match cmd {
                 LinkCmd::Down(l) => {
-                    let r = ChangeRequest::LinkDown {
-                        a: l.a.clone(),
-                        b: l.b.clone(),
-                        index: l.index,
-                    };
-                    (l, r)
+                    let (a, b, index) = named(&l);
+                    (l, ChangeRequest::LinkDown { a, b, index })
                 }
                 LinkCmd::Up(l) => {
-                    let r = ChangeRequest::LinkUp {
-                        a: l.a.clone(),
-                        b: l.b.clone(),
-                        index: l.index,
-                    };
-                    (l, r)
+                    let (a, b, index) = named(&l);
+                    (l, ChangeRequest::LinkUp { a, b, index })
                 }
                 LinkCmd::Reset(l) => {
-                    let r = ChangeRequest::LinkReset {
-                        a: l.a.clone(),
-                        b: l.b.clone(),
-                        index: l.index,
-                    };
-                    (l, r)
+                    let (a, b, index) = named(&l);
+                    (l, ChangeRequest::LinkReset { a, b, index })
                 }
                 LinkCmd::Flap {
                     link: l,
@@ -462,10 +452,11 @@ fn main() -> ExitCode {
                     up,
                     count,
                 } => {
+                    let (a, b, index) = named(&l);
                     let r = ChangeRequest::LinkFlap {
-                        a: l.a.clone(),
-                        b: l.b.clone(),
-                        index: l.index,
+                        a,
+                        b,
+                        index,
                         down_ns: down.as_nanos(),
                         up_ns: up.as_nanos(),
                         count,
@@ -479,10 +470,11 @@ fn main() -> ExitCode {
                     loss,
                     buffer,
                 } => {
+                    let (a, b, index) = named(&l);
                     let r = ChangeRequest::LinkSet {
-                        a: l.a.clone(),
-                        b: l.b.clone(),
-                        index: l.index,
+                        a,
+                        b,
+                        index,
                         rate_bps: rate.map(|r| r.bps()),
                         delay_ns: delay.map(|d| d.as_nanos()),
                         loss,
