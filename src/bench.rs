@@ -100,6 +100,12 @@ pub struct RunHealth {
     /// Write lateness during the run (wall time).
     lateness: Lateness,
     time_scale: TimeScale,
+    /// Drops of every other reason during the run (link_down, no_route, …), by name.
+    other_drops: Vec<(String, u64)>,
+    /// Changes made to the fabric during the run (`closbox events`), and links that are
+    /// down or changed at its end.
+    changes: u64,
+    changed_links: Vec<String>,
 }
 
 /// How much lateness may add to an operation before results are flagged: 5 %.
@@ -126,6 +132,19 @@ impl RunHealth {
                 .saturating_sub(before.tun_tx_dropped.unwrap_or(0)),
             lateness: Lateness::of(&hist),
             time_scale: after.time_scale,
+            other_drops: after
+                .drops
+                .iter()
+                .filter(|(r, _)| r != "buffer_full" && r != "loss")
+                .map(|(r, c)| (r.clone(), c.saturating_sub(crate::status::drops(before, r))))
+                .filter(|(_, c)| *c > 0)
+                .collect(),
+            changes: after.events.saturating_sub(before.events),
+            changed_links: after
+                .changed_links
+                .iter()
+                .map(|l| format!("{}{}", l.link, if l.up { " (changed)" } else { " (down)" }))
+                .collect(),
         }
     }
 
@@ -154,6 +173,26 @@ impl RunHealth {
             self.time_scale.fabric_of(self.lateness.p99_us),
             thousands(self.tun_drops),
         );
+        if !self.other_drops.is_empty() {
+            let list: Vec<String> = self
+                .other_drops
+                .iter()
+                .map(|(r, c)| format!("{r} {}", thousands(*c)))
+                .collect();
+            let _ = writeln!(s, "# other drops during the run: {}", list.join(", "));
+        }
+        if self.changes > 0 || !self.changed_links.is_empty() {
+            let _ = writeln!(
+                s,
+                "# the fabric changed: {} change(s) during the run (`closbox events`){}",
+                self.changes,
+                if self.changed_links.is_empty() {
+                    String::new()
+                } else {
+                    format!("; at its end: {}", self.changed_links.join(", "))
+                }
+            );
+        }
         if self.behind(shortest_us, steps) {
             let why = if self.tun_drops > 0 {
                 "the kernel dropped packets the daemon read too late".to_owned()
