@@ -90,6 +90,27 @@ fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)
     Ok((topo, ranks))
 }
 
+/// The fabric as it is now, for predictions: the topology with the changed links'
+/// parameters, and the links that are down.
+fn fabric_now(st: &State, topo: &Topology) -> (Topology, Vec<u32>) {
+    let mut now = topo.clone();
+    let mut down = Vec::new();
+    if let Some(s) = RunHealth::snapshot(&st.fabric) {
+        for l in &s.changed_links {
+            let Some(link) = now.links.get_mut(l.id as usize) else {
+                continue;
+            };
+            link.params.rate = closbox_fabric::Bandwidth::from_bps(l.rate_bps);
+            link.params.delay = closbox_fabric::Duration::from_nanos(l.delay_ns);
+            link.params.loss = l.loss;
+            if !l.up {
+                down.push(l.id);
+            }
+        }
+    }
+    (now, down)
+}
+
 /// What the fabric and the box did during a run, from status snapshots before and after.
 pub struct RunHealth {
     packets: u64,
@@ -291,7 +312,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             st.gpus[sel[0]].name
         )));
     }
-    let predictor = Predictor::new(&topo, ranks, a.target.channels);
+    // Predictions on the fabric as it is (links down or changed by `closbox link …`).
+    let (topo, down) = fabric_now(&st, &topo);
+    let predictor = Predictor::with_links_down(&topo, ranks, a.target.channels, down);
     let total = a.ops.len() * spec.sizes.len();
     // What the sweep should take on the wall clock, from the model (random paths).
     let runs = (spec.iters + spec.warmup) as f64;
@@ -502,7 +525,8 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
     let (topo, ranks) = topology_of(&st, &sel)?;
-    let mut predictor = Predictor::new(&topo, ranks, a.target.channels);
+    let (topo, down) = fabric_now(&st, &topo);
+    let mut predictor = Predictor::with_links_down(&topo, ranks, a.target.channels, down);
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
     let compute_ms = a.compute_ms.unwrap_or_else(|| {
         buckets

@@ -367,13 +367,27 @@ impl Fabric {
         let flow = flow_key_mix(key);
         let mut path = Vec::new();
         while v != dst.0 {
-            let group = self.routes.next_hops(v, dst);
             let vs = &self.vertices[v as usize];
-            let p = match (group.len(), vs.routing) {
+            // As `forward` does; once converged, every switch knows which links are down.
+            let live: Vec<PortId> = if self.degraded {
+                self.live
+                    .as_ref()
+                    .unwrap_or(&self.routes)
+                    .next_hops(v, dst)
+                    .iter()
+                    .copied()
+                    .filter(|&p| self.down_since[self.routes.port(p).link as usize].is_none())
+                    .collect()
+            } else {
+                self.routes.next_hops(v, dst).to_vec()
+            };
+            let p = match (live.len(), vs.routing) {
                 (0, _) => return None,
-                (1, _) => group[0],
-                (n, Routing::Ecmp) => group[ecmp_index(flow, vs.hash_seed, n)],
+                (1, _) => live[0],
                 (_, Routing::Spray | Routing::Adaptive) => return None,
+                (_, Routing::Ecmp) => {
+                    resilient_pick(self.routes.next_hops(v, dst), &live, flow, vs.hash_seed)
+                }
             };
             path.push(p);
             v = self.routes.port(p).to;
@@ -742,12 +756,7 @@ impl Fabric {
         let vs = &mut self.vertices[v as usize];
         Some(match vs.routing {
             Routing::Ecmp | Routing::Adaptive => {
-                let first = (!original.is_empty())
-                    .then(|| original[ecmp_index(flow, vs.hash_seed, original.len())])
-                    .filter(|p| candidates.contains(p));
-                first.unwrap_or_else(|| {
-                    candidates[ecmp_index(flow, mix(vs.hash_seed), candidates.len())]
-                })
+                resilient_pick(original, &candidates, flow, vs.hash_seed)
             }
             Routing::Spray => candidates[vs.rng.below(candidates.len() as u32) as usize],
         })
@@ -955,6 +964,15 @@ fn should_mark(port: &mut Port) -> bool {
             }
         }
     }
+}
+
+/// Resilient ECMP: a flow keeps its port of the `original` group while that port is among
+/// the `candidates`; otherwise it is rehashed over them.
+fn resilient_pick(original: &[PortId], candidates: &[PortId], flow: u64, seed: u64) -> PortId {
+    (!original.is_empty())
+        .then(|| original[ecmp_index(flow, seed, original.len())])
+        .filter(|p| candidates.contains(p))
+        .unwrap_or_else(|| candidates[ecmp_index(flow, mix(seed), candidates.len())])
 }
 
 /// Which of `n` equal-cost next hops a flow takes at a switch with `seed`.

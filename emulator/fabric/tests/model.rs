@@ -798,8 +798,8 @@ fn surviving_flows_keep_their_paths_and_restored_links_rejoin_after_convergence(
     let dead = link_between(&t, &f, "spine0", "leaf1");
     // The far end dies: leaf0 does not see it; spine0 drops (blackhole) until it detects
     // it, then has no route (its only way to leaf1 is gone) until the fabric converges.
-    f.apply(Instant::ZERO, Change::LinkDown(dead));
     let via0 = flows_via(&t, &f, 0, "spine0", true);
+    f.apply(Instant::ZERO, Change::LinkDown(dead));
     assert_eq!(
         send(&mut f, &t, 50_000, (0, 2), via0[0], 0, 100),
         Verdict::Accepted,

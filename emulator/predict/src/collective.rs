@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use closbox_agents::coll::{auto_choice, hier_shape};
 use closbox_agents::schedule;
 use closbox_agents::{Algo, Endpoints, Op};
-use closbox_fabric::model::Fabric;
+use closbox_fabric::model::{Change, Fabric};
 use closbox_fabric::packet::FlowKey;
 use closbox_fabric::rng::Rng;
 use closbox_fabric::routing::{vertex_latency, PortId, Routes};
@@ -53,6 +53,8 @@ pub struct Predictor {
     /// fabric's hash gives the connection's real 5-tuple. Otherwise paths are drawn at
     /// random, as a hash would, and predictions average over the draws.
     known: Option<HashMap<(usize, usize, usize), Vec<PortId>>>,
+    /// Links down (their ports carry nothing).
+    down: Vec<u32>,
 }
 
 impl std::fmt::Debug for Predictor {
@@ -74,7 +76,19 @@ type Flow = (usize, usize, f64);
 
 impl Predictor {
     pub fn new(topo: &Topology, ranks: Vec<u32>, channels: usize) -> Predictor {
-        let routes = Routes::new(topo);
+        Predictor::with_links_down(topo, ranks, channels, Vec::new())
+    }
+
+    /// On a fabric whose links `down` are down (and whose other changes are in `topo`'s
+    /// link parameters): routes converged over the links left, flows rehashed as the
+    /// fabric's resilient ECMP does.
+    pub fn with_links_down(
+        topo: &Topology,
+        ranks: Vec<u32>,
+        channels: usize,
+        down: Vec<u32>,
+    ) -> Predictor {
+        let routes = Routes::over_live_links(topo, |l| !down.contains(&l));
         let f = &topo.fabric;
         let eff = (f.mtu as f64 - 52.0) / (f.mtu as f64 + f.l2_overhead as f64);
         let frame_bits = (f.mtu as f64 + f.l2_overhead as f64) * 8.0;
@@ -103,6 +117,7 @@ impl Predictor {
             hop_latency,
             channels: channels.max(1),
             known: None,
+            down,
         }
     }
 
@@ -111,7 +126,12 @@ impl Predictor {
     /// keeps drawing paths at random) unless every connection of every pair is known and
     /// hashed onto a single path (spraying and adaptive switches have none).
     pub fn use_paths(&mut self, topo: &Topology, reports: &[Endpoints]) -> bool {
-        let fabric = Fabric::new(topo);
+        let mut fabric = Fabric::new(topo);
+        for &l in &self.down {
+            fabric.apply(closbox_fabric::Instant::ZERO, Change::LinkDown(l));
+        }
+        // Converged: every switch knows.
+        fabric.advance(closbox_fabric::Instant::from_nanos(1 << 60));
         let n = self.n();
         let mut known = HashMap::new();
         for rep in reports.iter().filter(|r| r.rank < n) {
@@ -495,6 +515,40 @@ mod tests {
         let want = 14.0 * ((s / 8.0) / cap) + 2.0 * frame;
         let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
         assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    }
+
+    #[test]
+    fn a_spine_down_is_predicted_as_the_capacity_left() {
+        // 2 leaves × 4 GPUs, 4 spines at the NIC rate: 1:1. With spine0's links down,
+        // each leaf has 3 uplinks for 4 GPUs: an all-to-all slows where all four cross.
+        let t = topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 4\ngpus_per_leaf = 4\n[links.nic]\nrate = \"1Gbit\"\n[links.leaf-spine]\nrate = \"1Gbit\"\n");
+        let spine0 = t.hosts.len() as u32
+            + t.switches.iter().position(|s| s.name == "spine0").unwrap() as u32;
+        let routes = Routes::new(&t);
+        let down: Vec<u32> = routes
+            .ports
+            .iter()
+            .filter(|p| p.to == spine0)
+            .map(|p| p.link)
+            .collect();
+        assert_eq!(down.len(), 2);
+        let s = 8 << 20;
+        let healthy = Predictor::new(&t, (0..8).collect(), 8);
+        let degraded = Predictor::with_links_down(&t, (0..8).collect(), 8, down);
+        let slower = degraded.predict(Op::AllToAll, Algo::Auto, s, 0)
+            / healthy.predict(Op::AllToAll, Algo::Auto, s, 0);
+        // Only the step where all four cross at once needs more than three uplinks.
+        assert!(slower > 1.02, "{slower}");
+        // No path crosses a dead link.
+        for a in 0..8 {
+            for b in 0..8 {
+                if a != b {
+                    let mut rng = Rng::new(1, 1);
+                    let path = degraded.sample_path(a, b, &mut rng);
+                    assert!(path.iter().all(|p| degraded.routes.port(*p).to != spine0));
+                }
+            }
+        }
     }
 
     #[test]

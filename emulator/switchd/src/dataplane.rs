@@ -62,6 +62,8 @@ const MAX_EVENTS: usize = 10_000;
 pub struct LinkStatus {
     /// "leaf0-spine1 #0".
     pub link: String,
+    /// Index of the link in the topology (as the model numbers links).
+    pub id: u32,
     pub up: bool,
     /// Fabric seconds since it went down.
     pub down_since_s: Option<f64>,
@@ -598,6 +600,7 @@ impl<P: Ports> DataPlane<P> {
                 .into_iter()
                 .map(|l| LinkStatus {
                     link: chaos::link_name(&self.topo, l.link),
+                    id: l.link,
                     up: l.up,
                     down_since_s: l.down_since.map(|t| t.as_nanos() as f64 / 1e9),
                     rate_bps: l.params.rate.bps(),
