@@ -182,3 +182,69 @@ fn links_and_switches_go_down_and_come_back() {
     assert!(times.windows(2).all(|w| w[0] <= w[1]));
     f.down();
 }
+
+#[test]
+fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-part", FABRIC);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/allreduce_loop_gloo.py"
+    );
+    let job = |seconds: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args([
+                "run",
+                "--fabric",
+                "lt-part",
+                "--timeout",
+                "120",
+                "--",
+                "/usr/bin/python3",
+                script,
+                seconds,
+                "5",
+            ])
+            .output()
+            .unwrap()
+    };
+    // Cut gpu3 off while the job runs: it fails within gloo's 5 s timeout.
+    let started = std::time::Instant::now();
+    let running = std::thread::spawn(move || job("30"));
+    std::thread::sleep(Duration::from_secs(8));
+    let out = closbox(&["partition", "gpu3", "--fabric", "lt-part"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = running.join().unwrap();
+    let took = started.elapsed();
+    let (o, e) = text(&out);
+    eprintln!(
+        "under a partition: exit {:?} after {took:?}\n{e}",
+        out.status.code()
+    );
+    assert!(!out.status.success(), "{o}\n{e}");
+    assert!(
+        e.contains("failed") && e.contains("the other ranks were stopped"),
+        "{e}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "not within its timeout: {took:?}"
+    );
+    assert!(f.status()["drops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|d| d[0] == "partitioned" && d[1].as_u64().unwrap() > 0));
+    // Healed, the same job runs through.
+    assert!(closbox(&["heal", "--fabric", "lt-part"]).status.success());
+    let out = job("2");
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..4 {
+        assert!(o.contains(&format!("[{r}] rank {r}: ")), "{o}");
+    }
+    f.down();
+}
