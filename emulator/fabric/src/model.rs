@@ -369,25 +369,19 @@ impl Fabric {
         while v != dst.0 {
             let vs = &self.vertices[v as usize];
             // As `forward` does; once converged, every switch knows which links are down.
-            let live: Vec<PortId> = if self.degraded {
-                self.live
-                    .as_ref()
-                    .unwrap_or(&self.routes)
-                    .next_hops(v, dst)
-                    .iter()
-                    .copied()
-                    .filter(|&p| self.down_since[self.routes.port(p).link as usize].is_none())
-                    .collect()
-            } else {
-                self.routes.next_hops(v, dst).to_vec()
-            };
-            let p = match (live.len(), vs.routing) {
+            let live = self.live.as_ref().unwrap_or(&self.routes).next_hops(v, dst);
+            let usable = |p: PortId| self.down_since[self.routes.port(p).link as usize].is_none();
+            let p = match (live.iter().filter(|&&p| usable(p)).count(), vs.routing) {
                 (0, _) => return None,
-                (1, _) => live[0],
+                (1, _) => live.iter().copied().find(|&p| usable(p))?,
                 (_, Routing::Spray | Routing::Adaptive) => return None,
-                (_, Routing::Ecmp) => {
-                    resilient_pick(self.routes.next_hops(v, dst), &live, flow, vs.hash_seed)
-                }
+                (_, Routing::Ecmp) => resilient_pick(
+                    self.routes.next_hops(v, dst),
+                    live,
+                    usable,
+                    flow,
+                    vs.hash_seed,
+                )?,
             };
             path.push(p);
             v = self.routes.port(p).to;
@@ -748,18 +742,19 @@ impl Fabric {
             down_since[routes.port(p).link as usize].is_some_and(|t| now >= t + detection)
         };
         let live = self.live.as_ref().unwrap_or(&self.routes).next_hops(v, dst);
-        let candidates: Vec<PortId> = live.iter().copied().filter(|&p| !known_dead(p)).collect();
-        if candidates.is_empty() {
-            return None;
-        }
+        let usable = |p: PortId| !known_dead(p);
         let original = self.routes.next_hops(v, dst);
         let vs = &mut self.vertices[v as usize];
-        Some(match vs.routing {
+        match vs.routing {
             Routing::Ecmp | Routing::Adaptive => {
-                resilient_pick(original, &candidates, flow, vs.hash_seed)
+                resilient_pick(original, live, usable, flow, vs.hash_seed)
             }
-            Routing::Spray => candidates[vs.rng.below(candidates.len() as u32) as usize],
-        })
+            Routing::Spray => {
+                let n = live.iter().filter(|&&p| usable(p)).count();
+                let i = (n > 0).then(|| vs.rng.below(n as u32) as usize)?;
+                live.iter().copied().filter(|&p| usable(p)).nth(i)
+            }
+        }
     }
 
     /// Admits the packet in `slot` to egress port `port_id` at `now`: tail drop, ECN,
@@ -967,12 +962,29 @@ fn should_mark(port: &mut Port) -> bool {
 }
 
 /// Resilient ECMP: a flow keeps its port of the `original` group while that port is among
-/// the `candidates`; otherwise it is rehashed over them.
-fn resilient_pick(original: &[PortId], candidates: &[PortId], flow: u64, seed: u64) -> PortId {
-    (!original.is_empty())
-        .then(|| original[ecmp_index(flow, seed, original.len())])
-        .filter(|p| candidates.contains(p))
-        .unwrap_or_else(|| candidates[ecmp_index(flow, mix(seed), candidates.len())])
+/// the `live` ports that are `usable`; otherwise it is rehashed over those. `None` when
+/// none is. Allocates nothing (it runs per packet on a degraded fabric).
+fn resilient_pick(
+    original: &[PortId],
+    live: &[PortId],
+    usable: impl Fn(PortId) -> bool,
+    flow: u64,
+    seed: u64,
+) -> Option<PortId> {
+    if !original.is_empty() {
+        let p = original[ecmp_index(flow, seed, original.len())];
+        if usable(p) && live.contains(&p) {
+            return Some(p);
+        }
+    }
+    let n = live.iter().filter(|&&p| usable(p)).count();
+    if n == 0 {
+        return None;
+    }
+    live.iter()
+        .copied()
+        .filter(|&p| usable(p))
+        .nth(ecmp_index(flow, mix(seed), n))
 }
 
 /// Which of `n` equal-cost next hops a flow takes at a switch with `seed`.
