@@ -5,23 +5,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{closbox, root_or_skip, serial, text, wait_for_port, TestFabric};
+use common::{closbox, leaf_spine_4, root_or_skip, serial, text, wait_for_port, TestFabric};
 
-const FABRIC: &str = r#"
-failure_detection = "1ms"
-route_convergence = "50ms"
-[topology]
-kind = "leaf-spine"
-leaves = 2
-spines = 2
-gpus_per_leaf = 2
-[links.nic]
-rate = "1Gbit"
-delay = "5us"
-[links.leaf-spine]
-rate = "1Gbit"
-delay = "5us"
-"#;
+fn fabric() -> String {
+    format!(
+        "failure_detection = \"1ms\"\nroute_convergence = \"50ms\"\n{}",
+        leaf_spine_4("1Gbit", "5us")
+    )
+}
 
 fn port_tx(f: &TestFabric, port: &str) -> u64 {
     let out = closbox(&["status", &f.name, "--json", "--ports", port]);
@@ -58,7 +49,7 @@ fn links_and_switches_go_down_and_come_back() {
     if !root_or_skip() {
         return;
     }
-    let f = TestFabric::up("lt-chaos", FABRIC);
+    let f = TestFabric::up("lt-chaos", &fabric());
     let fab = ["--fabric", "lt-chaos"];
     let run = |args: &[&str]| {
         let mut a = args.to_vec();
@@ -189,7 +180,7 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
     if !root_or_skip() {
         return;
     }
-    let f = TestFabric::up("lt-part", FABRIC);
+    let f = TestFabric::up("lt-part", &fabric());
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/scripts/allreduce_loop_gloo.py"

@@ -6,31 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{closbox, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric};
-
-const LEAF_SPINE_4: &str = r#"
-[topology]
-kind = "leaf-spine"
-leaves = 2
-spines = 2
-gpus_per_leaf = 2
-[links.nic]
-rate = "RATE"
-delay = "DELAY"
-[links.leaf-spine]
-rate = "RATE"
-delay = "DELAY"
-[switches.leaf]
-latency = "0ns"
-[switches.spine]
-latency = "0ns"
-"#;
-
-fn leaf_spine_4(rate: &str, per_link_delay: &str) -> String {
-    LEAF_SPINE_4
-        .replace("RATE", rate)
-        .replace("DELAY", per_link_delay)
-}
+use common::{
+    closbox, leaf_spine_4, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric,
+};
 
 #[test]
 fn lifecycle_exec_run_and_errors() {

@@ -172,3 +172,29 @@ pub fn wait_for_port(f: &TestFabric, gpu: &str, port: u16) {
     }
     panic!("nothing listening on {gpu}:{port}");
 }
+
+/// A 2-leaf, 2-spine, 4-GPU fabric body (after `[fabric]`'s name) with every link at
+/// `rate` and `per_link_delay`, and no switch latency.
+const LEAF_SPINE_4: &str = r#"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 2
+gpus_per_leaf = 2
+[links.nic]
+rate = "RATE"
+delay = "DELAY"
+[links.leaf-spine]
+rate = "RATE"
+delay = "DELAY"
+[switches.leaf]
+latency = "0ns"
+[switches.spine]
+latency = "0ns"
+"#;
+
+pub fn leaf_spine_4(rate: &str, per_link_delay: &str) -> String {
+    LEAF_SPINE_4
+        .replace("RATE", rate)
+        .replace("DELAY", per_link_delay)
+}
