@@ -27,13 +27,19 @@ def main() -> int:
     want = world * (world + 1) / 2
     done = 0
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while True:
         t = torch.full((1 << 14,), float(rank + 1), dtype=torch.float32)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         if not torch.all(t == want):
             print(f"rank {rank}: wrong result {t[0].item()}, want {want}")
             return 1
         done += 1
+        # Stop together: a rank that left while others started another all-reduce would
+        # close their connections under them.
+        stop = torch.tensor([1.0 if time.monotonic() >= end else 0.0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item() > 0:
+            break
     print(f"rank {rank}: {done} all-reduces ok", flush=True)
     dist.destroy_process_group()
     return 0
