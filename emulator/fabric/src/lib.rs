@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod generate;
+pub mod load;
 pub mod names;
 pub mod topology;
 pub mod units;

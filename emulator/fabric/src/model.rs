@@ -21,9 +21,10 @@ use std::collections::binary_heap::PeekMut;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::Ipv4Addr;
 
+use crate::load::{Generator, LoadCounters, LoadSpec};
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
-use crate::routing::{vertex_latency, PortId, Routes, VertexIdx};
+use crate::routing::{scale_out_bfs, vertex_latency, PortId, Routes, VertexIdx};
 use crate::topology::{Ecn, HostId, LinkParams, QueueParams, Routing, Topology};
 use crate::units::{Bandwidth, Bytes, Duration, Instant};
 
@@ -93,7 +94,7 @@ impl Drops {
         self.0.iter().sum()
     }
 
-    fn add(&mut self, r: DropReason) {
+    pub(crate) fn add(&mut self, r: DropReason) {
         self.0[r as usize] += 1;
     }
 }
@@ -110,8 +111,13 @@ pub struct PortCounters {
     pub ecn_marked: u64,
     /// Highest queue occupancy seen, in IP bytes, including the packet in service.
     pub max_queue_bytes: u64,
-    /// Time spent serializing (fabric time).
+    /// Time spent serializing (fabric time), synthetic load included.
     pub busy: Duration,
+    /// Synthetic load (`Change::StartLoad`) through this port: sent, and dropped for any
+    /// reason (not in the counters above, which are the GPUs' packets).
+    pub load_tx_packets: u64,
+    pub load_tx_bytes: u64,
+    pub load_drops: u64,
 }
 
 /// Result of offering a packet to the fabric.
@@ -156,7 +162,36 @@ pub enum Change {
     Partition(Vec<u16>),
     /// No partition any more.
     Heal,
+    /// Synthetic traffic starts (see `load`); false if its id is taken.
+    StartLoad(LoadSpec),
+    /// The load with this id stops (its packets in the fabric go on).
+    StopLoad(u32),
 }
+
+/// A load and what it did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadStatus {
+    pub spec: LoadSpec,
+    pub started: Instant,
+    /// Still sending (not stopped, not done).
+    pub active: bool,
+    pub counters: LoadCounters,
+}
+
+struct LoadState {
+    gen: Generator,
+    active: bool,
+    counters: LoadCounters,
+    /// Toward a switch: per vertex, the ports on a shortest path (routing tables hold
+    /// only GPU destinations). Empty toward a GPU.
+    toward: Vec<Vec<PortId>>,
+}
+
+/// `InFlight::load` of a GPU's packet.
+const NO_LOAD: u32 = u32::MAX;
+/// Backlog entry flags.
+const LOST: u8 = 1;
+const SYNTHETIC: u8 = 2;
 
 /// A link as it is now, where it differs from the topology.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -189,8 +224,8 @@ struct Port {
     busy_until: Instant,
     /// Serialization remainder in units of 1/rate ns, carried across back-to-back packets.
     carry: u64,
-    /// Admitted packets not yet finished: (finish, IP bytes, lost on the wire).
-    backlog: VecDeque<(Instant, u32, bool)>,
+    /// Admitted packets not yet finished: (finish, IP bytes, `LOST` | `SYNTHETIC`).
+    backlog: VecDeque<(Instant, u32, u8)>,
     /// Packets that will arrive at `to`, in arrival order: (arrival, slot).
     transit: VecDeque<(Instant, u32)>,
     backlog_bytes: u64,
@@ -208,6 +243,9 @@ struct InFlight {
     ecn: u8,
     /// Unseeded mix of the 5-tuple; each switch mixes in its own seed.
     flow: u64,
+    /// Index of the load that made it (then `data` is empty and `dst` its target
+    /// vertex), or `NO_LOAD`.
+    load: u32,
 }
 
 struct VertexState {
@@ -257,6 +295,12 @@ pub struct Fabric {
     degraded: bool,
     /// Group of each GPU while a partition holds.
     partition: Option<Vec<u16>>,
+    /// Synthetic loads, in the order they started (their index is their generator's
+    /// event key above the ports').
+    loads: Vec<LoadState>,
+    /// Of `in_transit`, synthetic packets.
+    load_in_transit: u64,
+    seed: u64,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -335,6 +379,9 @@ impl Fabric {
             convergence: topo.fabric.convergence,
             degraded: false,
             partition: None,
+            loads: Vec::new(),
+            load_in_transit: 0,
+            seed,
             topo: topo.clone(),
         }
     }
@@ -433,9 +480,18 @@ impl Fabric {
             wire_bits: (len as u64 + frames as u64 * self.l2_overhead as u64) * 8,
             ecn: headers.ecn,
             flow: flow_key_mix(&headers.key),
+            load: NO_LOAD,
         };
         self.next_packet += 1;
-        let slot = match self.free.pop() {
+        let slot = self.hold(pkt);
+        match self.forward(now, src.0, slot) {
+            Ok(()) => Verdict::Accepted,
+            Err(r) => Verdict::Dropped(r),
+        }
+    }
+
+    fn hold(&mut self, pkt: InFlight) -> u32 {
+        match self.free.pop() {
             Some(s) => {
                 self.slots[s as usize] = Some(pkt);
                 s
@@ -444,10 +500,6 @@ impl Fabric {
                 self.slots.push(Some(pkt));
                 self.slots.len() as u32 - 1
             }
-        };
-        match self.forward(now, src.0, slot) {
-            Ok(()) => Verdict::Accepted,
-            Err(r) => Verdict::Dropped(r),
         }
     }
 
@@ -470,6 +522,11 @@ impl Fabric {
                 if t > now {
                     break;
                 }
+                if port as usize >= self.ports.len() {
+                    PeekMut::pop(top);
+                    self.emit(t, port as usize - self.ports.len());
+                    continue;
+                }
                 let p = &mut self.ports[port as usize];
                 // A link that went down lost what it carried: nothing arrives.
                 let Some((_, slot)) = p.transit.pop_front() else {
@@ -486,7 +543,19 @@ impl Fabric {
             };
             self.in_transit -= 1;
             self.converge_by(t);
-            if v < self.hosts {
+            let load = self.slots[slot as usize].as_ref().expect("live slot").load;
+            if load != NO_LOAD {
+                self.load_in_transit -= 1;
+                let st = &self.loads[load as usize];
+                if v == st.gen.spec.to {
+                    let len = self.release(slot).len as u64;
+                    let c = &mut self.loads[load as usize].counters;
+                    c.delivered_packets += 1;
+                    c.delivered_bytes += len;
+                } else {
+                    let _ = self.forward(t, v, slot);
+                }
+            } else if v < self.hosts {
                 let pkt = self.release(slot);
                 debug_assert_eq!(pkt.dst.0, v);
                 self.delivered += 1;
@@ -565,6 +634,42 @@ impl Fabric {
                     return false;
                 }
             }
+            Change::StartLoad(spec) => {
+                let n = self.hosts as usize + self.topo.switches.len();
+                assert!(
+                    (spec.from as usize) < n && (spec.to as usize) < n && spec.from != spec.to,
+                    "a load between two vertices of the fabric"
+                );
+                assert!(
+                    spec.packet > 0 && spec.rate.bps() > 0,
+                    "a load sends something"
+                );
+                if self.loads.iter().any(|l| l.gen.spec.id == spec.id) {
+                    return false;
+                }
+                let i = self.loads.len();
+                let rng = Rng::new(self.seed, 2 << 40 | spec.id as u64);
+                let mut st = LoadState {
+                    gen: Generator::new(spec, now, rng),
+                    active: true,
+                    counters: LoadCounters::default(),
+                    toward: Vec::new(),
+                };
+                st.toward = self.toward(st.gen.spec.to);
+                self.loads.push(st);
+                self.events
+                    .push(Reverse(pack(now, (self.ports.len() + i) as u32)));
+            }
+            Change::StopLoad(id) => {
+                let Some(st) = self.loads.iter_mut().find(|l| l.gen.spec.id == id) else {
+                    return false;
+                };
+                if !st.active {
+                    return false;
+                }
+                st.active = false;
+                st.gen.next = None;
+            }
             Change::ResetLink(link) => {
                 for p in ports(link) {
                     let buffer = self.original_buffer(p.0);
@@ -576,6 +681,196 @@ impl Fabric {
             }
         }
         true
+    }
+
+    /// Every load started, in order, with its counters.
+    pub fn loads(&self) -> Vec<LoadStatus> {
+        self.loads
+            .iter()
+            .map(|l| LoadStatus {
+                spec: l.gen.spec.clone(),
+                started: l.gen.started,
+                active: l.active,
+                counters: l.counters,
+            })
+            .collect()
+    }
+
+    /// The share of a load's packets that crosses each port, as the fabric routes them
+    /// now (split evenly at every equal-cost branch): what it takes from each link, for
+    /// predictions. Empty for an unknown id.
+    pub fn load_shares(&self, id: u32) -> Vec<(PortId, f64)> {
+        let Some(st) = self.loads.iter().find(|l| l.gen.spec.id == id) else {
+            return Vec::new();
+        };
+        let n = self.hosts as usize + self.topo.switches.len();
+        let mut at = vec![0.0f64; n];
+        at[st.gen.spec.from as usize] = 1.0;
+        let mut order = vec![st.gen.spec.from];
+        let mut out: Vec<(PortId, f64)> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let v = order[i];
+            i += 1;
+            let share = std::mem::take(&mut at[v as usize]);
+            if v == st.gen.spec.to || share == 0.0 {
+                continue;
+            }
+            let group: Vec<PortId> = self
+                .load_group(st, v)
+                .iter()
+                .copied()
+                .filter(|&p| self.down_since[self.routes.port(p).link as usize].is_none())
+                .collect();
+            for &p in &group {
+                let part = share / group.len() as f64;
+                match out.iter_mut().find(|(q, _)| *q == p) {
+                    Some(e) => e.1 += part,
+                    None => out.push((p, part)),
+                }
+                let u = self.routes.port(p).to;
+                if at[u as usize] == 0.0 && !order[i..].contains(&u) {
+                    order.push(u);
+                }
+                at[u as usize] += part;
+            }
+        }
+        out
+    }
+
+    /// The ports a load's packets may take at `v` (before taking out dead links).
+    fn load_group<'a>(&'a self, st: &'a LoadState, v: VertexIdx) -> &'a [PortId] {
+        let to = st.gen.spec.to;
+        if to < self.hosts {
+            self.live
+                .as_ref()
+                .unwrap_or(&self.routes)
+                .next_hops(v, HostId(to))
+        } else {
+            &st.toward[v as usize]
+        }
+    }
+
+    /// Toward switch vertex `to`: per vertex, its ports on a shortest path over the links
+    /// that are up (GPUs do not forward). Empty toward a GPU (routes have those).
+    fn toward(&self, to: VertexIdx) -> Vec<Vec<PortId>> {
+        if to < self.hosts {
+            return Vec::new();
+        }
+        let n = self.hosts as usize + self.topo.switches.len();
+        let (ports, out) = (&self.routes.ports, &self.routes.out);
+        let alive = |p: PortId| self.down_since[ports[p.0 as usize].link as usize].is_none();
+        let mut dist = vec![u32::MAX; n];
+        let mut queue = std::collections::VecDeque::new();
+        let h = self.hosts;
+        scale_out_bfs(
+            out,
+            ports,
+            to,
+            &mut dist,
+            &mut queue,
+            |v| v < h,
+            |p, _| !alive(p),
+        );
+        (0..n)
+            .map(|v| {
+                let dv = dist[v];
+                if dv == u32::MAX || dv == 0 {
+                    return Vec::new();
+                }
+                out[v]
+                    .iter()
+                    .copied()
+                    .filter(|&p| {
+                        let u = ports[p.0 as usize].to;
+                        alive(p) && dist[u as usize] == dv - 1 && (u >= h)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Load `i`'s packet due at `t` leaves (and its next one is scheduled).
+    fn emit(&mut self, t: Instant, i: usize) {
+        let key = (self.ports.len() + i) as u32;
+        let l2 = self.l2_overhead as u64;
+        let st = &mut self.loads[i];
+        if !st.active || st.gen.next != Some(t) {
+            return;
+        }
+        let len = st.gen.packet_len();
+        let wire_bits = (len as u64 + l2) * 8;
+        st.gen.sent(t, len, wire_bits);
+        match st.gen.next {
+            Some(n) => self.events.push(Reverse(pack(n, key))),
+            None => st.active = false,
+        }
+        st.counters.sent_packets += 1;
+        st.counters.sent_bytes += len as u64;
+        let (from, to) = (st.gen.spec.from, st.gen.spec.to);
+        if let Some(groups) = &self.partition {
+            if from < self.hosts && to < self.hosts && groups[from as usize] != groups[to as usize]
+            {
+                st.counters.drops.add(DropReason::Partitioned);
+                return;
+            }
+        }
+        if self.memory_used + PACKET_OVERHEAD > self.memory_limit {
+            st.counters.drops.add(DropReason::MemoryLimit);
+            return;
+        }
+        self.memory_used += PACKET_OVERHEAD;
+        let pkt = InFlight {
+            data: Vec::new(),
+            src: HostId(from),
+            dst: HostId(to),
+            id: self.next_packet,
+            len,
+            wire_bits,
+            ecn: packet::ECN_ECT0,
+            flow: 0,
+            load: i as u32,
+        };
+        self.next_packet += 1;
+        let slot = self.hold(pkt);
+        let _ = self.forward(t, from, slot);
+    }
+
+    /// Forwards load `i`'s packet in `slot` at vertex `v`: a random one of the usable
+    /// equal-cost ports (a load is many flows), with the detection rules of GPU traffic.
+    fn forward_load(
+        &mut self,
+        now: Instant,
+        v: VertexIdx,
+        slot: u32,
+        i: usize,
+    ) -> Result<(), DropReason> {
+        let draw = self.loads[i].gen.rng.next_u64();
+        let detection = self.detection;
+        let known_dead = |p: PortId| {
+            self.down_since[self.routes.port(p).link as usize].is_some_and(|t| now >= t + detection)
+        };
+        let group = self.load_group(&self.loads[i], v);
+        let n = group.iter().filter(|&&p| !known_dead(p)).count();
+        let pick = (n > 0).then(|| {
+            group
+                .iter()
+                .copied()
+                .filter(|&p| !known_dead(p))
+                .nth((draw % n as u64) as usize)
+        });
+        let Some(Some(p)) = pick else {
+            self.release(slot);
+            self.loads[i].counters.drops.add(DropReason::NoRoute);
+            return Err(DropReason::NoRoute);
+        };
+        if self.down_since[self.routes.port(p).link as usize].is_some() {
+            self.ports[p.0 as usize].counters.load_drops += 1;
+            self.loads[i].counters.drops.add(DropReason::LinkDown);
+            self.release(slot);
+            return Err(DropReason::LinkDown);
+        }
+        self.enqueue(now, p, slot)
     }
 
     /// The group of each GPU while a partition holds.
@@ -624,12 +919,20 @@ impl Fabric {
         port.backlog_bytes = 0;
         port.busy_until = now;
         port.carry = 0;
-        for _ in &lost {
-            port.counters.drops.add(DropReason::LinkDown);
-        }
         self.in_transit -= lost.len() as u64;
         for slot in lost {
-            self.release(slot);
+            let load = self.release(slot).load;
+            let counters = &mut self.ports[p.0 as usize].counters;
+            if load == NO_LOAD {
+                counters.drops.add(DropReason::LinkDown);
+            } else {
+                counters.load_drops += 1;
+                self.load_in_transit -= 1;
+                self.loads[load as usize]
+                    .counters
+                    .drops
+                    .add(DropReason::LinkDown);
+            }
         }
     }
 
@@ -650,6 +953,11 @@ impl Fabric {
             }));
             self.degraded = true;
         }
+        for i in 0..self.loads.len() {
+            if self.loads[i].active && self.loads[i].gen.spec.to >= self.hosts {
+                self.loads[i].toward = self.toward(self.loads[i].gen.spec.to);
+            }
+        }
     }
 
     /// The next packet that has arrived at its GPU, in arrival order.
@@ -661,6 +969,10 @@ impl Fabric {
     /// Routes the packet in `slot`, standing at vertex `v` at time `now`, onto an egress
     /// port and schedules its arrival at the next vertex.
     fn forward(&mut self, now: Instant, v: VertexIdx, slot: u32) -> Result<(), DropReason> {
+        let load = self.slots[slot as usize].as_ref().expect("live slot").load;
+        if load != NO_LOAD {
+            return self.forward_load(now, v, slot, load as usize);
+        }
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
             if !packet::decrement_ttl(&mut pkt.data) {
@@ -763,11 +1075,22 @@ impl Fabric {
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
         let port = &mut self.ports[port_id.0 as usize];
         settle(port, now);
-        let (len, wire_bits, ecn, id) = (pkt.len, pkt.wire_bits, pkt.ecn, pkt.id);
-        port.counters.rx_packets += 1;
-        port.counters.rx_bytes += len as u64;
+        let (len, wire_bits, ecn, id, load) = (pkt.len, pkt.wire_bits, pkt.ecn, pkt.id, pkt.load);
+        let synthetic = load != NO_LOAD;
+        if !synthetic {
+            port.counters.rx_packets += 1;
+            port.counters.rx_bytes += len as u64;
+        }
         if port.backlog_bytes + len as u64 > port.queue.buffer.get() {
-            port.counters.drops.add(DropReason::BufferFull);
+            if synthetic {
+                port.counters.load_drops += 1;
+                self.loads[load as usize]
+                    .counters
+                    .drops
+                    .add(DropReason::BufferFull);
+            } else {
+                port.counters.drops.add(DropReason::BufferFull);
+            }
             if let Some(t) = &mut self.trace {
                 t.push(TraceEntry {
                     port: port_id,
@@ -783,9 +1106,13 @@ impl Fabric {
         // Only ECT packets are marked; CE ones stay CE and are not counted again.
         if ecn != ECN_NOT_ECT && ecn != ECN_CE && should_mark(port) {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
-            packet::mark_ce(&mut pkt.data);
             pkt.ecn = ECN_CE;
-            port.counters.ecn_marked += 1;
+            if synthetic {
+                self.loads[load as usize].counters.ecn_marked += 1;
+            } else {
+                packet::mark_ce(&mut pkt.data);
+                port.counters.ecn_marked += 1;
+            }
         }
         // Back to back: the serialization remainder carries over, so long runs are exact.
         let start = port.busy_until.max(now);
@@ -800,7 +1127,8 @@ impl Fabric {
         port.busy_until = finish;
         port.counters.busy += ser;
         let lost = port.link.loss > 0.0 && port.rng.next_f64() < port.link.loss;
-        port.backlog.push_back((finish, len, lost));
+        let flags = if lost { LOST } else { 0 } | if synthetic { SYNTHETIC } else { 0 };
+        port.backlog.push_back((finish, len, flags));
         port.backlog_bytes += len as u64;
         port.counters.max_queue_bytes = port.counters.max_queue_bytes.max(port.backlog_bytes);
         if let Some(t) = &mut self.trace {
@@ -813,8 +1141,17 @@ impl Fabric {
             });
         }
         if lost {
+            if synthetic {
+                self.loads[load as usize]
+                    .counters
+                    .drops
+                    .add(DropReason::Loss);
+            }
             self.release(slot);
         } else {
+            if synthetic {
+                self.load_in_transit += 1;
+            }
             // No overtaking on a link, even if its delay was lowered meanwhile.
             let mut arrive = finish + port.link.delay + port.next_latency;
             if let Some(&(last, _)) = port.transit.back() {
@@ -872,14 +1209,20 @@ impl Fabric {
             sent: self.sent,
             delivered: self.delivered,
             drops,
-            queued: self.ports.iter().map(|p| p.backlog.len() as u64).sum(),
+            queued: self
+                .ports
+                .iter()
+                .flat_map(|p| p.backlog.iter())
+                .filter(|e| e.2 & SYNTHETIC == 0)
+                .count() as u64,
             // Finished on a port, not yet arrived (propagation, switch latency).
             in_flight: self.in_transit
+                - self.load_in_transit
                 - self
                     .ports
                     .iter()
                     .flat_map(|p| p.backlog.iter())
-                    .filter(|(_, _, lost)| !lost)
+                    .filter(|e| e.2 == 0)
                     .count() as u64,
         }
     }
@@ -927,17 +1270,23 @@ fn unpack(e: u128) -> (Instant, u32) {
 /// Retires packets that finished by `now`.
 #[inline]
 fn settle(port: &mut Port, now: Instant) {
-    while let Some(&(finish, len, lost)) = port.backlog.front() {
+    while let Some(&(finish, len, flags)) = port.backlog.front() {
         if finish > now {
             break;
         }
         port.backlog.pop_front();
         port.backlog_bytes -= len as u64;
-        if lost {
-            port.counters.drops.add(DropReason::Loss);
-        } else {
-            port.counters.tx_packets += 1;
-            port.counters.tx_bytes += len as u64;
+        match (flags & LOST != 0, flags & SYNTHETIC != 0) {
+            (true, false) => port.counters.drops.add(DropReason::Loss),
+            (true, true) => port.counters.load_drops += 1,
+            (false, false) => {
+                port.counters.tx_packets += 1;
+                port.counters.tx_bytes += len as u64;
+            }
+            (false, true) => {
+                port.counters.load_tx_packets += 1;
+                port.counters.load_tx_bytes += len as u64;
+            }
         }
     }
 }

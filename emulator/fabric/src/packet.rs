@@ -23,6 +23,7 @@ pub struct FlowKey {
 
 /// ECN codepoints (RFC 3168).
 pub const ECN_NOT_ECT: u8 = 0b00;
+pub const ECN_ECT0: u8 = 0b10;
 pub const ECN_CE: u8 = 0b11;
 
 /// What the fabric needs from a packet's headers.

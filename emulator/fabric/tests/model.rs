@@ -933,3 +933,222 @@ fn a_partition_drops_traffic_between_its_sides_until_healed() {
     assert_eq!(run(&mut f).len(), 2);
     totals_conserved(&mut f, 1_000_000);
 }
+
+// Synthetic load (`Change::StartLoad`): another job's traffic inside the model.
+
+use closbox_fabric::load::{LoadSpec, Pattern};
+use closbox_fabric::{Bandwidth, Duration};
+
+/// Vertex index of a named GPU or switch.
+fn vertex(t: &Topology, name: &str) -> u32 {
+    match t.host_by_name(name) {
+        Some(h) => h.0,
+        None => {
+            t.hosts.len() as u32 + t.switches.iter().position(|s| s.name == name).unwrap() as u32
+        }
+    }
+}
+
+fn load(t: &Topology, id: u32, from: &str, to: &str, gbps: f64, pattern: Pattern) -> Change {
+    Change::StartLoad(LoadSpec {
+        id,
+        from: vertex(t, from),
+        to: vertex(t, to),
+        rate: Bandwidth::from_bps((gbps * 1e9) as u64),
+        packet: 1000,
+        pattern,
+        duration: None,
+    })
+}
+
+/// Every load's packets are accounted for: sent = delivered + dropped once all arrived.
+fn loads_conserved(f: &Fabric) {
+    for l in f.loads() {
+        let c = l.counters;
+        assert_eq!(
+            c.sent_packets,
+            c.delivered_packets + c.drops.total(),
+            "{l:?}"
+        );
+    }
+}
+
+#[test]
+fn a_load_spreads_over_equal_cost_paths_and_takes_its_share_of_each_link() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    // 2 Gbit/s on the wire from leaf0 to leaf1 for 1 ms: a quarter on each spine.
+    assert!(f.apply(
+        Instant::ZERO,
+        load(&t, 7, "leaf0", "leaf1", 2.0, Pattern::Steady)
+    ));
+    assert!(
+        !f.apply(
+            Instant::ZERO,
+            load(&t, 7, "leaf0", "leaf1", 1.0, Pattern::Steady)
+        ),
+        "id taken"
+    );
+    let shares = f.load_shares(7);
+    assert_eq!(shares.len(), 8, "{shares:?}");
+    for (p, s) in &shares {
+        assert!((s - 0.25).abs() < 1e-9, "{p:?} {s}");
+    }
+    let end = Instant::from_nanos(1_000_000);
+    f.advance(end);
+    assert!(f.apply(end, Change::StopLoad(7)));
+    assert!(!f.apply(end, Change::StopLoad(7)), "stopped already");
+    run(&mut f);
+    let l = &f.loads()[0];
+    assert!(!l.active);
+    // 1 ms at 2 Gbit/s of 1038-byte frames.
+    assert_eq!(l.counters.sent_packets, 241, "{l:?}");
+    loads_conserved(&f);
+    assert_eq!(l.counters.drops.total(), 0);
+    let c = f.port_counters(Instant::from_nanos(10_000_000));
+    let mut via = Vec::new();
+    for spine in ["spine0", "spine1", "spine2", "spine3"] {
+        let up = &c[port(&t, &f, "leaf0", spine).0 as usize];
+        let down = &c[port(&t, &f, spine, "leaf1").0 as usize];
+        assert_eq!(up.load_tx_packets, down.load_tx_packets);
+        assert_eq!(
+            (up.tx_packets, up.drops.total()),
+            (0, 0),
+            "GPU counters untouched"
+        );
+        via.push(up.load_tx_packets);
+    }
+    assert_eq!(via.iter().sum::<u64>(), 241);
+    // Random spreading: each spine gets about a quarter.
+    assert!(via.iter().all(|&n| (40..=80).contains(&n)), "{via:?}");
+    // GPU totals know nothing of it.
+    assert_eq!(f.totals(Instant::from_nanos(10_000_000)).sent, 0);
+}
+
+#[test]
+fn gpu_traffic_shares_a_link_with_a_load() {
+    let t = topo(SWITCH2);
+    // Alone: 200 back-to-back 1000-byte packets gpu1 → gpu0 take 201 packet times.
+    let alone = {
+        let mut f = Fabric::new(&t);
+        for i in 0..200 {
+            let _ = send(&mut f, &t, 0, (1, 0), i, 0, 1000);
+        }
+        run(&mut f).last().unwrap().at.as_nanos()
+    };
+    assert_eq!(alone, 201 * 8304);
+    // With a 0.5 Gbit/s load from gpu2 into the same port: a FIFO shares the link in
+    // proportion to what arrives (1 Gbit/s of the GPU's, 0.5 of the load's), so the
+    // GPU's packets take 1.5 times as long. (A TCP sender would settle at what is left.)
+    let mut f = Fabric::new(&t);
+    assert!(f.apply(
+        Instant::ZERO,
+        load(&t, 1, "gpu2", "gpu0", 0.5, Pattern::Steady)
+    ));
+    for i in 0..200 {
+        let _ = send(&mut f, &t, 0, (1, 0), i, 0, 1000);
+    }
+    let mut last = 0;
+    while let Some(at) = f.poll_timeout() {
+        f.advance(at);
+        while let Some(d) = f.poll_delivery() {
+            last = d.at.as_nanos();
+        }
+        if at.as_nanos() > 10 * alone {
+            break;
+        }
+    }
+    let ratio = last as f64 / alone as f64;
+    assert!(
+        (1.45..1.55).contains(&ratio),
+        "with load {last} ns, alone {alone} ns"
+    );
+    let c = f.port_counters(Instant::from_nanos(last));
+    let down = &c[port(&t, &f, "sw0", "gpu0").0 as usize];
+    assert_eq!(down.tx_packets, 200);
+    assert!(down.load_tx_packets > 150, "{down:?}");
+    totals_conserved(&mut f, last);
+}
+
+#[test]
+fn incast_bursts_fill_the_port_buffer_and_are_dropped_and_marked() {
+    // Three GPUs burst 200 KB each at line rate into gpu0's 100 KB port, ECN above 20 KB.
+    let t = topo(&format!(
+        "{SWITCH2}buffer = \"100KB\"\necn = {{ k = \"20KB\" }}\n"
+    ));
+    let mut f = Fabric::new(&t);
+    let bursts = Pattern::Bursts {
+        bytes: 200_000,
+        every: Duration::from_nanos(10_000_000),
+        count: 2,
+    };
+    for (i, src) in ["gpu1", "gpu2", "gpu3"].iter().enumerate() {
+        assert!(f.apply(Instant::ZERO, load(&t, i as u32, src, "gpu0", 1.0, bursts)));
+    }
+    run(&mut f);
+    loads_conserved(&f);
+    let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+    let down = &c[port(&t, &f, "sw0", "gpu0").0 as usize];
+    // Full up to the last packet that fits.
+    assert!(
+        down.max_queue_bytes > 99_000 && down.max_queue_bytes <= 100_000,
+        "{down:?}"
+    );
+    let loads = f.loads();
+    let dropped: u64 = loads
+        .iter()
+        .map(|l| l.counters.drops.get(DropReason::BufferFull))
+        .sum();
+    let marked: u64 = loads.iter().map(|l| l.counters.ecn_marked).sum();
+    assert_eq!(dropped, down.load_drops);
+    assert!(dropped > 100, "{loads:?}");
+    assert!(marked > 100, "{loads:?}");
+    for l in &loads {
+        assert_eq!(l.counters.sent_bytes, 400_000, "two bursts of 200 KB");
+        assert!(!l.active, "done after its count");
+    }
+}
+
+#[test]
+fn a_load_on_a_failed_link_is_blackholed_then_moves_to_the_links_left() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    assert!(f.apply(
+        Instant::ZERO,
+        load(&t, 1, "leaf0", "spine0", 0.5, Pattern::Steady)
+    ));
+    assert!(f.apply(
+        Instant::ZERO,
+        load(&t, 2, "leaf0", "leaf1", 1.0, Pattern::Steady)
+    ));
+    let dead = link_between(&t, &f, "leaf0", "spine0");
+    f.apply(Instant::from_nanos(200_000), Change::LinkDown(dead));
+    // Before detection: blackholed; after convergence the leaf0 → leaf1 load uses the
+    // three spines left, and the load to spine0 goes round through another spine and
+    // leaf1.
+    f.advance(Instant::from_nanos(400_000));
+    let shares = f.load_shares(2);
+    assert_eq!(shares.len(), 6, "{shares:?}");
+    let to_spine0 = f.load_shares(1);
+    // leaf0 → spine1..3 → leaf1 → spine0.
+    assert_eq!(to_spine0.len(), 7, "{to_spine0:?}");
+    let last = port(&t, &f, "leaf1", "spine0");
+    assert!(to_spine0.contains(&(last, 1.0)), "{to_spine0:?}");
+    assert!(
+        to_spine0
+            .iter()
+            .all(|(p, _)| f.routes().port(*p).link != dead),
+        "{to_spine0:?}"
+    );
+    f.apply(Instant::from_nanos(1_000_000), Change::StopLoad(1));
+    f.apply(Instant::from_nanos(1_000_000), Change::StopLoad(2));
+    run(&mut f);
+    loads_conserved(&f);
+    let ls = f.loads();
+    assert!(
+        ls[1].counters.drops.get(DropReason::LinkDown) > 0,
+        "{:?}",
+        ls[1]
+    );
+    assert!(ls[1].counters.delivered_packets > 100);
+}
