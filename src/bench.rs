@@ -30,6 +30,8 @@ pub struct Target<'a> {
     pub gpus: &'a str,
     pub channels: usize,
     pub timeout: Option<Duration>,
+    /// A chaos scenario to run with the job (`--chaos FILE`).
+    pub chaos: Option<&'a std::path::Path>,
 }
 
 pub struct BenchArgs<'a> {
@@ -92,10 +94,18 @@ fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)
 
 /// The fabric as it is now, for predictions: the topology with the changed links'
 /// parameters, and the links that are down.
-fn fabric_now(st: &State, topo: &Topology) -> (Topology, Vec<u32>) {
+/// The fabric as it is now: links changed in `topo`, the links down, and the load each
+/// port carries (port, bit/s on the wire) from running synthetic loads.
+fn fabric_now(st: &State, topo: &Topology) -> (Topology, Vec<u32>, Vec<(u32, f64)>) {
     let mut now = topo.clone();
     let mut down = Vec::new();
+    let mut background = Vec::new();
     if let Some(s) = RunHealth::snapshot(&st.fabric) {
+        for l in s.loads.iter().filter(|l| l.active) {
+            for &(port, share) in &l.port_shares {
+                background.push((port, l.mean_bps * share));
+            }
+        }
         for l in &s.changed_links {
             let Some(link) = now.links.get_mut(l.id as usize) else {
                 continue;
@@ -108,7 +118,22 @@ fn fabric_now(st: &State, topo: &Topology) -> (Topology, Vec<u32>) {
             }
         }
     }
-    (now, down)
+    (now, down, background)
+}
+
+/// The fabric as it is now (links down or changed, loads running), and a predictor for it.
+fn predictor_now(
+    st: &State,
+    topo: &Topology,
+    ranks: Vec<u32>,
+    channels: usize,
+) -> (Topology, Predictor) {
+    let (topo, down, background) = fabric_now(st, topo);
+    let mut p = Predictor::with_links_down(&topo, ranks, channels, down);
+    for (port, bps) in background {
+        p.add_background(port, bps);
+    }
+    (topo, p)
 }
 
 /// What the fabric and the box did during a run, from status snapshots before and after.
@@ -127,7 +152,14 @@ pub struct RunHealth {
     /// down or changed at its end.
     changes: u64,
     changed_links: Vec<String>,
+    /// The changes during the run, as `closbox events` prints them.
+    events: Vec<String>,
+    /// Synthetic loads running during the run.
+    loads: Vec<String>,
 }
+
+/// Most events a footer lists.
+const FOOTER_EVENTS: usize = 20;
 
 /// How much lateness may add to an operation before results are flagged: 5 %.
 const LATENESS_SHARE: f64 = 0.05;
@@ -140,7 +172,34 @@ impl RunHealth {
         }
     }
 
-    fn between(before: &Status, after: &Status) -> RunHealth {
+    fn between(fabric: &FabricName, before: &Status, after: &Status) -> RunHealth {
+        let events = match control::request(fabric, &Request::Events) {
+            Ok(Reply::Events { events }) => events
+                .iter()
+                .filter(|e| e.seq > before.events)
+                .map(crate::chaos::line)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut loads: Vec<String> = Vec::new();
+        for l in before.loads.iter().chain(&after.loads) {
+            let running_then = before.loads.iter().any(|b| b.id == l.id && b.active);
+            let new = !before.loads.iter().any(|b| b.id == l.id);
+            if (running_then || new)
+                && !loads
+                    .iter()
+                    .any(|s| s.starts_with(&format!("load {} ", l.id)))
+            {
+                loads.push(format!(
+                    "load {} {} -> {} {} {}",
+                    l.id,
+                    l.from,
+                    l.to,
+                    closbox_fabric::Bandwidth::from_bps(l.rate_bps),
+                    l.pattern
+                ));
+            }
+        }
         let fabric_drops =
             |s: &Status| crate::status::drops(s, "buffer_full") + crate::status::drops(s, "loss");
         let hist = Histogram::since(&before.lateness_buckets, &after.lateness_buckets);
@@ -166,6 +225,8 @@ impl RunHealth {
                 .iter()
                 .map(|l| format!("{}{}", l.link, if l.up { " (changed)" } else { " (down)" }))
                 .collect(),
+            events,
+            loads,
         }
     }
 
@@ -213,6 +274,19 @@ impl RunHealth {
                     format!("; at its end: {}", self.changed_links.join(", "))
                 }
             );
+            for e in self.events.iter().take(FOOTER_EVENTS) {
+                let _ = writeln!(s, "#   {e}");
+            }
+            if self.events.len() > FOOTER_EVENTS {
+                let _ = writeln!(
+                    s,
+                    "#   … and {} more (`closbox events`)",
+                    self.events.len() - FOOTER_EVENTS
+                );
+            }
+        }
+        for l in &self.loads {
+            let _ = writeln!(s, "# synthetic load during the run: {l}");
         }
         if self.behind(shortest_us, steps) {
             let why = if self.tun_drops > 0 {
@@ -250,6 +324,7 @@ fn run_agents(
     st: &State,
     sel: &[usize],
     t: &Target,
+    chaos: Option<&crate::chaos::Timeline>,
     agent_args: Vec<String>,
     mut on_output: impl FnMut(Output, &SharedEndpoints) + Send + 'static,
 ) -> anyhow::Result<Ran> {
@@ -282,6 +357,7 @@ fn run_agents(
         master_port: 29500,
         cmd: &cmd,
         sink: Some(sink),
+        chaos,
     })?;
     if code != ExitCode::SUCCESS {
         bail!("the agents failed (see above)");
@@ -290,7 +366,9 @@ fn run_agents(
     let endpoints = std::mem::take(&mut *endpoints.lock().expect("endpoints lock"));
     Ok(Ran {
         endpoints,
-        health: before.zip(after).map(|(b, a)| RunHealth::between(&b, &a)),
+        health: before
+            .zip(after)
+            .map(|(b, a)| RunHealth::between(&st.fabric, &b, &a)),
     })
 }
 
@@ -298,6 +376,11 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     closbox_switchd::require_root("closbox bench")?;
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
+    let timeline = a
+        .target
+        .chaos
+        .map(|f| crate::chaos::Timeline::load(&st, f))
+        .transpose()?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     // Validated here, before any agent starts, by the agents' own rules.
     let spec = a
@@ -313,8 +396,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         )));
     }
     // Predictions on the fabric as it is (links down or changed by `closbox link …`).
-    let (topo, down) = fabric_now(&st, &topo);
-    let predictor = Predictor::with_links_down(&topo, ranks, a.target.channels, down);
+    let (topo, predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let total = a.ops.len() * spec.sizes.len();
     // What the sweep should take on the wall clock, from the model (random paths).
     let runs = (spec.iters + spec.warmup) as f64;
@@ -369,11 +451,18 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         }),
     }));
     let streaming = Arc::clone(&sweep);
-    let ran = run_agents(&st, &sel, &a.target, args, move |out, endpoints| {
-        if let Output::Row(row) = out {
-            streaming.lock().expect("sweep").add(row, endpoints);
-        }
-    })?;
+    let ran = run_agents(
+        &st,
+        &sel,
+        &a.target,
+        timeline.as_ref(),
+        args,
+        move |out, endpoints| {
+            if let Output::Row(row) = out {
+                streaming.lock().expect("sweep").add(row, endpoints);
+            }
+        },
+    )?;
     let mut sweep = Arc::try_unwrap(sweep)
         .map_err(|_| anyhow::anyhow!("sweep still shared"))?
         .into_inner()
@@ -524,9 +613,13 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     closbox_switchd::require_root("closbox train")?;
     let st = live::resolve(a.target.fabric)?;
     let sel = live::select(&st, a.target.gpus)?;
+    let timeline = a
+        .target
+        .chaos
+        .map(|f| crate::chaos::Timeline::load(&st, f))
+        .transpose()?;
     let (topo, ranks) = topology_of(&st, &sel)?;
-    let (topo, down) = fabric_now(&st, &topo);
-    let mut predictor = Predictor::with_links_down(&topo, ranks, a.target.channels, down);
+    let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
     let compute_ms = a.compute_ms.unwrap_or_else(|| {
         buckets
@@ -554,11 +647,18 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     .collect();
     let reports: Arc<Mutex<Vec<Report>>> = Arc::default();
     let collected = Arc::clone(&reports);
-    let ran = run_agents(&st, &sel, &a.target, args, move |out, _| {
-        if let Output::Report(r) = out {
-            collected.lock().expect("reports").push(r);
-        }
-    })?;
+    let ran = run_agents(
+        &st,
+        &sel,
+        &a.target,
+        timeline.as_ref(),
+        args,
+        move |out, _| {
+            if let Output::Report(r) = out {
+                collected.lock().expect("reports").push(r);
+            }
+        },
+    )?;
     predictor.use_paths(&topo, &ran.endpoints);
     let reports = reports.lock().expect("reports").clone();
     if reports.len() != 2 {

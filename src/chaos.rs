@@ -1,11 +1,17 @@
-//! `closbox link|switch|gpu …` and `closbox events`: changes to a live fabric through its
-//! daemon, and the log of what changed when.
+//! `closbox link|switch|gpu|partition|load|incast …`, `closbox chaos FILE` and
+//! `closbox events`: changes to a live fabric through its daemon, timelines of them, and
+//! the log of what changed when.
 
+use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::{Duration as StdDuration, Instant as StdInstant};
 
-use anyhow::bail;
+use anyhow::{bail, Context};
+use closbox_fabric::Topology;
 use closbox_switchd::control::{self, ChangeRequest, Event, Reply, Request};
-use closbox_switchd::state::FabricName;
+use closbox_switchd::scenario::{self, Scenario};
+use closbox_switchd::state::{FabricName, State};
 
 use crate::live;
 
@@ -42,9 +48,40 @@ pub fn partition(fabric: Option<&FabricName>, sels: &[String]) -> anyhow::Result
     change(Some(&st.fabric), ChangeRequest::Partition { groups })
 }
 
-pub fn events(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCode> {
+/// The events with a number above `after`.
+fn events_after(fabric: &FabricName, after: u64) -> anyhow::Result<Vec<Event>> {
+    match control::request(fabric, &Request::Events)? {
+        Reply::Events { events } => Ok(events.into_iter().filter(|e| e.seq > after).collect()),
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
+pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox events")?;
     let st = live::resolve(fabric)?;
+    if follow {
+        // New events as they come, one per line (JSON lines with --json), until
+        // interrupted or the fabric goes away.
+        let stop = closbox_switchd::stop_on_signals()?;
+        let mut last = 0;
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(new) = events_after(&st.fabric, last) else {
+                eprintln!("closbox: fabric {} is gone", st.fabric);
+                return Ok(ExitCode::FAILURE);
+            };
+            for e in &new {
+                if json {
+                    println!("{}", serde_json::to_string(e)?);
+                } else {
+                    println!("{}", line(e));
+                }
+                last = last.max(e.seq);
+            }
+            std::thread::sleep(StdDuration::from_millis(100));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     match control::request(&st.fabric, &Request::Events)? {
         Reply::Events { events } => {
             if json {
@@ -64,7 +101,7 @@ pub fn events(fabric: Option<&FabricName>, json: bool) -> anyhow::Result<ExitCod
 }
 
 /// "fabric time 1.234567 s  (wall 12:34:56.789)  link leaf0-spine0 #0 down".
-fn line(e: &Event) -> String {
+pub fn line(e: &Event) -> String {
     let ms = e.wall_ms % 86_400_000;
     format!(
         "fabric time {:.6} s  (wall {:02}:{:02}:{:02}.{:03} UTC)  {}",
@@ -75,4 +112,197 @@ fn line(e: &Event) -> String {
         ms % 1000,
         e.what
     )
+}
+
+/// `closbox load FROM TO --rate R …` and `closbox load --stop [ID]`.
+pub fn load(fabric: Option<&FabricName>, req: ChangeRequest) -> anyhow::Result<ExitCode> {
+    change(fabric, req)
+}
+
+/// `closbox incast GPU --from SEL …`: the selection resolved against the fabric.
+pub fn incast(
+    fabric: Option<&FabricName>,
+    to: String,
+    from: &str,
+    bytes: u64,
+    every_ns: Option<u64>,
+    count: u32,
+) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox incast")?;
+    let st = live::resolve(fabric)?;
+    let from = live::select(&st, from)?
+        .into_iter()
+        .map(|i| st.gpus[i].name.clone())
+        .collect();
+    change(
+        Some(&st.fabric),
+        ChangeRequest::Incast {
+            to,
+            from,
+            bytes,
+            every_ns,
+            count,
+        },
+    )
+}
+
+/// A scenario file checked against a live fabric, to run as a timeline.
+pub struct Timeline {
+    fabric: FabricName,
+    file: String,
+    scenario: Scenario,
+    time_scale: closbox_fabric::TimeScale,
+}
+
+/// A timeline the daemon is running.
+pub struct Started {
+    id: u64,
+    at: StdInstant,
+}
+
+impl Timeline {
+    /// Reads `file` and checks it against the fabric's topology: a bad file is a usage
+    /// error (exit 2) before anything runs.
+    pub fn load(st: &State, file: &Path) -> anyhow::Result<Timeline> {
+        let topo = fabric_topology(st)?;
+        let scenario = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
+        Ok(Timeline {
+            fabric: st.fabric.clone(),
+            file: file.display().to_string(),
+            scenario,
+            time_scale: st.time_scale,
+        })
+    }
+
+    /// Fabric time from start to the last change.
+    pub fn span(&self) -> closbox_fabric::Duration {
+        closbox_fabric::Duration::from_nanos(self.scenario.end_ns)
+    }
+
+    /// Hands the timeline to the daemon: its time 0 is now.
+    pub fn start(&self) -> anyhow::Result<Started> {
+        let req = Request::Schedule {
+            items: self.scenario.items.clone(),
+        };
+        match control::request(&self.fabric, &req)? {
+            Reply::Scheduled { timeline, events } => {
+                eprintln!(
+                    "# chaos: {} started: {} change{} over {} of fabric time (timeline {timeline})",
+                    self.file,
+                    self.scenario.items.len(),
+                    if self.scenario.items.len() == 1 {
+                        ""
+                    } else {
+                        "s"
+                    },
+                    self.span()
+                );
+                for e in &events {
+                    eprintln!("# chaos: {}", line(e));
+                }
+                Ok(Started {
+                    id: timeline,
+                    at: StdInstant::now(),
+                })
+            }
+            Reply::Error { message } => bail!("{}: {message}", self.file),
+            other => bail!("unexpected reply from the daemon: {other:?}"),
+        }
+    }
+
+    /// The job is over: what of the timeline is still pending is dropped, and said so.
+    pub fn finish(&self, started: &Started) {
+        match control::request(
+            &self.fabric,
+            &Request::Cancel {
+                timeline: Some(started.id),
+            },
+        ) {
+            Ok(Reply::Cancelled { changes }) if changes > 0 => eprintln!(
+                "# chaos: the job ended before {changes} change{} of {}: cancelled",
+                if changes == 1 { "" } else { "s" },
+                self.file
+            ),
+            Ok(_) => {}
+            Err(e) => eprintln!("# chaos: could not cancel the rest of {}: {e:#}", self.file),
+        }
+    }
+}
+
+/// The topology of a live fabric (from the file it came up with).
+pub fn fabric_topology(st: &State) -> anyhow::Result<Topology> {
+    closbox_fabric::load(&st.config).with_context(|| {
+        format!(
+            "reading the topology of fabric {} ({})",
+            st.fabric,
+            st.config.display()
+        )
+    })
+}
+
+/// `closbox chaos FILE`: runs a scenario on a live fabric and prints its events as they
+/// happen (Ctrl-C cancels the rest); `--detach` returns once it is scheduled; `--dry-run`
+/// prints the timeline without running it (against `--topology`, or the live fabric).
+pub fn scenario_cmd(
+    fabric: Option<&FabricName>,
+    file: &Path,
+    dry_run: bool,
+    topology: Option<&Path>,
+    detach: bool,
+) -> anyhow::Result<ExitCode> {
+    if dry_run {
+        let topo = match topology {
+            Some(t) => closbox_fabric::load(t).map_err(|e| crate::usage(e.to_string()))?,
+            None => {
+                closbox_switchd::require_root("closbox chaos --dry-run (or give --topology)")?;
+                fabric_topology(&live::resolve(fabric)?)?
+            }
+        };
+        let sc = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
+        let mut next = 1;
+        for (at, req) in &sc.items {
+            let changes = closbox_switchd::chaos::schedule(&topo, req, &mut next)
+                .map_err(anyhow::Error::msg)?;
+            for (after, _, what) in changes {
+                println!("{:>14.6} ms  {what}", (at + after) as f64 / 1e6);
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    closbox_switchd::require_root("closbox chaos")?;
+    let st = live::resolve(fabric)?;
+    let timeline = Timeline::load(&st, file)?;
+    let stop = closbox_switchd::stop_on_signals()?;
+    let before = events_after(&st.fabric, 0)?
+        .iter()
+        .map(|e| e.seq)
+        .max()
+        .unwrap_or(0);
+    let started = timeline.start()?;
+    if detach {
+        eprintln!(
+            "# chaos: detached; `closbox events --follow` shows it, `closbox status` counts what is pending"
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Follow until the last change is due (plus a moment to see it), printing events.
+    let end =
+        started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
+    let mut last = before;
+    loop {
+        for e in events_after(&st.fabric, last)? {
+            println!("{}", line(&e));
+            last = last.max(e.seq);
+        }
+        if stop.load(Ordering::Relaxed) {
+            timeline.finish(&started);
+            return Ok(ExitCode::from(130));
+        }
+        if StdInstant::now() >= end {
+            break;
+        }
+        std::thread::sleep(StdDuration::from_millis(100));
+    }
+    timeline.finish(&started);
+    Ok(ExitCode::SUCCESS)
 }

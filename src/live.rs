@@ -282,6 +282,9 @@ pub struct RunArgs<'a> {
     pub cmd: &'a [String],
     /// Default: print with a `[rank]` prefix.
     pub sink: Option<Sink>,
+    /// A chaos timeline to start with the job (its time 0 is when every rank is started)
+    /// and whose rest is cancelled when the job ends.
+    pub chaos: Option<&'a crate::chaos::Timeline>,
 }
 
 /// Prints a rank's line with its rank as prefix.
@@ -401,6 +404,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         });
     }
 
+    let timeline = match a.chaos.map(|t| t.start()).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            stop_all(&mut ranks);
+            return Err(e);
+        }
+    };
     let mut failure: Option<String> = None;
     let mut code = 0u8;
     loop {
@@ -440,6 +450,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+    if let (Some(t), Some(started)) = (a.chaos, &timeline) {
+        t.finish(started);
     }
     for r in readers {
         let _ = r.join();

@@ -153,6 +153,86 @@ enum Command {
         fabric: Option<FabricName>,
         #[arg(long)]
         json: bool,
+        /// Keep printing new events as they happen (JSON lines with --json).
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Synthetic cross-traffic inside the fabric from a GPU or switch to another, along
+    /// the fabric's routes (spread over equal-cost paths), competing with the GPUs'
+    /// packets in every queue on the way; no TUN I/O. `--stop` ends loads.
+    #[command(
+        after_help = "Examples:\n  closbox load leaf0 leaf1 --rate 200Gbit          # half of a 400G leaf's two uplinks\n  closbox load gpu4 gpu0 --rate 100Gbit --on 1ms --off 3ms --for 1s\n  closbox load --stop 3\n  closbox load --stop                              # every load"
+    )]
+    Load {
+        /// Where the traffic enters: a GPU or switch name.
+        #[arg(required_unless_present = "stop")]
+        from: Option<String>,
+        /// Where it leaves the fabric.
+        #[arg(required_unless_present = "stop")]
+        to: Option<String>,
+        /// Rate on the wire while it sends, e.g. 200Gbit.
+        #[arg(long, required_unless_present = "stop")]
+        rate: Option<closbox_fabric::Bandwidth>,
+        /// Stop after this long (fabric time), e.g. 500ms.
+        #[arg(long = "for", value_name = "DURATION")]
+        duration: Option<closbox_fabric::Duration>,
+        /// Send for this long, then pause for --off, again.
+        #[arg(long, requires = "off")]
+        on: Option<closbox_fabric::Duration>,
+        #[arg(long, requires = "on")]
+        off: Option<closbox_fabric::Duration>,
+        /// IP bytes per packet [default: the fabric's mtu].
+        #[arg(long)]
+        packet: Option<closbox_fabric::Bytes>,
+        /// Stop load ID (as `status` lists them), or every load.
+        #[arg(long, value_name = "ID", num_args = 0..=1, conflicts_with_all = ["from", "to", "rate", "duration", "on", "off", "packet"])]
+        stop: Option<Option<u32>>,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Synthetic bursts from many GPUs converging on one GPU's port (the queue a
+    /// many-to-one phase builds): each source sends --bytes at its link's rate.
+    #[command(
+        after_help = "Examples:\n  closbox incast gpu0 --bytes 4MiB\n  closbox incast gpu0 --from 4-7 --bytes 1MiB --every 10ms --count 20"
+    )]
+    Incast {
+        /// The GPU the bursts converge on.
+        gpu: String,
+        /// Sources, as `run --gpus` takes them (the target itself is left out).
+        #[arg(long, default_value = "all")]
+        from: String,
+        /// Bytes per source per burst, e.g. 4MiB.
+        #[arg(long)]
+        bytes: closbox_fabric::Bytes,
+        /// Time between bursts (fabric time).
+        #[arg(long)]
+        every: Option<closbox_fabric::Duration>,
+        /// Number of bursts.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        count: u32,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
+    /// changes, seeded random link flaps (see the README). Prints events as they happen;
+    /// Ctrl-C cancels the rest.
+    #[command(
+        after_help = "Examples:\n  closbox chaos configs/chaos/spine-failure.toml\n  closbox chaos configs/chaos/flaky-uplinks.toml --dry-run --topology configs/default.toml\n  closbox bench allreduce --chaos configs/chaos/spine-failure.toml"
+    )]
+    Chaos {
+        /// Scenario file (TOML).
+        file: PathBuf,
+        /// Print the timeline, run nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// With --dry-run: check against this topology file instead of the live fabric.
+        #[arg(long, requires = "dry_run")]
+        topology: Option<PathBuf>,
+        /// Return once the timeline is scheduled.
+        #[arg(long, conflicts_with = "dry_run")]
+        detach: bool,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
     },
     /// Run a command once per GPU, concurrently, with RANK, WORLD_SIZE, MASTER_ADDR, …
     /// set; `{rank}` in arguments becomes the rank.
@@ -170,6 +250,10 @@ enum Command {
         /// MASTER_PORT for torch.distributed-style rendezvous.
         #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
         master_port: u16,
+        /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
+        /// start; what is still pending when the job ends is cancelled.
+        #[arg(long, value_name = "FILE")]
+        chaos: Option<PathBuf>,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -259,6 +343,10 @@ struct TargetArgs {
     /// agent gives up on its own when a peer is silent for 60 s).
     #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
     timeout: Option<std::time::Duration>,
+    /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
+    /// start; what is still pending when the job ends is cancelled.
+    #[arg(long, value_name = "FILE")]
+    chaos: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -281,6 +369,7 @@ impl TargetArgs {
             gpus: &self.gpus,
             channels: self.channels as usize,
             timeout: self.timeout,
+            chaos: self.chaos.as_deref(),
         }
     }
 }
@@ -497,7 +586,63 @@ fn main() -> ExitCode {
         Command::Gpu(UpDown::Up { name, fabric }) => {
             chaos::change(fabric.as_ref(), ChangeRequest::GpuUp { name })
         }
-        Command::Events { fabric, json } => chaos::events(fabric.as_ref(), json),
+        Command::Events {
+            fabric,
+            json,
+            follow,
+        } => chaos::events(fabric.as_ref(), json, follow),
+        Command::Load {
+            from,
+            to,
+            rate,
+            duration,
+            on,
+            off,
+            packet,
+            stop,
+            fabric,
+        } => (|| {
+            let req = match stop {
+                Some(id) => ChangeRequest::LoadStop { id },
+                None => ChangeRequest::Load {
+                    from: from.expect("clap requires it"),
+                    to: to.expect("clap requires it"),
+                    rate_bps: rate.expect("clap requires it").bps(),
+                    packet_bytes: match packet {
+                        Some(p) => Some(u32::try_from(p.get()).map_err(|_| {
+                            usage("--packet must be at most the fabric's mtu")
+                        })?),
+                        None => None,
+                    },
+                    for_ns: duration.map(|d| d.as_nanos()),
+                    on_ns: on.map(|d| d.as_nanos()),
+                    off_ns: off.map(|d| d.as_nanos()),
+                },
+            };
+            chaos::load(fabric.as_ref(), req)
+        })(),
+        Command::Incast {
+            gpu,
+            from,
+            bytes,
+            every,
+            count,
+            fabric,
+        } => chaos::incast(
+            fabric.as_ref(),
+            gpu,
+            &from,
+            bytes.get(),
+            every.map(|d| d.as_nanos()),
+            count,
+        ),
+        Command::Chaos {
+            file,
+            dry_run,
+            topology,
+            detach,
+            fabric,
+        } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.as_ref(), ChangeRequest::Heal),
         Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
@@ -546,18 +691,24 @@ fn main() -> ExitCode {
             gpus,
             timeout,
             master_port,
+            chaos,
             cmd,
         } => (|| {
             closbox_switchd::require_root("closbox run")?;
             let st = live::resolve(fabric.as_ref())?;
             let sel = live::select(&st, &gpus)?;
+            let timeline = chaos
+                .as_deref()
+                .map(|f| chaos::Timeline::load(&st, f))
+                .transpose()?;
             live::run(live::RunArgs {
                 st: &st,
                 sel: &sel,
                 timeout,
-            master_port,
+                master_port,
                 cmd: &cmd,
                 sink: None,
+                chaos: timeline.as_ref(),
             })
         })(),
     };

@@ -52,7 +52,7 @@ pub fn status(
                 // Busy ports only, unless asked for all or some.
                 s.ports.retain(|p| match ports {
                     Some(pattern) => p.port.contains(pattern),
-                    None => p.rx_packets > 0,
+                    None => p.rx_packets > 0 || p.load_tx_bytes > 0 || p.load_drops > 0,
                 });
                 Answer::Status(s)
             }
@@ -64,7 +64,10 @@ pub fn status(
                 fabric: n.to_string(),
                 error: "stopping".into(),
             },
-            Reply::Changed { .. } | Reply::Events { .. } => Answer::Error {
+            Reply::Changed { .. }
+            | Reply::Events { .. }
+            | Reply::Scheduled { .. }
+            | Reply::Cancelled { .. } => Answer::Error {
                 fabric: n.to_string(),
                 error: "the daemon answered something else than its status".into(),
             },
@@ -210,11 +213,33 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             sides.join(" | ")
         );
     }
-    if s.events > 0 {
+    for l in &s.loads {
+        let dropped: u64 = l.drops.iter().map(|d| d.1).sum();
         let _ = writeln!(
             o,
-            "  changes   {} since up (`closbox events`)",
-            thousands(s.events)
+            "  load {:<4} {} -> {} {} {}: {} sent, {} delivered, {} dropped{}{}",
+            l.id,
+            l.from,
+            l.to,
+            closbox_fabric::Bandwidth::from_bps(l.rate_bps),
+            l.pattern,
+            approx_bytes(l.sent_bytes),
+            approx_bytes(l.delivered_bytes),
+            thousands(dropped),
+            if l.ecn_marked > 0 {
+                format!(", {} ECN marks", thousands(l.ecn_marked))
+            } else {
+                String::new()
+            },
+            if l.active { "" } else { " (done)" }
+        );
+    }
+    if s.events > 0 || s.pending_changes > 0 {
+        let _ = writeln!(
+            o,
+            "  changes   {} since up, {} pending (`closbox events`)",
+            thousands(s.events),
+            thousands(s.pending_changes as u64)
         );
     }
     // The busiest ports, and any that dropped or marked; or all that were asked for.
@@ -224,7 +249,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     } else {
         ports.sort_by_key(|p| {
             std::cmp::Reverse((
-                p.drops_buffer + p.drops_loss,
+                p.drops_buffer + p.drops_loss + p.load_drops,
                 p.ecn_marked,
                 (p.utilization * 1e6) as u64,
             ))
@@ -234,25 +259,29 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if !ports.is_empty() {
         let _ = writeln!(
             o,
-            "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8}",
+            "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8} {:>10} {:>10}",
             if all_ports { "(egress)" } else { "(top 5)" },
             "tx packets",
             "drops",
             "ecn",
             "max queue",
-            "busy"
+            "busy",
+            "load tx",
+            "load drops"
         );
     }
     for p in ports.iter().take(shown) {
         let _ = writeln!(
             o,
-            "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}%",
+            "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}% {:>10} {:>10}",
             p.port,
             thousands(p.tx_packets),
             thousands(p.drops_buffer + p.drops_loss),
             thousands(p.ecn_marked),
             thousands(p.max_queue_bytes),
-            p.utilization * 100.0
+            p.utilization * 100.0,
+            approx_bytes(p.load_tx_bytes),
+            thousands(p.load_drops)
         );
     }
     if s.io_errors > 0 {

@@ -239,3 +239,236 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
     }
     f.down();
 }
+
+/// A port's counters from `status --json`.
+fn port(f: &TestFabric, name: &str) -> serde_json::Value {
+    let out = closbox(&["status", &f.name, "--json", "--ports", name]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no port {name}"))
+}
+
+#[test]
+fn loads_and_incasts_fill_queues_and_are_counted_apart() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // 1 Gbit/s everywhere, 256 KiB port buffers, ECN above 64 KiB.
+    let body = r#"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 2
+gpus_per_leaf = 2
+[links.nic]
+rate = "1Gbit"
+[links.leaf-spine]
+rate = "1Gbit"
+[switches.leaf]
+buffer = "256KiB"
+ecn = { k = "64KiB" }
+[switches.spine]
+buffer = "256KiB"
+"#;
+    let f = TestFabric::up("lt-load", body);
+    let run = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--fabric", "lt-load"]);
+        closbox(&a)
+    };
+    // Bad input: usage errors naming the problem, nothing started.
+    for (args, says) in [
+        (
+            &["load", "leaf0", "spine7", "--rate", "1Gbit"][..],
+            "names here: spine0, spine1",
+        ),
+        (&["load", "leaf0", "leaf0", "--rate", "1Gbit"], "to itself"),
+        (
+            &["load", "leaf0", "leaf1", "--rate", "0bit"],
+            "at least 1 bit/s",
+        ),
+        (
+            &["load", "leaf0", "leaf1", "--rate", "1Gbit", "--on", "1ms"],
+            "--off",
+        ),
+        (&["load", "--stop", "7"], "no load 7"),
+        (
+            &["incast", "spine0", "--bytes", "1MiB"],
+            "an incast converges on a GPU",
+        ),
+        (
+            &["incast", "gpu0", "--bytes", "1MiB", "--count", "3"],
+            "needs --every",
+        ),
+        (
+            &["incast", "gpu0", "--from", "0-9", "--bytes", "1MiB"],
+            "0 to 3",
+        ),
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {:?}", text(&out));
+        assert!(text(&out).1.contains(says), "{args:?}: {:?}", text(&out));
+    }
+    assert!(f.status()["loads"].as_array().unwrap().is_empty());
+    let out = closbox(&[
+        "load",
+        "leaf0",
+        "leaf1",
+        "--rate",
+        "1Gbit",
+        "--fabric",
+        "lt-nosuch",
+    ]);
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("lt-nosuch"), "{:?}", text(&out));
+
+    // An incast: gpu1..gpu3 burst 1 MiB each into gpu0's port at 1 Gbit/s: its queue
+    // reaches the buffer, the rest is dropped and marked, counted as the load's.
+    let out = run(&["incast", "gpu0", "--bytes", "1MiB"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(text(&out).0.lines().count(), 3, "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(200));
+    let p = port(&f, "leaf0->gpu0");
+    let max_queue = p["max_queue_bytes"].as_u64().unwrap();
+    assert!(
+        max_queue > 256 * 1024 - 1500 && max_queue <= 256 * 1024,
+        "{p}"
+    );
+    assert!(p["load_drops"].as_u64().unwrap() > 100, "{p}");
+    assert_eq!(p["drops_buffer"], 0, "GPU drops are apart: {p}");
+    let st = f.status();
+    let loads = st["loads"].as_array().unwrap();
+    assert_eq!(loads.len(), 3);
+    for l in loads {
+        assert_eq!(l["active"], false, "one burst, done: {l}");
+        assert_eq!(l["sent_bytes"], 1 << 20);
+        assert!(l["ecn_marked"].as_u64().unwrap() > 0, "{l}");
+        let dropped: u64 = l["drops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d[1].as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            l["delivered_bytes"].as_u64().unwrap() / 1500 + dropped,
+            (1 << 20) / 1500,
+            "every packet delivered or dropped: {l}"
+        );
+    }
+
+    // A steady load across the leaves takes its share of TCP's path.
+    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
+    wait_for_port(&f, "gpu3", 5201);
+    let out = run(&["load", "leaf0", "leaf1", "--rate", "1Gbit"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out)
+        .0
+        .contains("load 4 started: leaf0 -> leaf1 at 1Gbit/s"));
+    let out = f.exec(
+        "gpu0",
+        &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
+    );
+    let _ = server.wait();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap();
+    eprintln!(
+        "iperf3 gpu0 -> gpu3 beside a 1 Gbit/s load over two 1 Gbit/s uplinks: {:.0} Mbit/s",
+        bps / 1e6
+    );
+    // Two uplinks of 1 Gbit/s, half of them taken: at most ~1 Gbit/s is left.
+    assert!(bps < 1.05e9 && bps > 0.3e9, "{bps}");
+    let st = f.status();
+    let l = &st["loads"][3];
+    assert_eq!(l["active"], true);
+    assert_eq!(l["port_shares"].as_array().unwrap().len(), 4, "{l}");
+    let out = run(&["load", "--stop"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.contains("load 4 stopped"));
+    assert_eq!(f.status()["loads"][3]["active"], false);
+    f.down();
+}
+
+/// A chaos scenario file: checked with positions before anything runs, then run as a
+/// timeline (a dry run prints it).
+#[test]
+fn scenario_files_are_checked_then_run_on_schedule() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-scen", &fabric());
+    let dir = common::scratch_dir();
+    let bad = dir.join("bad-scenario.toml");
+    std::fs::write(
+        &bad,
+        "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine3\"\n",
+    )
+    .unwrap();
+    let out = closbox(&["chaos", bad.to_str().unwrap(), "--fabric", "lt-scen"]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = text(&out).1;
+    assert!(
+        e.contains("bad-scenario.toml:1:1:") && e.contains("spine0"),
+        "{e}"
+    );
+    assert_eq!(f.status()["events"], 0, "nothing ran");
+
+    let good = dir.join("scenario.toml");
+    std::fs::write(
+        &good,
+        "[[event]]\nat = \"100ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"300ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"200ms\"\nevery = \"10ms\"\ncount = 3\ndo = \"load\"\nfrom = \"gpu0\"\nto = \"spine1\"\nrate = \"100Mbit\"\nfor = \"5ms\"\n",
+    )
+    .unwrap();
+    let out = closbox(&[
+        "chaos",
+        good.to_str().unwrap(),
+        "--dry-run",
+        "--fabric",
+        "lt-scen",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(text(&out).0.lines().count(), 5, "{:?}", text(&out));
+    let out = closbox(&["chaos", good.to_str().unwrap(), "--fabric", "lt-scen"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let what: Vec<String> = text(&out).0.lines().map(str::to_owned).collect();
+    assert_eq!(what.len(), 5, "{what:?}");
+    assert!(what[0].ends_with("link leaf0-spine0 #0 down"), "{what:?}");
+    assert!(what[4].ends_with("link leaf0-spine0 #0 up"), "{what:?}");
+    let events: Vec<serde_json::Value> =
+        serde_json::from_slice(&closbox(&["events", "--json", "--fabric", "lt-scen"]).stdout)
+            .unwrap();
+    let t0 = events[0]["fabric_ns"].as_u64().unwrap();
+    let t_up = events[4]["fabric_ns"].as_u64().unwrap();
+    // 200 ms apart in fabric time (time_scale 1), to the loop's precision.
+    assert!((t_up - t0).abs_diff(200_000_000) < 5_000_000, "{events:?}");
+    // `run --chaos`: the timeline starts with the job and what the job outlives is
+    // cancelled.
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-scen",
+        "--gpus",
+        "0",
+        "--chaos",
+        good.to_str().unwrap(),
+        "--",
+        "sleep",
+        "0.15",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let e = text(&out).1;
+    assert!(e.contains("# chaos: ") && e.contains("cancelled"), "{e}");
+    assert_eq!(f.status()["pending_changes"], 0);
+    f.down();
+}

@@ -1178,14 +1178,18 @@ impl Fabric {
         (self.memory_used, self.memory_limit)
     }
 
-    /// Per-port counters as of `now` (settles queues first).
+    /// Per-port counters as of `now` (settles queues first). `busy` counts only
+    /// serialization done by `now`, not that of packets still queued.
     pub fn port_counters(&mut self, now: Instant) -> Vec<PortCounters> {
         self.advance(now);
         self.ports
             .iter_mut()
             .map(|p| {
                 settle(p, now);
-                p.counters
+                let mut c = p.counters;
+                let ahead = p.busy_until.saturating_since(now).as_nanos();
+                c.busy = Duration::from_nanos(c.busy.as_nanos().saturating_sub(ahead));
+                c
             })
             .collect()
     }

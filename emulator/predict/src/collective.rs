@@ -55,6 +55,8 @@ pub struct Predictor {
     known: Option<HashMap<(usize, usize, usize), Vec<PortId>>>,
     /// Links down (their ports carry nothing).
     down: Vec<u32>,
+    /// Wire rate of each port, bit/s.
+    rate: Vec<f64>,
 }
 
 impl std::fmt::Debug for Predictor {
@@ -109,6 +111,11 @@ impl Predictor {
             .iter()
             .map(|&r| topo.hosts[r as usize].node as usize)
             .collect();
+        let rate = routes
+            .ports
+            .iter()
+            .map(|p| topo.links[p.link as usize].params.rate.bps() as f64)
+            .collect();
         Predictor {
             routes,
             ranks,
@@ -118,7 +125,19 @@ impl Predictor {
             channels: channels.max(1),
             known: None,
             down,
+            rate,
         }
+    }
+
+    /// Background traffic of `bps` on the wire through `port` (a synthetic load): the
+    /// collective gets what is left of the port (TCP backs off; the load does not).
+    pub fn add_background(&mut self, port: u32, bps: f64) {
+        let p = port as usize;
+        if p >= self.cap.len() || bps <= 0.0 {
+            return;
+        }
+        let left = ((self.rate[p] - bps) / self.rate[p]).max(1e-3);
+        self.cap[p] *= left;
     }
 
     /// Predicts with the paths this run's connections really take: each agent's

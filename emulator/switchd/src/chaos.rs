@@ -4,8 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use closbox_fabric::load::{LoadSpec, Pattern};
 use closbox_fabric::model::Change;
-use closbox_fabric::topology::{Topology, Vertex};
+use closbox_fabric::topology::{LinkClass, Topology, Vertex};
 use closbox_fabric::{Bandwidth, Bytes, Duration};
 
 /// A change, as a client names it.
@@ -65,6 +66,33 @@ pub enum ChangeRequest {
         groups: Vec<Vec<String>>,
     },
     Heal,
+    /// Synthetic traffic from `from` to `to` (GPU or switch names) at `rate_bps` on the
+    /// wire, inside the model: it takes buffer space and link time on its way.
+    Load {
+        from: String,
+        to: String,
+        rate_bps: u64,
+        /// IP bytes per packet (default: the fabric's mtu).
+        packet_bytes: Option<u32>,
+        /// It stops after this long (default: when stopped).
+        for_ns: Option<u64>,
+        /// Sends for `on_ns`, pauses for `off_ns`, again (both or neither).
+        on_ns: Option<u64>,
+        off_ns: Option<u64>,
+    },
+    /// Stops load `id`, or every load.
+    LoadStop {
+        id: Option<u32>,
+    },
+    /// Every GPU of `from` sends `bytes` to GPU `to` at its link's rate, `count` times,
+    /// `every_ns` apart: synthetic bursts converging on `to`'s port.
+    Incast {
+        to: String,
+        from: Vec<String>,
+        bytes: u64,
+        every_ns: Option<u64>,
+        count: u32,
+    },
 }
 
 /// What was applied, when.
@@ -76,6 +104,9 @@ pub struct Event {
     pub wall_ms: u64,
     /// "link leaf0-spine0 #0 down".
     pub what: String,
+    /// Number of the event since the fabric came up (from 1).
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// The vertex called `name`.
@@ -89,6 +120,14 @@ fn vertex(topo: &Topology, name: &str) -> Result<Vertex, String> {
     Err(format!("no GPU or switch {name:?}; {}", nearby(topo, name)))
 }
 
+/// `name`'s vertex index in the model (GPUs, then switches).
+fn vertex_index(topo: &Topology, name: &str) -> Result<u32, String> {
+    Ok(match vertex(topo, name)? {
+        Vertex::Host(h) => h.0,
+        Vertex::Switch(s) => topo.hosts.len() as u32 + s.0,
+    })
+}
+
 fn name(topo: &Topology, v: Vertex) -> &str {
     match v {
         Vertex::Host(h) => &topo.hosts[h.0 as usize].name,
@@ -97,7 +136,7 @@ fn name(topo: &Topology, v: Vertex) -> &str {
 }
 
 /// Names sharing `name`'s letters (its non-digit prefix), to say what exists.
-fn nearby(topo: &Topology, name: &str) -> String {
+pub fn nearby(topo: &Topology, name: &str) -> String {
     let stem: String = name.chars().take_while(|c| !c.is_ascii_digit()).collect();
     let all = topo
         .hosts
@@ -125,7 +164,7 @@ fn nearby(topo: &Topology, name: &str) -> String {
 }
 
 /// The links between `a` and `b` (all parallel ones, or the `index`-th).
-fn links_between(
+pub fn links_between(
     topo: &Topology,
     a: &str,
     b: &str,
@@ -189,6 +228,17 @@ fn links_of(topo: &Topology, name: &str, want_switch: bool) -> Result<Vec<u32>, 
         .collect())
 }
 
+/// A link as clients name it: (a, b, index among the parallel links a-b).
+pub fn link_ref(topo: &Topology, l: u32) -> (String, String, u32) {
+    let link = &topo.links[l as usize];
+    let (a, b) = (link.a, link.b);
+    let index = topo.links[..l as usize]
+        .iter()
+        .filter(|x| (x.a == a && x.b == b) || (x.a == b && x.b == a))
+        .count() as u32;
+    (name(topo, a).to_owned(), name(topo, b).to_owned(), index)
+}
+
 /// "leaf0-spine1 #0".
 pub fn link_name(topo: &Topology, l: u32) -> String {
     let link = &topo.links[l as usize];
@@ -202,11 +252,15 @@ pub fn link_name(topo: &Topology, l: u32) -> String {
 
 /// Most cycles one flap may schedule.
 pub const MAX_FLAPS: u32 = 10_000;
+/// Most bursts of one incast.
+pub const MAX_BURSTS: u32 = 1_000_000;
 
 /// The changes a request makes, each with when (fabric ns after now) and its description.
+/// Loads it starts are numbered from `next_load` on (which it advances).
 pub fn schedule(
     topo: &Topology,
     req: &ChangeRequest,
+    next_load: &mut u32,
 ) -> Result<Vec<(u64, Change, String)>, String> {
     let ChangeRequest::LinkFlap {
         a,
@@ -217,7 +271,7 @@ pub fn schedule(
         count,
     } = req
     else {
-        return Ok(resolve(topo, req)?
+        return Ok(resolve(topo, req, next_load)?
             .into_iter()
             .map(|(c, w)| (0, c, w))
             .collect());
@@ -251,7 +305,12 @@ pub fn schedule(
 }
 
 /// The model's changes for a request, each with its description for the event log.
-pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, String)>, String> {
+/// Loads it starts are numbered from `next_load` on.
+pub fn resolve(
+    topo: &Topology,
+    req: &ChangeRequest,
+    next_load: &mut u32,
+) -> Result<Vec<(Change, String)>, String> {
     let each = |links: Vec<u32>, f: &dyn Fn(u32) -> Change, what: &str| {
         links
             .into_iter()
@@ -369,7 +428,162 @@ pub fn resolve(topo: &Topology, req: &ChangeRequest) -> Result<Vec<(Change, Stri
         }
         ChangeRequest::Heal => vec![(Change::Heal, "heal: partition removed".into())],
         ChangeRequest::LinkFlap { .. } => return Err("a flap is a schedule: see `schedule`".into()),
+        ChangeRequest::LoadStop { .. } => {
+            return Err(
+                "stopping a load depends on the loads running: the data plane does it".into(),
+            )
+        }
+        ChangeRequest::Load {
+            from,
+            to,
+            rate_bps,
+            packet_bytes,
+            for_ns,
+            on_ns,
+            off_ns,
+        } => {
+            let (f, t) = (vertex_index(topo, from)?, vertex_index(topo, to)?);
+            if f == t {
+                return Err(format!("a load from {from} to itself"));
+            }
+            if *rate_bps == 0 {
+                return Err("a load's rate must be above 0".into());
+            }
+            let mtu = topo.fabric.mtu;
+            let packet = packet_bytes.unwrap_or(mtu);
+            if !(64..=mtu).contains(&packet) {
+                return Err(format!(
+                    "a load's packets must be 64 bytes to the fabric's mtu ({mtu})"
+                ));
+            }
+            if *for_ns == Some(0) {
+                return Err("--for must be above 0".into());
+            }
+            let pattern = match (on_ns, off_ns) {
+                (None, None) => Pattern::Steady,
+                (Some(on), Some(off)) if *on > 0 && *off > 0 => Pattern::OnOff {
+                    on: Duration::from_nanos(*on),
+                    off: Duration::from_nanos(*off),
+                },
+                (Some(_), Some(_)) => return Err("--on and --off must be above 0".into()),
+                _ => return Err("--on and --off go together".into()),
+            };
+            let id = take(next_load);
+            let mut what = format!(
+                "load {id} started: {from} -> {to} at {}",
+                Bandwidth::from_bps(*rate_bps)
+            );
+            if let Pattern::OnOff { on, off } = pattern {
+                what += &format!(", on {on} / off {off}");
+            }
+            if let Some(d) = for_ns {
+                what += &format!(", for {}", Duration::from_nanos(*d));
+            }
+            vec![(
+                Change::StartLoad(LoadSpec {
+                    id,
+                    from: f,
+                    to: t,
+                    rate: Bandwidth::from_bps(*rate_bps),
+                    packet,
+                    pattern,
+                    duration: for_ns.map(Duration::from_nanos),
+                }),
+                what,
+            )]
+        }
+        ChangeRequest::Incast {
+            to,
+            from,
+            bytes,
+            every_ns,
+            count,
+        } => {
+            let t = topo.host_by_name(to).ok_or_else(|| {
+                format!(
+                    "no GPU {to:?} (an incast converges on a GPU); {}",
+                    nearby(topo, to)
+                )
+            })?;
+            if *bytes == 0 {
+                return Err("--bytes must be above 0".into());
+            }
+            if *count == 0 || *count > MAX_BURSTS {
+                return Err(format!("--count must be 1 to {MAX_BURSTS}"));
+            }
+            let every = match every_ns {
+                Some(0) => return Err("--every must be above 0".into()),
+                Some(e) => Duration::from_nanos(*e),
+                None if *count > 1 => return Err("--count above 1 needs --every".into()),
+                None => Duration::from_nanos(1),
+            };
+            let mut out = Vec::new();
+            for src in from {
+                let s = topo
+                    .host_by_name(src)
+                    .ok_or_else(|| format!("no GPU {src:?}; {}", nearby(topo, src)))?;
+                if s == t {
+                    continue;
+                }
+                let rate = gpu_rate_toward(topo, s.0, t.0);
+                let id = take(next_load);
+                out.push((
+                    Change::StartLoad(LoadSpec {
+                        id,
+                        from: s.0,
+                        to: t.0,
+                        rate,
+                        packet: topo.fabric.mtu,
+                        pattern: Pattern::Bursts {
+                            bytes: *bytes,
+                            every,
+                            count: *count,
+                        },
+                        duration: None,
+                    }),
+                    format!(
+                        "load {id} started: incast {src} -> {to}, {} at {rate}{}",
+                        Bytes::new(*bytes),
+                        if *count > 1 {
+                            format!(" every {every}, {count} times")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                ));
+            }
+            if out.is_empty() {
+                return Err(format!(
+                    "an incast into {to} needs a source other than {to}"
+                ));
+            }
+            out
+        }
     })
+}
+
+fn take(next: &mut u32) -> u32 {
+    let id = *next;
+    *next += 1;
+    id
+}
+
+/// The rate GPU `s` sends toward GPU `t` at: its scale-up link within a node that has one,
+/// else its fastest NIC.
+fn gpu_rate_toward(topo: &Topology, s: u32, t: u32) -> Bandwidth {
+    let v = Vertex::Host(closbox_fabric::HostId(s));
+    let same_node = topo.hosts[s as usize].node == topo.hosts[t as usize].node;
+    let of = |nvlink: bool| {
+        topo.links
+            .iter()
+            .filter(|l| (l.a == v || l.b == v) && (l.class == LinkClass::Nvlink) == nvlink)
+            .map(|l| l.params.rate)
+            .max()
+    };
+    (if same_node { of(true) } else { None })
+        .or_else(|| of(false))
+        .or_else(|| of(true))
+        .expect("a GPU has a link")
 }
 
 #[cfg(test)]
@@ -392,6 +606,7 @@ mod tests {
             b: b.into(),
             index,
         };
+        let resolve = |t: &Topology, r: &ChangeRequest| resolve(t, r, &mut 1);
         assert_eq!(
             resolve(&t, &down("leaf0", "spine1", None)).unwrap().len(),
             2

@@ -4,7 +4,7 @@
 //!
 //! Each connection is served by a thread of its own (at most `MAX_CLIENTS` at once), so a
 //! client that connects and says nothing delays nobody; a request is at most
-//! `MAX_REQUEST` bytes and must arrive within 5 s.
+//! `MAX_REQUEST` bytes (a scenario's timeline is one request) and must arrive within 5 s.
 
 use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -37,6 +37,15 @@ pub enum Request {
     /// `{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":null}`
     Change(ChangeRequest),
     Events,
+    /// `{"v":1,"cmd":"schedule","items":[[2000000,{"change":"link-down",…}],…]}`: changes
+    /// at fabric ns after now, as one timeline.
+    Schedule {
+        items: Vec<(u64, ChangeRequest)>,
+    },
+    /// Drops a timeline's pending changes (`null`: every timeline's and flap's).
+    Cancel {
+        timeline: Option<u64>,
+    },
     Stop,
 }
 
@@ -52,6 +61,15 @@ pub enum Reply {
     },
     Events {
         events: Vec<Event>,
+    },
+    /// A timeline was scheduled: its id and what it applied at once.
+    Scheduled {
+        timeline: u64,
+        events: Vec<Event>,
+    },
+    /// Pending changes dropped.
+    Cancelled {
+        changes: usize,
     },
     Stopping,
     Error {
@@ -90,7 +108,7 @@ fn version_of(line: &str) -> Option<u64> {
 /// Clients served at once; more are told to come back.
 const MAX_CLIENTS: usize = 16;
 /// Longest request line.
-const MAX_REQUEST: u64 = 64 << 10;
+const MAX_REQUEST: u64 = 4 << 20;
 
 /// Starts serving; the listener thread lives as long as the process.
 pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
@@ -128,6 +146,19 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                 .map_or_else(Reply::error, |events| Reply::Changed { events }),
                             Ok(Request::Events) => ask(ctl, wake, Ctl::Events)
                                 .map_or_else(Reply::error, |events| Reply::Events { events }),
+                            Ok(Request::Schedule { items }) => {
+                                ask(ctl, wake, |tx| Ctl::Schedule(items, tx))
+                                    .and_then(|r| r.map_err(|e| e.to_string()))
+                                    .map_or_else(Reply::error, |(timeline, events)| {
+                                        Reply::Scheduled { timeline, events }
+                                    })
+                            }
+                            Ok(Request::Cancel { timeline }) => {
+                                ask(ctl, wake, |tx| Ctl::Cancel(timeline, tx))
+                                    .map_or_else(Reply::error, |changes| Reply::Cancelled {
+                                        changes,
+                                    })
+                            }
                             Ok(Request::Stop) => {
                                 let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
                                 wake.notify();

@@ -50,12 +50,25 @@ pub enum Ctl {
     Status(Sender<Status>),
     /// A change to apply now; the reply lists what was applied.
     Change(ChangeRequest, Sender<Result<Vec<Event>, String>>),
+    /// Changes at fabric times after now (a scenario's timeline): checked all at once,
+    /// then scheduled as one timeline; the reply has its id and what was applied now.
+    Schedule(
+        Vec<(u64, ChangeRequest)>,
+        Sender<Result<(u64, Vec<Event>), String>>,
+    ),
+    /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
+    /// how many.
+    Cancel(Option<u64>, Sender<usize>),
     Events(Sender<Vec<Event>>),
     Stop,
 }
 
 /// Events kept for `closbox events` (the oldest go first).
 const MAX_EVENTS: usize = 10_000;
+/// Changes scheduled and not applied yet, at most.
+pub const MAX_PENDING: usize = 100_000;
+/// Finished loads `status` still lists.
+const MAX_DONE_LOADS: usize = 20;
 
 /// A link that is down or changed, for `status`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,6 +123,35 @@ pub struct Status {
     pub events: u64,
     /// While a partition holds: the GPUs of each side.
     pub partition: Vec<Vec<String>>,
+    /// Synthetic loads (`closbox load`, `closbox incast`), running or done.
+    #[serde(default)]
+    pub loads: Vec<LoadInfo>,
+    /// Changes scheduled and not applied yet (flaps, scenarios).
+    #[serde(default)]
+    pub pending_changes: usize,
+}
+
+/// A synthetic load, for `status` and predictions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadInfo {
+    pub id: u32,
+    pub from: String,
+    pub to: String,
+    /// Wire rate while it sends.
+    pub rate_bps: u64,
+    /// Its long-run average wire rate while active (on/off and bursts included).
+    pub mean_bps: f64,
+    /// "steady", "on 1ms / off 1ms", "bursts of 1 MiB every 1ms x 10".
+    pub pattern: String,
+    pub active: bool,
+    pub started_s: f64,
+    pub sent_bytes: u64,
+    pub delivered_bytes: u64,
+    pub ecn_marked: u64,
+    /// Drops by reason (only reasons with drops).
+    pub drops: Vec<(String, u64)>,
+    /// Share of its packets crossing each port (port index, share), as routed now.
+    pub port_shares: Vec<(u32, f64)>,
 }
 
 /// One egress port's counters.
@@ -124,8 +166,13 @@ pub struct PortStatus {
     pub drops_loss: u64,
     pub ecn_marked: u64,
     pub max_queue_bytes: u64,
-    /// Busy fraction of fabric time since start.
+    /// Busy fraction of fabric time since start (synthetic load included).
     pub utilization: f64,
+    /// Synthetic load through the port: bytes sent, packets dropped.
+    #[serde(default)]
+    pub load_tx_bytes: u64,
+    #[serde(default)]
+    pub load_drops: u64,
 }
 
 /// Write lateness in wall-clock microseconds.
@@ -235,9 +282,13 @@ impl Ports for TunPorts {
 
 pub struct DataPlane<P: Ports> {
     name: String,
-    /// Changes due at fabric times (flaps): (when, order) → change and its description.
-    scheduled: std::collections::BTreeMap<(Instant, u64), (Change, String)>,
+    /// Changes due at fabric times (flaps, scenarios): (when, order) → change, its
+    /// description, its timeline (0: a flap).
+    scheduled: std::collections::BTreeMap<(Instant, u64), (Change, String, u64)>,
     scheduled_seq: u64,
+    timelines: u64,
+    /// Id of the next load started.
+    next_load: u32,
     topo: Topology,
     events: Vec<Event>,
     events_total: u64,
@@ -301,6 +352,8 @@ impl<P: Ports> DataPlane<P> {
             name: topo.fabric.name.clone(),
             scheduled: Default::default(),
             scheduled_seq: 0,
+            timelines: 0,
+            next_load: 1,
             topo: topo.clone(),
             events: Vec::new(),
             events_total: 0,
@@ -478,6 +531,12 @@ impl<P: Ports> DataPlane<P> {
                 Ctl::Change(req, reply) => {
                     let _ = reply.send(self.change(&req));
                 }
+                Ctl::Schedule(items, reply) => {
+                    let _ = reply.send(self.schedule(&items));
+                }
+                Ctl::Cancel(timeline, reply) => {
+                    let _ = reply.send(self.cancel(timeline));
+                }
                 Ctl::Events(reply) => {
                     let _ = reply.send(self.events.clone());
                 }
@@ -489,7 +548,54 @@ impl<P: Ports> DataPlane<P> {
     /// Applies a change now (or schedules it, for a flap), all of it or (a name or value
     /// wrong) none of it. Returns what was applied now.
     pub fn change(&mut self, req: &ChangeRequest) -> Result<Vec<Event>, String> {
-        let changes = chaos::schedule(&self.topo, req)?;
+        if let ChangeRequest::LoadStop { id } = req {
+            return self.stop_loads(*id);
+        }
+        self.schedule_at(&[(0, req.clone())], 0)
+    }
+
+    /// Schedules `items` (fabric ns after now, request) as a new timeline: all of them or,
+    /// if one is wrong, none.
+    pub fn schedule(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+    ) -> Result<(u64, Vec<Event>), String> {
+        self.timelines += 1;
+        let id = self.timelines;
+        Ok((id, self.schedule_at(items, id)?))
+    }
+
+    fn schedule_at(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+        timeline: u64,
+    ) -> Result<Vec<Event>, String> {
+        let mut next_load = self.next_load;
+        let mut changes = Vec::new();
+        for (i, (at, req)) in items.iter().enumerate() {
+            if matches!(req, ChangeRequest::LoadStop { .. }) {
+                return Err("a load stop cannot be scheduled: give the load a duration".into());
+            }
+            let resolved = chaos::schedule(&self.topo, req, &mut next_load).map_err(|e| {
+                if items.len() > 1 {
+                    format!("change {} of {}: {e}", i + 1, items.len())
+                } else {
+                    e
+                }
+            })?;
+            changes.extend(
+                resolved
+                    .into_iter()
+                    .map(|(after, c, w)| (at.saturating_add(after), c, w)),
+            );
+        }
+        if self.scheduled.len() + changes.len() > MAX_PENDING {
+            return Err(format!(
+                "{} changes would be pending; at most {MAX_PENDING} may be",
+                self.scheduled.len() + changes.len()
+            ));
+        }
+        self.next_load = next_load;
         let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
         for (after, change, what) in changes {
@@ -499,10 +605,50 @@ impl<P: Ports> DataPlane<P> {
                 self.scheduled_seq += 1;
                 let at = now + closbox_fabric::Duration::from_nanos(after);
                 self.scheduled
-                    .insert((at, self.scheduled_seq), (change, what));
+                    .insert((at, self.scheduled_seq), (change, what, timeline));
             }
         }
         Ok(applied)
+    }
+
+    /// Drops the pending changes of `timeline` (or of all); how many.
+    pub fn cancel(&mut self, timeline: Option<u64>) -> usize {
+        let before = self.scheduled.len();
+        self.scheduled
+            .retain(|_, (_, _, t)| timeline.is_some_and(|want| *t != want));
+        before - self.scheduled.len()
+    }
+
+    fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
+        let loads = self.model.loads();
+        let running: Vec<u32> = loads
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.spec.id)
+            .collect();
+        let stop = match id {
+            Some(id) if running.contains(&id) => vec![id],
+            Some(id) if loads.iter().any(|l| l.spec.id == id) => {
+                return Err(format!("load {id} is not running any more"))
+            }
+            Some(id) => {
+                return Err(format!(
+                    "no load {id}; {}",
+                    if running.is_empty() {
+                        "no load is running".to_owned()
+                    } else {
+                        format!("running: {running:?}")
+                    }
+                ))
+            }
+            None if running.is_empty() => return Err("no load is running".into()),
+            None => running,
+        };
+        let now = self.fabric_now(self.ports.now());
+        Ok(stop
+            .into_iter()
+            .map(|id| self.apply(now, Change::StopLoad(id), format!("load {id} stopped")))
+            .collect())
     }
 
     /// Fabric time now.
@@ -518,7 +664,7 @@ impl<P: Ports> DataPlane<P> {
             if entry.key().0 > now {
                 break;
             }
-            let (change, what) = entry.remove();
+            let (change, what, _) = entry.remove();
             self.apply(now, change, what);
         }
     }
@@ -535,6 +681,7 @@ impl<P: Ports> DataPlane<P> {
             } else {
                 format!("{what} (already so)")
             },
+            seq: self.events_total + 1,
         };
         tracing::info!("fabric {}: {}", self.name, event.what);
         self.events_total += 1;
@@ -567,8 +714,11 @@ impl<P: Ports> DataPlane<P> {
                 ecn_marked: c.ecn_marked,
                 max_queue_bytes: c.max_queue_bytes,
                 utilization: c.busy.as_nanos() as f64 / elapsed,
+                load_tx_bytes: c.load_tx_bytes,
+                load_drops: c.load_drops,
             })
             .collect();
+        let loads = self.load_info();
         let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {
             fabric: self.name.clone(),
@@ -619,7 +769,90 @@ impl<P: Ports> DataPlane<P> {
                 out.retain(|s| !s.is_empty());
                 out
             }),
+            loads,
+            pending_changes: self.scheduled.len(),
         }
+    }
+
+    fn load_info(&self) -> Vec<LoadInfo> {
+        let vname = |v: u32| {
+            let h = self.topo.hosts.len() as u32;
+            if v < h {
+                self.topo.hosts[v as usize].name.clone()
+            } else {
+                self.topo.switches[(v - h) as usize].name.clone()
+            }
+        };
+        self.model
+            .loads()
+            .into_iter()
+            .map(|l| {
+                use closbox_fabric::load::Pattern;
+                let rate = l.spec.rate.bps();
+                let (mean, pattern) = match l.spec.pattern {
+                    Pattern::Steady => (rate as f64, "steady".to_owned()),
+                    Pattern::OnOff { on, off } => (
+                        rate as f64 * on.as_nanos() as f64 / (on + off).as_nanos() as f64,
+                        format!("on {on} / off {off}"),
+                    ),
+                    Pattern::Bursts {
+                        bytes,
+                        every,
+                        count,
+                    } => (
+                        (rate as f64).min(bytes as f64 * 8.0 / every.as_secs_f64()),
+                        if count == 1 {
+                            format!("one burst of {}", closbox_fabric::Bytes::new(bytes))
+                        } else {
+                            format!(
+                                "bursts of {} every {every} x {count}",
+                                closbox_fabric::Bytes::new(bytes)
+                            )
+                        },
+                    ),
+                };
+                let c = l.counters;
+                LoadInfo {
+                    id: l.spec.id,
+                    from: vname(l.spec.from),
+                    to: vname(l.spec.to),
+                    rate_bps: rate,
+                    mean_bps: mean,
+                    pattern,
+                    active: l.active,
+                    started_s: l.started.as_nanos() as f64 / 1e9,
+                    sent_bytes: c.sent_bytes,
+                    delivered_bytes: c.delivered_bytes,
+                    ecn_marked: c.ecn_marked,
+                    drops: DropReason::ALL
+                        .iter()
+                        .filter(|r| c.drops.get(**r) > 0)
+                        .map(|r| (r.name().to_owned(), c.drops.get(*r)))
+                        .collect(),
+                    port_shares: if l.active {
+                        self.model
+                            .load_shares(l.spec.id)
+                            .into_iter()
+                            .map(|(p, s)| (p.0, s))
+                            .collect()
+                    } else {
+                        Vec::new()
+                    },
+                }
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .scan(0usize, |done, l| {
+                // Every running load, and the last few finished ones.
+                *done += usize::from(!l.active);
+                Some((*done <= MAX_DONE_LOADS || l.active).then_some(l))
+            })
+            .flatten()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect()
     }
 }
 
@@ -858,6 +1091,100 @@ mod tests {
             })
             .unwrap_err();
         assert!(e.contains("above 0"), "{e}");
+    }
+
+    /// A leaf-spine of 4 GPUs under 2 spines, 1 Gbit/s, detection 20 µs, convergence
+    /// 100 µs.
+    const LS: &str = "failure_detection = \"20us\"\nroute_convergence = \"100us\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n[links.nic]\nrate = \"1Gbit\"\n[links.leaf-spine]\nrate = \"1Gbit\"\n";
+
+    /// Event log (fabric ns since start, what), drops by reason, the load's drops.
+    type Replay = (Vec<(u64, String)>, Vec<(String, u64)>, u64);
+
+    /// Runs a seeded random-flap scenario with a load and GPU traffic across the spines:
+    /// the event log (fabric times relative to the start) and the drop counts.
+    fn flap_run(seed: u64) -> Replay {
+        let (mut dp, t) = plane(LS);
+        let scenario = crate::scenario::parse(
+            &format!(
+                "seed = {seed}\n[[event]]\nat = \"0ns\"\ndo = \"load\"\nfrom = \"gpu2\"\nto = \"leaf0\"\nrate = \"300Mbit\"\nfor = \"5ms\"\n[[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"1ms\"\nmttr = \"200us\"\nuntil = \"5ms\"\n"
+            ),
+            "s.toml",
+            &t,
+        )
+        .unwrap();
+        // gpu0 → gpu2 and gpu3 → gpu1: a 1000-byte packet every 20 µs each, 250 of them,
+        // several flows so that ECMP uses both spines.
+        for i in 0..250u64 {
+            let at = StdDuration::from_micros(20 * i + 3);
+            let flow = |from: usize, to: usize| {
+                let (a, b) = (t.hosts[from].addr, t.hosts[to].addr);
+                closbox_fabric::packet::build_udp(a, b, 1 + (i % 7) as u16, 2, 0, 1000)
+            };
+            dp.ports.inbox[0].push_back((at, flow(0, 2)));
+            dp.ports.inbox[3].push_back((at, flow(3, 1)));
+        }
+        let start = dp.applied_now();
+        let (_, applied) = dp.schedule(&scenario.items).unwrap();
+        assert_eq!(applied.len(), 1, "the load starts at once");
+        while dp.ports.elapsed < StdDuration::from_millis(8) {
+            dp.step();
+        }
+        let st = dp.status();
+        assert_eq!(st.pending_changes, 0);
+        assert!(st.delivered > 250, "most get through: {}", st.delivered);
+        let load_drops: u64 = st
+            .loads
+            .iter()
+            .flat_map(|l| l.drops.iter())
+            .map(|d| d.1)
+            .sum();
+        let log = dp
+            .events
+            .iter()
+            .map(|e| (e.fabric_ns - start, e.what.clone()))
+            .collect();
+        (log, st.drops, load_drops)
+    }
+
+    #[test]
+    fn a_seeded_flap_scenario_replays_exactly() {
+        let (log, drops, load_drops) = flap_run(11);
+        assert_eq!(flap_run(11), (log.clone(), drops.clone(), load_drops));
+        let downs = log.iter().filter(|e| e.1.ends_with(" down")).count();
+        assert!(downs >= 5, "{log:?}");
+        let lost = |r: &str| drops.iter().find(|d| d.0 == r).unwrap().1;
+        assert!(lost("link_down") + lost("no_route") > 0, "{drops:?}");
+        assert!(load_drops > 0);
+        let (other, _, _) = flap_run(12);
+        assert_ne!(other, log, "another seed, other faults");
+    }
+
+    #[test]
+    fn a_timeline_is_checked_whole_and_can_be_cancelled() {
+        let (mut dp, _t) = plane(LS);
+        let down = |b: &str| ChangeRequest::LinkDown {
+            a: "leaf0".into(),
+            b: b.into(),
+            index: None,
+        };
+        let e = dp
+            .schedule(&[(1_000, down("spine0")), (2_000, down("spine9"))])
+            .unwrap_err();
+        assert!(
+            e.starts_with("change 2 of 2: no GPU or switch \"spine9\""),
+            "{e}"
+        );
+        assert_eq!(dp.status().pending_changes, 0, "none of it");
+        let (a, _) = dp.schedule(&[(1_000_000, down("spine0"))]).unwrap();
+        let (b, _) = dp.schedule(&[(1_000_000, down("spine1"))]).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(dp.cancel(Some(a)), 1);
+        assert_eq!(dp.status().pending_changes, 1);
+        assert_eq!(dp.cancel(None), 1);
+        let e = dp
+            .change(&ChangeRequest::LoadStop { id: None })
+            .unwrap_err();
+        assert_eq!(e, "no load is running");
     }
 
     #[test]

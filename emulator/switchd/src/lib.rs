@@ -10,6 +10,7 @@ pub mod control;
 pub mod dataplane;
 pub mod histogram;
 pub mod netns;
+pub mod scenario;
 pub mod state;
 pub mod stop;
 #[allow(unsafe_code)]

@@ -36,7 +36,7 @@ impl fmt::Display for ConfigError {
 /// (a FIFO, device or directory is refused without reading it).
 pub fn load(path: &Path) -> Result<Topology, ConfigError> {
     let file = path.display().to_string();
-    let text = read_limited(path).map_err(|message| ConfigError {
+    let text = read_limited(path, "a topology file").map_err(|message| ConfigError {
         file: file.clone(),
         position: None,
         message,
@@ -44,7 +44,9 @@ pub fn load(path: &Path) -> Result<Topology, ConfigError> {
     parse(&text, &file)
 }
 
-fn read_limited(path: &Path) -> Result<String, String> {
+/// Reads a TOML text file of at most `MAX_FILE_BYTES` that is `what` ("a topology
+/// file"): a FIFO, device or directory is refused without reading it.
+pub fn read_limited(path: &Path, what: &str) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     // O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
@@ -55,11 +57,11 @@ fn read_limited(path: &Path) -> Result<String, String> {
         .map_err(|e| format!("cannot read: {e}"))?;
     let meta = f.metadata().map_err(|e| format!("cannot read: {e}"))?;
     if !meta.is_file() {
-        return Err("not a regular file (a topology file is a TOML text file)".into());
+        return Err(format!("not a regular file ({what} is a TOML text file)"));
     }
     if meta.len() > MAX_FILE_BYTES {
         return Err(format!(
-            "{} bytes is too large for a topology file (at most {} bytes)",
+            "{} bytes is too large for {what} (at most {} bytes)",
             meta.len(),
             MAX_FILE_BYTES
         ));
@@ -70,7 +72,7 @@ fn read_limited(path: &Path) -> Result<String, String> {
         .map_err(|e| format!("cannot read: {e}"))?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(format!(
-            "too large for a topology file (at most {MAX_FILE_BYTES} bytes)"
+            "too large for {what} (at most {MAX_FILE_BYTES} bytes)"
         ));
     }
     String::from_utf8(bytes).map_err(|e| {
@@ -95,7 +97,7 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
 }
 
 /// Serde's words for what it expected, in the words of topology files: no Rust types.
-fn plain_words(msg: &str) -> String {
+pub fn plain_words(msg: &str) -> String {
     let mut out = msg.to_owned();
     for (rust, plain) in [
         ("expected f64", "expected a number"),
@@ -158,7 +160,8 @@ impl Cx<'_> {
     }
 }
 
-fn line_col(text: &str, offset: usize) -> (usize, usize) {
+/// 1-based line and column of byte `offset` in `text`.
+pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
     let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;

@@ -1,0 +1,656 @@
+//! Chaos scenario files (`closbox chaos FILE`, `run --chaos`, `bench --chaos`): a timeline
+//! of changes at fabric times, repeated events and seeded random faults, checked against
+//! the topology and expanded into `(fabric ns after start, ChangeRequest)` items that the
+//! daemon schedules as one timeline. Errors name file:line:col.
+//!
+//! ```toml
+//! seed = 7                       # for [[random]] faults (default 1)
+//!
+//! [[event]]
+//! at = "2ms"                     # fabric time after the timeline starts
+//! do = "link-down"
+//! a = "leaf0"
+//! b = "spine0"
+//!
+//! [[event]]
+//! at = "1ms"
+//! every = "10ms"                 # again every 10 ms, 5 times in all
+//! count = 5
+//! do = "load"
+//! from = "leaf0"
+//! to = "leaf1"
+//! rate = "200Gbit"
+//! for = "5ms"
+//!
+//! [[random]]
+//! do = "link-flap"
+//! links = "leaf-spine"           # every link of a class, or a = …, b = …
+//! mtbf = "20ms"                  # mean time between failures, per link
+//! mttr = "2ms"                   # mean time to repair
+//! until = "100ms"
+//! ```
+
+use std::ops::Range;
+use std::path::Path;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use closbox_fabric::config::{line_col, plain_words, read_limited};
+use closbox_fabric::rng::Rng;
+use closbox_fabric::topology::{LinkClass, Topology};
+use closbox_fabric::{Bandwidth, Bytes, ConfigError, Duration};
+
+use crate::chaos::{self, ChangeRequest};
+use crate::dataplane::MAX_PENDING;
+
+/// A scenario, checked and expanded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scenario {
+    /// Changes at fabric ns after the timeline's start, in time order.
+    pub items: Vec<(u64, ChangeRequest)>,
+    /// When the last change is due (ns after start).
+    pub end_ns: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    seed: Option<Spanned<u64>>,
+    #[serde(default)]
+    event: Vec<Spanned<RawEvent>>,
+    #[serde(default)]
+    random: Vec<Spanned<RawRandom>>,
+}
+
+/// One `[[event]]`: `do` says which change; the other keys are its arguments.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEvent {
+    at: Spanned<Duration>,
+    every: Option<Spanned<Duration>>,
+    count: Option<Spanned<u32>>,
+    #[serde(rename = "do")]
+    action: Spanned<String>,
+    a: Option<Spanned<String>>,
+    b: Option<Spanned<String>>,
+    index: Option<Spanned<u32>>,
+    name: Option<Spanned<String>>,
+    rate: Option<Spanned<Bandwidth>>,
+    delay: Option<Spanned<Duration>>,
+    loss: Option<Spanned<f64>>,
+    buffer: Option<Spanned<Bytes>>,
+    down: Option<Spanned<Duration>>,
+    up: Option<Spanned<Duration>>,
+    flaps: Option<Spanned<u32>>,
+    groups: Option<Spanned<Vec<String>>>,
+    from: Option<Spanned<String>>,
+    to: Option<Spanned<String>>,
+    #[serde(rename = "for")]
+    for_: Option<Spanned<Duration>>,
+    on: Option<Spanned<Duration>>,
+    off: Option<Spanned<Duration>>,
+    packet: Option<Spanned<Bytes>>,
+    bytes: Option<Spanned<Bytes>>,
+    bursts: Option<Spanned<u32>>,
+    burst_every: Option<Spanned<Duration>>,
+}
+
+/// One `[[random]]`: faults drawn from a seeded generator.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRandom {
+    #[serde(rename = "do")]
+    action: Spanned<String>,
+    links: Option<Spanned<String>>,
+    a: Option<Spanned<String>>,
+    b: Option<Spanned<String>>,
+    mtbf: Spanned<Duration>,
+    mttr: Spanned<Duration>,
+    start: Option<Spanned<Duration>>,
+    until: Spanned<Duration>,
+    seed: Option<Spanned<u64>>,
+}
+
+/// What each `do` takes besides `at`, `every`, `count`.
+const ACTIONS: &[(&str, &[&str])] = &[
+    ("link-down", &["a", "b", "index"]),
+    ("link-up", &["a", "b", "index"]),
+    (
+        "link-set",
+        &["a", "b", "index", "rate", "delay", "loss", "buffer"],
+    ),
+    ("link-reset", &["a", "b", "index"]),
+    ("link-flap", &["a", "b", "index", "down", "up", "flaps"]),
+    ("switch-down", &["name"]),
+    ("switch-up", &["name"]),
+    ("gpu-down", &["name"]),
+    ("gpu-up", &["name"]),
+    ("partition", &["groups"]),
+    ("heal", &[]),
+    (
+        "load",
+        &["from", "to", "rate", "for", "on", "off", "packet"],
+    ),
+    ("incast", &["to", "from", "bytes", "bursts", "burst_every"]),
+];
+
+/// Most `[[random]]` faults expanded per scenario, and the longest a scenario may run.
+const MAX_SPAN: Duration = Duration::from_millis(3_600_000);
+
+struct Cx<'a> {
+    text: &'a str,
+    file: &'a str,
+}
+
+impl Cx<'_> {
+    fn at(&self, span: Range<usize>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            file: self.file.to_owned(),
+            position: Some(line_col(self.text, span.start)),
+            message: message.into(),
+        }
+    }
+
+    fn err<T>(&self, v: &Spanned<T>, message: impl Into<String>) -> ConfigError {
+        self.at(v.span(), message)
+    }
+}
+
+/// Reads and checks a scenario file against `topo`.
+pub fn load(path: &Path, topo: &Topology) -> Result<Scenario, ConfigError> {
+    let file = path.display().to_string();
+    let text = read_limited(path, "a scenario file").map_err(|message| ConfigError {
+        file: file.clone(),
+        position: None,
+        message,
+    })?;
+    parse(&text, &file, topo)
+}
+
+/// Checks scenario text against `topo`; `file` names it in errors.
+pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, ConfigError> {
+    let cx = Cx { text, file };
+    let raw: RawScenario = toml::from_str(text).map_err(|e| ConfigError {
+        file: file.to_owned(),
+        position: e.span().map(|s| line_col(text, s.start)),
+        message: plain_words(e.message().trim_end()),
+    })?;
+    if raw.event.is_empty() && raw.random.is_empty() {
+        return Err(ConfigError {
+            file: file.to_owned(),
+            position: None,
+            message: "no [[event]] and no [[random]]: the scenario does nothing".into(),
+        });
+    }
+    let seed = raw.seed.as_ref().map_or(1, |s| *s.get_ref());
+    let mut items = Vec::new();
+    for ev in &raw.event {
+        event(&cx, topo, ev, &mut items)?;
+    }
+    for (i, r) in raw.random.iter().enumerate() {
+        random(&cx, topo, r, seed, i as u64, &mut items)?;
+    }
+    // Stable: events at the same time keep the file's order.
+    items.sort_by_key(|(t, _)| *t);
+    let end_ns = items.last().map_or(0, |(t, _)| *t);
+    Ok(Scenario { items, end_ns })
+}
+
+fn event(
+    cx: &Cx,
+    topo: &Topology,
+    ev: &Spanned<RawEvent>,
+    items: &mut Vec<(u64, ChangeRequest)>,
+) -> Result<(), ConfigError> {
+    let e = ev.get_ref();
+    let action = e.action.get_ref().as_str();
+    let Some((_, takes)) = ACTIONS.iter().find(|(a, _)| *a == action) else {
+        let all: Vec<&str> = ACTIONS.iter().map(|a| a.0).collect();
+        return Err(cx.err(
+            &e.action,
+            format!("unknown change {action:?}; one of: {}", all.join(", ")),
+        ));
+    };
+    // Keys that are not this change's.
+    let given: [(&str, Option<Range<usize>>); 22] = [
+        ("a", e.a.as_ref().map(Spanned::span)),
+        ("b", e.b.as_ref().map(Spanned::span)),
+        ("index", e.index.as_ref().map(Spanned::span)),
+        ("name", e.name.as_ref().map(Spanned::span)),
+        ("rate", e.rate.as_ref().map(Spanned::span)),
+        ("delay", e.delay.as_ref().map(Spanned::span)),
+        ("loss", e.loss.as_ref().map(Spanned::span)),
+        ("buffer", e.buffer.as_ref().map(Spanned::span)),
+        ("down", e.down.as_ref().map(Spanned::span)),
+        ("up", e.up.as_ref().map(Spanned::span)),
+        ("flaps", e.flaps.as_ref().map(Spanned::span)),
+        ("groups", e.groups.as_ref().map(Spanned::span)),
+        ("from", e.from.as_ref().map(Spanned::span)),
+        ("to", e.to.as_ref().map(Spanned::span)),
+        ("for", e.for_.as_ref().map(Spanned::span)),
+        ("on", e.on.as_ref().map(Spanned::span)),
+        ("off", e.off.as_ref().map(Spanned::span)),
+        ("packet", e.packet.as_ref().map(Spanned::span)),
+        ("bytes", e.bytes.as_ref().map(Spanned::span)),
+        ("bursts", e.bursts.as_ref().map(Spanned::span)),
+        ("burst_every", e.burst_every.as_ref().map(Spanned::span)),
+        ("count", None),
+    ];
+    for (key, span) in given {
+        if let Some(span) = span {
+            if !takes.contains(&key) {
+                return Err(cx.at(
+                    span,
+                    format!(
+                        "{action} does not take `{key}`{}",
+                        if takes.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (it takes {})", takes.join(", "))
+                        }
+                    ),
+                ));
+            }
+        }
+    }
+    let need = |v: &Option<Spanned<String>>, key: &str| {
+        v.as_ref()
+            .map(|s| s.get_ref().clone())
+            .ok_or_else(|| cx.err(&e.action, format!("{action} needs `{key}`")))
+    };
+    let index = e.index.as_ref().map(|i| *i.get_ref());
+    let req = match action {
+        "link-down" | "link-up" | "link-reset" => {
+            let (a, b) = (need(&e.a, "a")?, need(&e.b, "b")?);
+            match action {
+                "link-down" => ChangeRequest::LinkDown { a, b, index },
+                "link-up" => ChangeRequest::LinkUp { a, b, index },
+                _ => ChangeRequest::LinkReset { a, b, index },
+            }
+        }
+        "link-set" => ChangeRequest::LinkSet {
+            a: need(&e.a, "a")?,
+            b: need(&e.b, "b")?,
+            index,
+            rate_bps: e.rate.as_ref().map(|r| r.get_ref().bps()),
+            delay_ns: e.delay.as_ref().map(|d| d.get_ref().as_nanos()),
+            loss: e.loss.as_ref().map(|l| *l.get_ref()),
+            buffer_bytes: e.buffer.as_ref().map(|b| b.get_ref().get()),
+        },
+        "link-flap" => ChangeRequest::LinkFlap {
+            a: need(&e.a, "a")?,
+            b: need(&e.b, "b")?,
+            index,
+            down_ns: e
+                .down
+                .as_ref()
+                .ok_or_else(|| cx.err(&e.action, "link-flap needs `down`"))?
+                .get_ref()
+                .as_nanos(),
+            up_ns: e
+                .up
+                .as_ref()
+                .ok_or_else(|| cx.err(&e.action, "link-flap needs `up`"))?
+                .get_ref()
+                .as_nanos(),
+            count: e.flaps.as_ref().map_or(1, |c| *c.get_ref()),
+        },
+        "switch-down" => ChangeRequest::SwitchDown {
+            name: need(&e.name, "name")?,
+        },
+        "switch-up" => ChangeRequest::SwitchUp {
+            name: need(&e.name, "name")?,
+        },
+        "gpu-down" => ChangeRequest::GpuDown {
+            name: need(&e.name, "name")?,
+        },
+        "gpu-up" => ChangeRequest::GpuUp {
+            name: need(&e.name, "name")?,
+        },
+        "partition" => {
+            let g = e
+                .groups
+                .as_ref()
+                .ok_or_else(|| cx.err(&e.action, "partition needs `groups`"))?;
+            let groups = g
+                .get_ref()
+                .iter()
+                .map(|sel| select(topo, sel))
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(|m| cx.err(g, m))?;
+            ChangeRequest::Partition { groups }
+        }
+        "heal" => ChangeRequest::Heal,
+        "load" => ChangeRequest::Load {
+            from: need(&e.from, "from")?,
+            to: need(&e.to, "to")?,
+            rate_bps: e
+                .rate
+                .as_ref()
+                .ok_or_else(|| cx.err(&e.action, "load needs `rate`"))?
+                .get_ref()
+                .bps(),
+            packet_bytes: match &e.packet {
+                Some(p) => Some(
+                    u32::try_from(p.get_ref().get())
+                        .map_err(|_| cx.err(p, "a packet of at most the mtu"))?,
+                ),
+                None => None,
+            },
+            for_ns: e.for_.as_ref().map(|d| d.get_ref().as_nanos()),
+            on_ns: e.on.as_ref().map(|d| d.get_ref().as_nanos()),
+            off_ns: e.off.as_ref().map(|d| d.get_ref().as_nanos()),
+        },
+        "incast" => {
+            let from = need(&e.from, "from")?;
+            let from_names =
+                select(topo, &from).map_err(|m| cx.err(e.from.as_ref().expect("given"), m))?;
+            ChangeRequest::Incast {
+                to: need(&e.to, "to")?,
+                from: from_names,
+                bytes: e
+                    .bytes
+                    .as_ref()
+                    .ok_or_else(|| cx.err(&e.action, "incast needs `bytes`"))?
+                    .get_ref()
+                    .get(),
+                every_ns: e.burst_every.as_ref().map(|d| d.get_ref().as_nanos()),
+                count: e.bursts.as_ref().map_or(1, |c| *c.get_ref()),
+            }
+        }
+        _ => unreachable!("every action of ACTIONS is handled"),
+    };
+    // Names and values, checked as the daemon will.
+    chaos::schedule(topo, &req, &mut 1).map_err(|m| cx.err(ev, m))?;
+    let at = *e.at.get_ref();
+    if at > MAX_SPAN {
+        return Err(cx.err(&e.at, format!("at most {MAX_SPAN} into a scenario")));
+    }
+    let count = match (&e.every, &e.count) {
+        (None, None) => 1,
+        (Some(_), None) => return Err(cx.err(ev, "`every` needs `count`")),
+        (None, Some(c)) => return Err(cx.err(c, "`count` needs `every`")),
+        (Some(every), Some(c)) => {
+            if every.get_ref().as_nanos() == 0 {
+                return Err(cx.err(every, "`every` must be above 0"));
+            }
+            let n = *c.get_ref();
+            if n == 0 || n as usize > MAX_PENDING {
+                return Err(cx.err(c, format!("`count` must be 1 to {MAX_PENDING}")));
+            }
+            if at + Duration::from_nanos(every.get_ref().as_nanos() * (n as u64 - 1)) > MAX_SPAN {
+                return Err(cx.err(c, format!("repeats past {MAX_SPAN}")));
+            }
+            n
+        }
+    };
+    let every = e.every.as_ref().map_or(0, |d| d.get_ref().as_nanos());
+    for k in 0..count as u64 {
+        items.push((at.as_nanos() + k * every, req.clone()));
+        if items.len() > MAX_PENDING {
+            return Err(cx.err(ev, format!("more than {MAX_PENDING} changes")));
+        }
+    }
+    Ok(())
+}
+
+fn random(
+    cx: &Cx,
+    topo: &Topology,
+    r: &Spanned<RawRandom>,
+    seed: u64,
+    nth: u64,
+    items: &mut Vec<(u64, ChangeRequest)>,
+) -> Result<(), ConfigError> {
+    let raw = r.get_ref();
+    if raw.action.get_ref() != "link-flap" {
+        return Err(cx.err(
+            &raw.action,
+            format!(
+                "unknown random fault {:?}; one of: link-flap",
+                raw.action.get_ref()
+            ),
+        ));
+    }
+    let links: Vec<u32> = match (&raw.links, &raw.a, &raw.b) {
+        (Some(class), None, None) => {
+            let want = LinkClass::ALL
+                .iter()
+                .copied()
+                .find(|c| c.name() == class.get_ref())
+                .ok_or_else(|| {
+                    let all: Vec<&str> = LinkClass::ALL.iter().map(|c| c.name()).collect();
+                    cx.err(
+                        class,
+                        format!(
+                            "no link class {:?}; one of: {}",
+                            class.get_ref(),
+                            all.join(", ")
+                        ),
+                    )
+                })?;
+            let of: Vec<u32> = (0..topo.links.len() as u32)
+                .filter(|&l| topo.links[l as usize].class == want)
+                .collect();
+            if of.is_empty() {
+                return Err(cx.err(class, format!("this fabric has no {} link", want.name())));
+            }
+            of
+        }
+        (None, Some(a), Some(b)) => {
+            chaos::links_between(topo, a.get_ref(), b.get_ref(), None).map_err(|m| cx.err(a, m))?
+        }
+        _ => {
+            return Err(cx.err(
+                &raw.action,
+                "give `links` (a link class) or both `a` and `b`",
+            ))
+        }
+    };
+    let (mtbf, mttr) = (raw.mtbf.get_ref().as_nanos(), raw.mttr.get_ref().as_nanos());
+    if mtbf == 0 {
+        return Err(cx.err(&raw.mtbf, "`mtbf` must be above 0"));
+    }
+    if mttr == 0 {
+        return Err(cx.err(&raw.mttr, "`mttr` must be above 0"));
+    }
+    let start = raw.start.as_ref().map_or(0, |s| s.get_ref().as_nanos());
+    let until = raw.until.get_ref().as_nanos();
+    if until <= start {
+        return Err(cx.err(&raw.until, "`until` must come after `start`"));
+    }
+    if *raw.until.get_ref() > MAX_SPAN {
+        return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
+    }
+    let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
+    for l in links {
+        let (a, b, index) = chaos::link_ref(topo, l);
+        let mut rng = Rng::new(seed, nth << 32 | l as u64);
+        let mut t = start;
+        loop {
+            t = t.saturating_add(exponential(&mut rng, mtbf));
+            if t >= until {
+                break;
+            }
+            let down = exponential(&mut rng, mttr).max(1);
+            let link = |up: bool| {
+                let (a, b, index) = (a.clone(), b.clone(), Some(index));
+                if up {
+                    ChangeRequest::LinkUp { a, b, index }
+                } else {
+                    ChangeRequest::LinkDown { a, b, index }
+                }
+            };
+            items.push((t, link(false)));
+            // The repair comes even past `until`: the fabric is left whole.
+            items.push((t.saturating_add(down), link(true)));
+            t = t.saturating_add(down);
+            if items.len() > MAX_PENDING {
+                return Err(cx.err(
+                    r,
+                    format!("more than {MAX_PENDING} changes: raise mtbf or shorten until"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An exponentially distributed draw with mean `mean` (ns).
+fn exponential(rng: &mut Rng, mean: u64) -> u64 {
+    let u = rng.next_f64();
+    (-(1.0 - u).ln() * mean as f64).round() as u64
+}
+
+/// GPU names of a selection as `run --gpus` takes it: "all", ranks and ranges ("0-3,6"),
+/// names ("gpu0,gpu5").
+pub fn select(topo: &Topology, sel: &str) -> Result<Vec<String>, String> {
+    let n = topo.hosts.len();
+    if sel == "all" {
+        return Ok(topo.hosts.iter().map(|h| h.name.clone()).collect());
+    }
+    let mut out: Vec<usize> = Vec::new();
+    for part in sel.split(',').map(str::trim) {
+        let range = part
+            .split_once('-')
+            .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+        if let Some((a, b)) = range {
+            if a > b || b >= n {
+                return Err(format!(
+                    "GPU range {part:?}: ranks go from 0 to {}, upward",
+                    n - 1
+                ));
+            }
+            out.extend(a..=b);
+        } else if let Ok(r) = part.parse::<usize>() {
+            if r >= n {
+                return Err(format!("no rank {r}: ranks go from 0 to {}", n - 1));
+            }
+            out.push(r);
+        } else {
+            let h = topo
+                .host_by_name(part)
+                .ok_or_else(|| format!("no GPU {part:?}; {}", chaos::nearby(topo, part)))?;
+            out.push(h.0 as usize);
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(d) = out.iter().find(|i| !seen.insert(**i)) {
+        return Err(format!("GPU {} is selected twice", topo.hosts[*d].name));
+    }
+    Ok(out
+        .into_iter()
+        .map(|i| topo.hosts[i].name.clone())
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo() -> Topology {
+        closbox_fabric::parse(
+            "[fabric]\nname = \"c\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 4\ngpus_per_leaf = 2\n",
+            "c.toml",
+        )
+        .unwrap()
+    }
+
+    fn err(text: &str) -> String {
+        parse(text, "s.toml", &topo()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn events_expand_in_time_order_with_repeats() {
+        let s = parse(
+            r#"
+[[event]]
+at = "5ms"
+do = "link-up"
+a = "leaf0"
+b = "spine0"
+
+[[event]]
+at = "2ms"
+do = "link-down"
+a = "leaf0"
+b = "spine0"
+
+[[event]]
+at = "1ms"
+every = "2ms"
+count = 3
+do = "load"
+from = "leaf0"
+to = "leaf1"
+rate = "10Gbit"
+for = "1ms"
+"#,
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
+        let times: Vec<u64> = s.items.iter().map(|i| i.0 / 1_000_000).collect();
+        assert_eq!(times, [1, 2, 3, 5, 5]);
+        assert!(matches!(s.items[1].1, ChangeRequest::LinkDown { .. }));
+        assert_eq!(s.end_ns, 5_000_000);
+    }
+
+    #[test]
+    fn random_flaps_are_seeded_and_reproducible() {
+        let text = |seed: u64| {
+            format!("seed = {seed}\n[[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"10ms\"\nmttr = \"1ms\"\nuntil = \"100ms\"\n")
+        };
+        let a = parse(&text(3), "s.toml", &topo()).unwrap();
+        let b = parse(&text(3), "s.toml", &topo()).unwrap();
+        let c = parse(&text(4), "s.toml", &topo()).unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        // 8 links for 100 ms at one failure per ~11 ms each: about 70 failures.
+        let downs = a
+            .items
+            .iter()
+            .filter(|i| matches!(i.1, ChangeRequest::LinkDown { .. }))
+            .count();
+        assert!((35..=110).contains(&downs), "{downs}");
+        let ups = a.items.len() - downs;
+        assert_eq!(ups, downs, "every failure is repaired");
+    }
+
+    #[test]
+    fn mistakes_are_positioned_and_say_what_exists() {
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-dwn\"\na = \"leaf0\"\nb = \"spine0\"\n");
+        assert!(
+            e.starts_with("s.toml:3:6: unknown change \"link-dwn\""),
+            "{e}"
+        );
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine9\"\n");
+        assert!(e.starts_with("s.toml:1:1:") && e.contains("spine0"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"heal\"\nrate = \"1Gbit\"\n");
+        assert!(
+            e.starts_with("s.toml:4:8: heal does not take `rate`"),
+            "{e}"
+        );
+        let e = err("[[event]]\nat = \"soon\"\ndo = \"heal\"\n");
+        assert!(e.starts_with("s.toml:2:6:"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"load\"\nfrom = \"leaf0\"\nto = \"leaf1\"\nrate = \"0bit\"\n");
+        assert!(
+            e.starts_with("s.toml:6:8:") && e.contains("at least 1 bit/s"),
+            "{e}"
+        );
+        let e = err("[[event]]\nat = \"1ms\"\ncount = 3\ndo = \"heal\"\n");
+        assert!(e.starts_with("s.toml:3:9: `count` needs `every`"), "{e}");
+        let e = err("[[random]]\ndo = \"link-flap\"\nlinks = \"spine-leaf\"\nmtbf = \"1ms\"\nmttr = \"1ms\"\nuntil = \"1s\"\n");
+        assert!(
+            e.starts_with("s.toml:3:9: no link class") && e.contains("leaf-spine"),
+            "{e}"
+        );
+        let e = err("[[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"1ns\"\nmttr = \"1ns\"\nuntil = \"1s\"\n");
+        assert!(e.contains("more than"), "{e}");
+        let e = err("seed = 1\n");
+        assert!(e.contains("does nothing"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"partition\"\ngroups = [\"0-9\"]\n");
+        assert!(e.starts_with("s.toml:4:10:") && e.contains("0 to 3"), "{e}");
+    }
+}
