@@ -472,3 +472,166 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert_eq!(f.status()["pending_changes"], 0);
     f.down();
 }
+
+/// 3:1 oversubscribed leaves (3 GPUs at 400 Gbit/s under one 400 Gbit/s uplink each) in
+/// dilated time, GPU TCP as in configs/default.toml.
+const THREE_TO_ONE: &str = r#"
+mtu = 9000
+time_scale = 4000
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 1
+gpus_per_leaf = 3
+[links.nic]
+rate = "400Gbit"
+delay = "100ns"
+[links.leaf-spine]
+rate = "400Gbit"
+delay = "500ns"
+[nic]
+buffer = "64MiB"
+tcp_congestion = "reno"
+tcp_ecn = false
+[switches.leaf]
+latency = "600ns"
+buffer = "64MiB"
+[switches.spine]
+latency = "600ns"
+buffer = "64MiB"
+"#;
+
+/// One AllToAll row from `closbox bench --json`: (busbw GB/s, measured/predicted).
+fn alltoall(fabric: &str, size: &str) -> (f64, f64) {
+    let out = closbox(&[
+        "bench", "alltoall", "--fabric", fabric, "--sizes", size, "--iters", "2", "--warmup",
+        "1", "--json",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&o).unwrap();
+    let r = &rows[0];
+    assert_eq!(r["wrong"], 0, "{r}");
+    let (t, p) = (
+        r["time_us"].as_f64().unwrap(),
+        r["predicted_us"].as_f64().unwrap(),
+    );
+    (r["busbw"].as_f64().unwrap(), t / p)
+}
+
+#[test]
+fn a_load_on_the_uplinks_slows_an_alltoall_as_predicted() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-3to1", THREE_TO_ONE);
+    let (alone, ratio_alone) = alltoall("lt-3to1", "8M");
+    // Half of every uplink and downlink taken, both ways.
+    for (a, b) in [("leaf0", "leaf1"), ("leaf1", "leaf0")] {
+        let out = closbox(&["load", a, b, "--rate", "200Gbit", "--fabric", "lt-3to1"]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    }
+    let (loaded, ratio_loaded) = alltoall("lt-3to1", "8M");
+    eprintln!(
+        "3:1 AllToAll 8 MiB: busbw {alone:.2} GB/s alone (measured/predicted {ratio_alone:.2}), {loaded:.2} GB/s beside loads on half of every uplink ({ratio_loaded:.2})"
+    );
+    assert!((0.9..=1.1).contains(&ratio_loaded), "{ratio_loaded}");
+    assert!(loaded < 0.75 * alone, "{loaded} vs {alone}");
+    f.down();
+}
+
+/// One GPU per leaf under 4 spines: 400 Gbit/s NICs, 100 Gbit/s uplinks (so the uplinks
+/// bound a transfer), time_scale 2000; failures detected after 100 µs, routes converged
+/// after 500 µs (0.2 s and 1 s of wall time).
+const FOUR_UPLINKS: &str = r#"
+mtu = 9000
+time_scale = 2000
+failure_detection = "100us"
+route_convergence = "500us"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 4
+gpus_per_leaf = 1
+[links.nic]
+rate = "400Gbit"
+delay = "1us"
+[links.leaf-spine]
+rate = "100Gbit"
+delay = "1us"
+[nic]
+buffer = "16MiB"
+tcp_congestion = "reno"
+tcp_ecn = false
+[switches.leaf]
+buffer = "16MiB"
+[switches.spine]
+buffer = "16MiB"
+"#;
+
+#[test]
+fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-iperf", FOUR_UPLINKS);
+    let mut server = f.spawn("gpu1", &["iperf3", "-s", "-1", "-B", "198.18.0.2"]);
+    wait_for_port(&f, "gpu1", 5201);
+    let client = std::thread::spawn(|| {
+        closbox(&[
+            "exec", "--fabric", "lt-iperf", "gpu0", "--", "iperf3", "-c", "198.18.0.2", "-R",
+            "-t", "12", "-P", "8", "-i", "0.5", "-J",
+        ])
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let carried = port_tx(&f, "leaf0->spine0") + port_tx(&f, "spine0->leaf0");
+    let out = closbox(&["link", "down", "leaf0", "spine0", "--fabric", "lt-iperf"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = client.join().unwrap();
+    let _ = server.wait();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Fabric Gbit/s per 0.5 s interval (iperf3 measures wall time).
+    let k = 2000.0;
+    let series: Vec<(f64, f64)> = v["intervals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["sum"]["end"].as_f64().unwrap(),
+                i["sum"]["bits_per_second"].as_f64().unwrap() * k / 1e9,
+            )
+        })
+        .collect();
+    let line: Vec<String> = series
+        .iter()
+        .map(|(t, g)| format!("{t:.1}s {g:.0}"))
+        .collect();
+    eprintln!(
+        "iperf3 -R -P 8 gpu1 -> gpu0 over 4 x 100G uplinks, leaf0-spine0 down at ~3 s wall (received, fabric Gbit/s per 0.5 s): {}",
+        line.join(", ")
+    );
+    let mean = |from: f64, to: f64| {
+        let w: Vec<f64> = series
+            .iter()
+            .filter(|(t, _)| *t > from && *t <= to)
+            .map(|x| x.1)
+            .collect();
+        w.iter().sum::<f64>() / w.len() as f64
+    };
+    let (before, after) = (mean(0.0, 1.5), mean(8.0, 12.0));
+    eprintln!("before {before:.0} Gbit/s, settled after {after:.0} Gbit/s");
+    // Never more than the uplinks that are up carry (5 % for iperf3's interval edges).
+    assert!(before <= 400.0 * 1.05, "{before}");
+    assert!(after <= 300.0 * 1.05, "{after}");
+    // Recovered: the flows of the dead link were rehashed onto the links left.
+    assert!(after >= 100.0, "{after}");
+    if carried > 0 {
+        let lost = drops(&f, "link_down") + drops(&f, "no_route");
+        assert!(lost > 0, "the dead link carried traffic, yet nothing was lost");
+    }
+    f.down();
+}
