@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::Ordering;
@@ -216,16 +216,52 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-pub fn exec(fabric: Option<&FabricName>, gpu: &str, cmd: &[String]) -> anyhow::Result<ExitCode> {
+pub fn exec(
+    fabric: Option<&FabricName>,
+    gpu: &str,
+    cmd: &[String],
+    die_with_parent: bool,
+) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox exec")?;
+
     let st = resolve(fabric)?;
     let (_, g) = st.gpu(gpu)?;
-    let enter = Arc::new(netns::open_gpu(&st, g)?);
+    let mut enter = netns::open_gpu(&st, g)?;
+    // From a terminal, the command stays in the terminal's foreground group (Ctrl-C and
+    // job control reach it); otherwise it leads a group of its own, and signals passed on
+    // reach everything it started there.
+    let interactive = std::io::stdin().is_terminal();
+    enter.new_group = !interactive;
+    let enter = Arc::new(enter);
     let mut command = Command::new(&cmd[0]);
     command.args(&cmd[1..]).envs(gpu_env(&st, g));
+    // SIGTERM and SIGHUP sent to `exec` go on to the command (as a remote shell's would),
+    // so that whoever stops `exec` stops what it runs; SIGINT from a terminal reaches
+    // the command directly (same process group), and is passed on if it is still there
+    // a moment later. (Registered before the spawn: no signal finds `exec` defenceless.)
+    let pid = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    if die_with_parent {
+        // SIGTERM when the parent goes, handled like any SIGTERM: passed on.
+        sys::die_with_parent()?;
+    }
+    let target = Arc::clone(&pid);
+    std::thread::spawn(move || {
+        for sig in signals.forever() {
+            if sig == libc::SIGINT {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let p = target.load(Ordering::Acquire);
+            if p > 0 {
+                let _ = sys::kill(if interactive { p } else { -p }, sig);
+            }
+        }
+    });
     let mut child = enter
         .spawn(&mut command)
         .map_err(|e| spawn_error(e, &cmd[0]))?;
+    pid.store(child.id() as i32, Ordering::Release);
     let status = child.wait()?;
     Ok(ExitCode::from(exit_code(status)))
 }
@@ -454,8 +490,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     if let (Some(t), Some(started)) = (a.chaos, &timeline) {
         t.finish(started);
     }
-    for r in readers {
-        let _ = r.join();
+    // The ranks are gone; their output is read to its end, unless something they started
+    // outside their process groups (a launcher's remote daemons) still holds their pipes.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while readers.iter().any(|r| !r.is_finished()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if readers.iter().any(|r| !r.is_finished()) {
+        eprintln!(
+            "closbox: the ranks exited but processes they started still hold their output open; not waiting for them"
+        );
     }
     match failure {
         None => Ok(ExitCode::SUCCESS),

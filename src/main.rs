@@ -70,6 +70,11 @@ enum Command {
         /// Fabric (default: the only fabric up).
         #[arg(long, short)]
         fabric: Option<FabricName>,
+        /// Stop the command (SIGTERM) when the process that started `exec` exits: for
+        /// remote launchers such as mpirun's rsh agent, so that a killed mpirun leaves
+        /// nothing running in the GPUs.
+        #[arg(long)]
+        die_with_parent: bool,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -645,7 +650,12 @@ fn main() -> ExitCode {
         } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.as_ref(), ChangeRequest::Heal),
-        Command::Exec { gpu, fabric, cmd } => live::exec(fabric.as_ref(), &gpu, &cmd),
+        Command::Exec {
+            gpu,
+            fabric,
+            die_with_parent,
+            cmd,
+        } => live::exec(fabric.as_ref(), &gpu, &cmd, die_with_parent),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)
         }

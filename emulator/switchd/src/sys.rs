@@ -303,6 +303,8 @@ pub struct EnterGpu {
     hosts_src: CString,
     /// Lead a new process group (for `run`); `exec` stays in the terminal's group.
     pub new_group: bool,
+    /// The process that spawns: its command gets SIGTERM when it dies, however it dies.
+    parent: Option<Pid>,
 }
 
 impl EnterGpu {
@@ -312,6 +314,7 @@ impl EnterGpu {
             uts,
             hosts_src: cstr(hosts_file)?,
             new_group: false,
+            parent: Some(process::getpid()),
         })
     }
 
@@ -346,6 +349,15 @@ impl EnterGpu {
         if self.new_group {
             process::setpgid(None, None)?;
         }
+        // A GPU's command does not outlive the closbox that started it (killed, even by
+        // SIGKILL, it would leave the command running in the namespace): SIGTERM then,
+        // as a remote shell's hang-up would. Its own children are its business.
+        process::set_parent_process_death_signal(Some(Signal::TERM))?;
+        if process::getppid() != self.parent {
+            return Err(io::Error::other(
+                "closbox exited before the command started",
+            ));
+        }
         Ok(())
     }
 
@@ -362,6 +374,16 @@ impl EnterGpu {
         unsafe { cmd.pre_exec(move || me.enter()) };
         cmd.spawn()
     }
+}
+
+/// This process gets SIGTERM when its parent exits (or at once, if it already has).
+pub fn die_with_parent() -> io::Result<()> {
+    let parent = process::getppid();
+    process::set_parent_process_death_signal(Some(Signal::TERM))?;
+    if process::getppid() != parent {
+        process::kill_process(process::getpid(), Signal::TERM)?;
+    }
+    Ok(())
 }
 
 /// Restores the default SIGPIPE action (Rust ignores it), so that `closbox … | head`
