@@ -219,7 +219,7 @@ impl Timeline {
             },
         ) {
             Ok(Reply::Cancelled { changes }) if changes > 0 => eprintln!(
-                "# chaos: the job ended before {changes} change{} of {}: cancelled",
+                "# chaos: the job ended before {changes} change{} of {}: cancelled (the fabric stays as the timeline left it: `closbox status`)",
                 if changes == 1 { "" } else { "s" },
                 self.file
             ),
