@@ -788,3 +788,91 @@ fn an_mpi_job_under_a_partition_is_ended_by_its_timeout_and_runs_after_heal() {
     }
     f.down();
 }
+
+#[test]
+fn a_ring_allreduce_with_a_spine_down_is_correct_and_as_predicted() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // configs/default.toml (2 leaves × 4 GPUs, 4 spines, 400G, time_scale 4000), with
+    // detection and convergence short enough to wait for (0.4 s and 1 s of wall time).
+    let body =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.toml"))
+            .unwrap();
+    let body = body
+        .split_once("[topology]")
+        .map(|(_, rest)| {
+            format!(
+                "mtu = 9000\ntime_scale = 4000\nfailure_detection = \"100us\"\nroute_convergence = \"250us\"\n[topology]{rest}"
+            )
+        })
+        .unwrap();
+    let f = TestFabric::up("lt-spine", &body);
+    let follow = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["events", "--follow", "--json", "--fabric", "lt-spine"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = closbox(&["switch", "down", "spine0", "--fabric", "lt-spine"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(1500));
+    let out = closbox(&[
+        "bench",
+        "allreduce",
+        "--algo",
+        "ring",
+        "--fabric",
+        "lt-spine",
+        "--sizes",
+        "16M",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&o).unwrap();
+    let r = &rows[0];
+    assert_eq!(r["wrong"], 0, "{r}");
+    let ratio = r["time_us"].as_f64().unwrap() / r["predicted_us"].as_f64().unwrap();
+    eprintln!(
+        "ring AllReduce 16 MiB on configs/default.toml with spine0 down: busbw {:.2} GB/s, {ratio:.2} × prediction",
+        r["busbw"].as_f64().unwrap()
+    );
+    assert!((0.9..=1.1).contains(&ratio), "{ratio}: {r}");
+    assert!(
+        e.contains("at its end: leaf0-spine0 #0 (down)"),
+        "the footer names what is down: {e}"
+    );
+    // `events --follow` printed the switch's four links going down, as JSON lines.
+    let mut follow = follow;
+    let _ = closbox_kill(&mut follow);
+    let mut lines = String::new();
+    use std::io::Read;
+    follow
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut lines)
+        .unwrap();
+    let got: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(got.len(), 2, "{lines}");
+    assert!(got
+        .iter()
+        .all(|e| e["what"].as_str().unwrap().ends_with(" down")));
+    f.down();
+}
+
+/// Stops a `closbox` child with SIGTERM and reaps it.
+fn closbox_kill(child: &mut std::process::Child) -> std::io::Result<std::process::ExitStatus> {
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()?;
+    child.wait()
+}
