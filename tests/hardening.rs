@@ -485,7 +485,7 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     assert!(out.status.success(), "{:?}", text(&out));
     // A request line far over the limit gets an error, not unbounded buffering.
     let mut big = UnixStream::connect(sock).unwrap();
-    let chunk = vec![b'x'; 1 << 20];
+    let chunk = vec![b'x'; closbox_switchd::control::MAX_REQUEST as usize + 1];
     let _ = big.write_all(&chunk);
     let mut reply = String::new();
     big.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -187,6 +187,63 @@ struct LoadState {
     toward: Vec<Vec<PortId>>,
 }
 
+/// A GPU packet seen at a tapped port (`Fabric::set_taps`): as it left the port (after
+/// ECN marking, before the next switch decrements its TTL), stamped when its last bit
+/// left; or, when the taps want drops, as it was lost there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tapped {
+    pub port: PortId,
+    pub at: Instant,
+    /// IP bytes of the packet (`data` holds at most the snap length of them).
+    pub len: u32,
+    pub data: Vec<u8>,
+    pub dropped: Option<DropReason>,
+}
+
+/// Which ports are tapped, and what was seen not yet polled.
+struct Taps {
+    on: Vec<bool>,
+    snaplen: u32,
+    drops: bool,
+    out: VecDeque<Tapped>,
+    /// Records not kept because `out` held `MAX_TAPPED` (the caller polls too rarely).
+    overflow: u64,
+}
+
+/// Most tapped packets held for `poll_tapped`.
+const MAX_TAPPED: usize = 1 << 16;
+
+impl Taps {
+    #[inline]
+    fn wants(taps: &Option<Box<Taps>>, port: PortId, dropped: Option<DropReason>) -> bool {
+        taps.as_ref().is_some_and(|t| {
+            t.on.get(port.0 as usize).copied().unwrap_or(false) && (dropped.is_none() || t.drops)
+        })
+    }
+
+    fn record(
+        &mut self,
+        port: PortId,
+        at: Instant,
+        data: &[u8],
+        len: u32,
+        dropped: Option<DropReason>,
+    ) {
+        if self.out.len() >= MAX_TAPPED {
+            self.overflow += 1;
+            return;
+        }
+        let keep = data.len().min(self.snaplen as usize);
+        self.out.push_back(Tapped {
+            port,
+            at,
+            len,
+            data: data[..keep].to_vec(),
+            dropped,
+        });
+    }
+}
+
 /// `InFlight::load` of a GPU's packet.
 const NO_LOAD: u32 = u32::MAX;
 /// Backlog entry flags.
@@ -301,6 +358,8 @@ pub struct Fabric {
     /// Of `in_transit`, synthetic packets.
     load_in_transit: u64,
     seed: u64,
+    /// Packet taps (captures), when any port is tapped.
+    taps: Option<Box<Taps>>,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -382,8 +441,44 @@ impl Fabric {
             loads: Vec::new(),
             load_in_transit: 0,
             seed,
+            taps: None,
             topo: topo.clone(),
         }
+    }
+
+    /// Taps `ports` from now on (replacing any taps): their GPU packets, the first
+    /// `snaplen` bytes of each, and with `drops` also those lost there; `poll_tapped`
+    /// hands them out. An empty list removes the taps.
+    pub fn set_taps(&mut self, ports: &[PortId], snaplen: u32, drops: bool) {
+        if ports.is_empty() {
+            self.taps = None;
+            return;
+        }
+        let mut on = vec![false; self.ports.len()];
+        for p in ports {
+            on[p.0 as usize] = true;
+        }
+        let (out, overflow) = self
+            .taps
+            .take()
+            .map_or((VecDeque::new(), 0), |t| (t.out, t.overflow));
+        self.taps = Some(Box::new(Taps {
+            on,
+            snaplen,
+            drops,
+            out,
+            overflow,
+        }));
+    }
+
+    /// The next packet a tap saw, in the order they were seen.
+    pub fn poll_tapped(&mut self) -> Option<Tapped> {
+        self.taps.as_mut()?.out.pop_front()
+    }
+
+    /// Tapped packets not kept because they were not polled in time.
+    pub fn tap_overflow(&self) -> u64 {
+        self.taps.as_ref().map_or(0, |t| t.overflow)
     }
 
     /// Records every port departure from now on (for tests and captures; costs memory).
@@ -514,7 +609,7 @@ impl Fabric {
         debug_assert!(now >= self.now, "time went backwards: {now} < {}", self.now);
         self.now = self.now.max(now);
         loop {
-            let (t, slot, v) = {
+            let (t, slot, v, port) = {
                 let Some(mut top) = self.events.peek_mut() else {
                     break;
                 };
@@ -539,11 +634,21 @@ impl Fabric {
                         PeekMut::pop(top);
                     }
                 }
-                (t, slot, p.to)
+                (t, slot, p.to, PortId(port))
             };
             self.in_transit -= 1;
             self.converge_by(t);
-            let load = self.slots[slot as usize].as_ref().expect("live slot").load;
+            let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+            let load = pkt.load;
+            if load == NO_LOAD && Taps::wants(&self.taps, port, None) {
+                let p = &self.ports[port.0 as usize];
+                let left = Instant::from_nanos(
+                    t.as_nanos()
+                        .saturating_sub((p.link.delay + p.next_latency).as_nanos()),
+                );
+                let taps = self.taps.as_mut().expect("tapped");
+                taps.record(port, left, &pkt.data, pkt.len, None);
+            }
             if load != NO_LOAD {
                 self.load_in_transit -= 1;
                 let st = &self.loads[load as usize];
@@ -921,10 +1026,15 @@ impl Fabric {
         port.carry = 0;
         self.in_transit -= lost.len() as u64;
         for slot in lost {
-            let load = self.release(slot).load;
+            let pkt = self.release(slot);
+            let load = pkt.load;
             let counters = &mut self.ports[p.0 as usize].counters;
             if load == NO_LOAD {
                 counters.drops.add(DropReason::LinkDown);
+                if Taps::wants(&self.taps, p, Some(DropReason::LinkDown)) {
+                    let taps = self.taps.as_mut().expect("tapped");
+                    taps.record(p, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
+                }
             } else {
                 counters.load_drops += 1;
                 self.load_in_transit -= 1;
@@ -997,6 +1107,11 @@ impl Fabric {
                     .counters
                     .drops
                     .add(DropReason::LinkDown);
+                if Taps::wants(&self.taps, port_id, Some(DropReason::LinkDown)) {
+                    let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+                    let taps = self.taps.as_mut().expect("tapped");
+                    taps.record(port_id, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
+                }
                 self.release(slot);
                 return Err(DropReason::LinkDown);
             }
@@ -1090,6 +1205,10 @@ impl Fabric {
                     .add(DropReason::BufferFull);
             } else {
                 port.counters.drops.add(DropReason::BufferFull);
+                if Taps::wants(&self.taps, port_id, Some(DropReason::BufferFull)) {
+                    let taps = self.taps.as_mut().expect("tapped");
+                    taps.record(port_id, now, &pkt.data, len, Some(DropReason::BufferFull));
+                }
             }
             if let Some(t) = &mut self.trace {
                 t.push(TraceEntry {
@@ -1146,6 +1265,10 @@ impl Fabric {
                     .counters
                     .drops
                     .add(DropReason::Loss);
+            } else if Taps::wants(&self.taps, port_id, Some(DropReason::Loss)) {
+                let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+                let taps = self.taps.as_mut().expect("tapped");
+                taps.record(port_id, finish, &pkt.data, len, Some(DropReason::Loss));
             }
             self.release(slot);
         } else {

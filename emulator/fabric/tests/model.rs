@@ -1152,3 +1152,45 @@ fn a_load_on_a_failed_link_is_blackholed_then_moves_to_the_links_left() {
     );
     assert!(ls[1].counters.delivered_packets > 100);
 }
+
+#[test]
+fn a_tap_sees_what_leaves_its_port_when_it_has_left_and_what_it_drops() {
+    // Three 1000-byte packets into a 2500-byte buffer at once: two go through sw0 → gpu0,
+    // the third is dropped; a tap there sees the two at their finish times and, wanting
+    // drops, the third as buffer_full.
+    let t = topo(&format!("{SWITCH2}buffer = \"2500B\"\n"));
+    let mut f = Fabric::new(&t);
+    let down = port(&t, &f, "sw0", "gpu0");
+    f.set_taps(&[down], 64, true);
+    for (i, src) in [1u32, 2, 3].iter().enumerate() {
+        let _ = send(&mut f, &t, 0, (*src, 0), i as u16, 0b10, 1000);
+    }
+    let d = run(&mut f);
+    let mut seen = Vec::new();
+    while let Some(x) = f.poll_tapped() {
+        seen.push(x);
+    }
+    assert_eq!(d.len(), 2);
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let dropped: Vec<_> = seen.iter().filter(|x| x.dropped.is_some()).collect();
+    assert_eq!(dropped.len(), 1);
+    assert_eq!(dropped[0].dropped, Some(DropReason::BufferFull));
+    let left: Vec<u64> = seen
+        .iter()
+        .filter(|x| x.dropped.is_none())
+        .map(|x| x.at.as_nanos())
+        .collect();
+    // Each packet's last bit leaves sw0 one and two packet times after arriving whole.
+    assert_eq!(left, [2 * 8304, 3 * 8304]);
+    for x in &seen {
+        assert_eq!((x.len, x.data.len(), x.port), (1000, 64, down));
+        assert!(packet::inspect(&x.data).is_err() || x.data[0] >> 4 == 4);
+    }
+    let c = f.port_counters(Instant::from_nanos(1_000_000));
+    assert_eq!(c[down.0 as usize].tx_packets, 2);
+    // Untapped, nothing is kept.
+    f.set_taps(&[], 0, false);
+    let _ = send(&mut f, &t, 2_000_000, (1, 0), 9, 0, 1000);
+    run(&mut f);
+    assert!(f.poll_tapped().is_none());
+}

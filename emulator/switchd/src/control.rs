@@ -108,7 +108,7 @@ fn version_of(line: &str) -> Option<u64> {
 /// Clients served at once; more are told to come back.
 const MAX_CLIENTS: usize = 16;
 /// Longest request line.
-const MAX_REQUEST: u64 = 4 << 20;
+pub const MAX_REQUEST: u64 = 4 << 20;
 
 /// Starts serving; the listener thread lives as long as the process.
 pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
@@ -192,7 +192,15 @@ fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
 fn read_request(conn: &UnixStream) -> anyhow::Result<Request> {
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut line = String::new();
-    BufReader::new(conn.take(MAX_REQUEST)).read_line(&mut line)?;
+    if let Err(e) = BufReader::new(conn.take(MAX_REQUEST)).read_line(&mut line) {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            bail!("no whole request line within 5 s");
+        }
+        return Err(e.into());
+    }
     if !line.ends_with('\n') && line.len() as u64 >= MAX_REQUEST {
         bail!("request longer than {MAX_REQUEST} bytes");
     }
