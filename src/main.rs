@@ -8,6 +8,7 @@ use closbox_switchd::control::ChangeRequest;
 use closbox_switchd::state::FabricName;
 
 mod bench;
+mod capture;
 mod chaos;
 mod live;
 mod plan;
@@ -215,6 +216,44 @@ enum Command {
         /// Number of bursts.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         count: u32,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Capture packets as they leave fabric ports into a pcapng file (`-w -`: stdout):
+    /// one interface per port, fabric-time timestamps; with --drops also the packets
+    /// dropped there, their reason in a comment. Ctrl-C ends it.
+    #[command(
+        after_help = "Examples:\n  closbox capture --port leaf0->gpu0 -w /tmp/gpu0.pcapng --count 1000\n  closbox capture --link leaf0 spine1 --drops --duration 10ms -w /tmp/up.pcapng\n  closbox capture --gpu gpu3 -w - | tshark -r - -q -z conv,tcp"
+    )]
+    Capture {
+        /// A port as `status` names it: FROM->TO (repeatable).
+        #[arg(long = "port", value_name = "A->B")]
+        ports: Vec<String>,
+        /// Both directions of the link(s) between A and B (repeatable).
+        #[arg(long = "link", num_args = 2, value_names = ["A", "B"])]
+        links: Vec<String>,
+        /// Every port into and out of a GPU (repeatable).
+        #[arg(long = "gpu", value_name = "GPU")]
+        gpus: Vec<String>,
+        /// Every port of the fabric.
+        #[arg(long, conflicts_with_all = ["ports", "links", "gpus"])]
+        all: bool,
+        /// Output file (pcapng), or - for stdout.
+        #[arg(short = 'w', long = "write", value_name = "FILE")]
+        file: PathBuf,
+        /// Stop after this many packets.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+        /// Stop after this much fabric time, e.g. 10ms.
+        #[arg(long)]
+        duration: Option<closbox_fabric::Duration>,
+        /// Bytes kept of each packet.
+        #[arg(long, default_value_t = 262_144, value_parser = clap::value_parser!(u32).range(20..=262_144))]
+        snaplen: u32,
+        /// Also the packets the fabric drops at those ports (buffer full, loss, link
+        /// down), each with its reason as a packet comment.
+        #[arg(long)]
+        drops: bool,
         #[arg(long, short)]
         fabric: Option<FabricName>,
     },
@@ -641,6 +680,31 @@ fn main() -> ExitCode {
             every.map(|d| d.as_nanos()),
             count,
         ),
+        Command::Capture {
+            ports,
+            links,
+            gpus,
+            all,
+            file,
+            count,
+            duration,
+            snaplen,
+            drops,
+            fabric,
+        } => capture::capture(capture::Args {
+            fabric: fabric.as_ref(),
+            select: capture::Selection {
+                ports: &ports,
+                links: &links,
+                gpus: &gpus,
+                all,
+            },
+            file: &file,
+            count,
+            duration_ns: duration.map(|d| d.as_nanos()),
+            snaplen,
+            drops,
+        }),
         Command::Chaos {
             file,
             dry_run,

@@ -67,7 +67,8 @@ pub fn status(
             Reply::Changed { .. }
             | Reply::Events { .. }
             | Reply::Scheduled { .. }
-            | Reply::Cancelled { .. } => Answer::Error {
+            | Reply::Cancelled { .. }
+            | Reply::Capturing { .. } => Answer::Error {
                 fabric: n.to_string(),
                 error: "the daemon answered something else than its status".into(),
             },

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 pub use crate::chaos::{ChangeRequest, Event};
-use crate::dataplane::Ctl;
+use crate::dataplane::{CaptureSpec, CaptureStart, Ctl};
 pub use crate::dataplane::{Lateness, LinkStatus, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
@@ -46,6 +46,17 @@ pub enum Request {
     Cancel {
         timeline: Option<u64>,
     },
+    /// `{"v":1,"cmd":"capture","ports":["leaf0->spine1"],"snaplen":262144,"drops":false,
+    /// "count":null,"duration_ns":null}`: the reply line (`capturing`) is followed by a
+    /// pcapng stream until the capture ends (count, duration, the fabric stopping) or the
+    /// client shuts down its side of the connection.
+    Capture {
+        ports: Vec<String>,
+        snaplen: u32,
+        drops: bool,
+        count: Option<u64>,
+        duration_ns: Option<u64>,
+    },
     Stop,
 }
 
@@ -70,6 +81,10 @@ pub enum Reply {
     /// Pending changes dropped.
     Cancelled {
         changes: usize,
+    },
+    /// A capture started: a pcapng stream follows the line.
+    Capturing {
+        ports: Vec<String>,
     },
     Stopping,
     Error {
@@ -139,6 +154,49 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                         let (state, ctl, wake) = &*shared;
                         let request = read_request(&conn);
                         tracing::debug!("control: {request:?}");
+                        if let Ok(Request::Capture {
+                            ports,
+                            snaplen,
+                            drops,
+                            count,
+                            duration_ns,
+                        }) = request
+                        {
+                            let (tx, rx) = mpsc::sync_channel(CAPTURE_QUEUE);
+                            let spec = CaptureSpec {
+                                ports: ports.clone(),
+                                snaplen,
+                                drops,
+                                count,
+                                duration_ns,
+                                tx,
+                            };
+                            match ask(ctl, wake, |reply| Ctl::Capture(spec, reply)).and_then(|r| r)
+                            {
+                                Ok(start) => {
+                                    let _ = reply(
+                                        &mut conn,
+                                        &Reply::Capturing {
+                                            ports: ports.clone(),
+                                        },
+                                    );
+                                    let r = stream_capture(&mut conn, &ports, snaplen, &start, rx);
+                                    if let Err(e) = r {
+                                        tracing::debug!("capture {}: {e}", start.id);
+                                    }
+                                    let _ = ctl
+                                        .lock()
+                                        .expect("control lock")
+                                        .send(Ctl::EndCapture(start.id));
+                                    wake.notify();
+                                }
+                                Err(e) => {
+                                    let _ = reply(&mut conn, &Reply::error(e));
+                                }
+                            }
+                            clients.fetch_sub(1, Ordering::AcqRel);
+                            return;
+                        }
                         let answer = match request {
                             Ok(Request::Status) => status(state, ctl, wake),
                             Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
@@ -159,6 +217,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                         changes,
                                     })
                             }
+                            Ok(Request::Capture { .. }) => unreachable!("served above"),
                             Ok(Request::Stop) => {
                                 let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
                                 wake.notify();
@@ -175,6 +234,80 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
             }
         })?;
     Ok(())
+}
+
+/// Tapped packets a capture's connection may lag behind by before they are counted as
+/// the capture's drops.
+const CAPTURE_QUEUE: usize = 16_384;
+
+/// Writes a capture as pcapng to the client until it ends: the data plane drops its
+/// channel (count or duration reached, the fabric stopping), or the client shuts down
+/// its side (or goes away). Ends with each interface's statistics.
+fn stream_capture(
+    conn: &mut UnixStream,
+    ports: &[String],
+    snaplen: u32,
+    start: &CaptureStart,
+    rx: mpsc::Receiver<(u32, closbox_fabric::model::Tapped)>,
+) -> std::io::Result<()> {
+    use std::sync::atomic::Ordering as O;
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let mut buf = Vec::with_capacity(4096);
+    let interfaces: Vec<(String, String)> = ports
+        .iter()
+        .map(|p| (p.clone(), format!("closbox egress port {p} (fabric time)")))
+        .collect();
+    crate::pcapng::header(&interfaces, snaplen, &mut buf);
+    conn.write_all(&buf)?;
+    let mut written = vec![0u64; ports.len()];
+    let (mut first, mut last) = (None, start.epoch_ns);
+    let mut probe = conn.try_clone()?;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((i, t)) => {
+                let ns = start.epoch_ns + t.at.as_nanos();
+                first.get_or_insert(ns);
+                last = last.max(ns);
+                buf.clear();
+                crate::pcapng::packet(i, ns, &t.data, t.len, t.dropped.map(|r| r.name()), &mut buf);
+                conn.write_all(&buf)?;
+                written[i as usize] += 1;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if peer_closed(&mut probe) {
+                    break;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    buf.clear();
+    for (i, w) in written.iter().enumerate() {
+        let c = &start.counters[i];
+        let stats = crate::pcapng::Stats {
+            seen: c[0].load(O::Relaxed),
+            dropped: c[1].load(O::Relaxed),
+            written: *w,
+        };
+        crate::pcapng::statistics(i as u32, first.unwrap_or(last), last, stats, &mut buf);
+    }
+    conn.write_all(&buf)?;
+    conn.shutdown(std::net::Shutdown::Write)
+}
+
+/// The client shut down its side of the connection (or it is gone).
+fn peer_closed(conn: &mut UnixStream) -> bool {
+    if conn.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut b = [0u8; 64];
+    let closed = match conn.read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    };
+    let _ = conn.set_nonblocking(false);
+    closed
 }
 
 fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
@@ -297,6 +430,39 @@ pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
         bail!("the daemon of fabric {fabric} closed the connection");
     }
     parse_reply(fabric, &line)
+}
+
+/// Starts a capture: the daemon's reply, and the connection, read past the reply line,
+/// from which the pcapng stream follows. Shutting down the connection's write side asks
+/// the daemon to end the capture.
+pub fn capture(
+    fabric: &FabricName,
+    req: &Request,
+) -> anyhow::Result<(Reply, BufReader<UnixStream>)> {
+    let path = fabric.control_path();
+    let mut conn = UnixStream::connect(&path).with_context(|| {
+        format!(
+            "connecting to the daemon of fabric {fabric} ({})",
+            path.display()
+        )
+    })?;
+    serde_json::to_writer(
+        &mut conn,
+        &Versioned {
+            v: API_VERSION,
+            body: req,
+        },
+    )?;
+    conn.write_all(b"\n")?;
+    conn.set_read_timeout(Some(Duration::from_secs(15)))?;
+    let mut reader = BufReader::new(conn);
+    let mut line = String::new();
+    (&mut reader).take(1 << 20).read_line(&mut line)?;
+    if line.is_empty() {
+        bail!("the daemon of fabric {fabric} closed the connection");
+    }
+    reader.get_ref().set_read_timeout(None)?;
+    Ok((parse_reply(fabric, &line)?, reader))
 }
 
 #[cfg(test)]

@@ -59,8 +59,53 @@ pub enum Ctl {
     /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
     /// how many.
     Cancel(Option<u64>, Sender<usize>),
+    /// Starts a capture: tapped packets go to the channel (when it is full they are
+    /// counted as the capture's drops); the reply has what it captures.
+    Capture(CaptureSpec, Sender<Result<CaptureStart, String>>),
+    /// Ends a capture (its client went away).
+    EndCapture(u64),
     Events(Sender<Vec<Event>>),
     Stop,
+}
+
+/// What a capture asks for.
+#[derive(Debug)]
+pub struct CaptureSpec {
+    /// Port names ("leaf0->spine1").
+    pub ports: Vec<String>,
+    pub snaplen: u32,
+    /// Also packets dropped at those ports, with their reason.
+    pub drops: bool,
+    /// Ends after this many packets.
+    pub count: Option<u64>,
+    /// Ends after this much fabric time.
+    pub duration_ns: Option<u64>,
+    /// Where tapped packets go: (index in `ports`, packet).
+    pub tx: std::sync::mpsc::SyncSender<(u32, closbox_fabric::model::Tapped)>,
+}
+
+/// A capture, started.
+#[derive(Debug)]
+pub struct CaptureStart {
+    pub id: u64,
+    /// Wall clock (ns since the Unix epoch) at fabric time 0: packet times are this plus
+    /// their fabric time, so a dilated capture reads in fabric time.
+    pub epoch_ns: u64,
+    /// Per captured port: packets seen, and not kept (the channel was full).
+    pub counters: Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
+}
+
+struct Capture {
+    id: u64,
+    /// Per port of the fabric: its index in the capture, if captured.
+    index_of: Vec<Option<u32>>,
+    tx: std::sync::mpsc::SyncSender<(u32, closbox_fabric::model::Tapped)>,
+    counters: Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
+    left: Option<u64>,
+    until: Option<Instant>,
+    drops: bool,
+    snaplen: u32,
+    done: bool,
 }
 
 /// Events kept for `closbox events` (the oldest go first).
@@ -289,6 +334,10 @@ pub struct DataPlane<P: Ports> {
     timelines: u64,
     /// Id of the next load started.
     next_load: u32,
+    captures: Vec<Capture>,
+    next_capture: u64,
+    /// Wall clock at fabric time 0, ns since the Unix epoch.
+    epoch_ns: u64,
     topo: Topology,
     events: Vec<Event>,
     events_total: u64,
@@ -354,6 +403,11 @@ impl<P: Ports> DataPlane<P> {
             scheduled_seq: 0,
             timelines: 0,
             next_load: 1,
+            captures: Vec::new(),
+            next_capture: 0,
+            epoch_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
             topo: topo.clone(),
             events: Vec::new(),
             events_total: 0,
@@ -439,7 +493,117 @@ impl<P: Ports> DataPlane<P> {
             self.read_port(port);
         }
         self.ready = ready;
+        self.drain_taps();
         true
+    }
+
+    /// Hands tapped packets to the captures that want them; ends captures that are done.
+    fn drain_taps(&mut self) {
+        use std::sync::atomic::Ordering;
+        use std::sync::mpsc::TrySendError;
+        if self.captures.is_empty() {
+            return;
+        }
+        while let Some(t) = self.model.poll_tapped() {
+            for c in self.captures.iter_mut().filter(|c| !c.done) {
+                let Some(i) = c.index_of[t.port.0 as usize] else {
+                    continue;
+                };
+                if t.dropped.is_some() && !c.drops {
+                    continue;
+                }
+                c.counters[i as usize][0].fetch_add(1, Ordering::Relaxed);
+                let mut copy = t.clone();
+                copy.data.truncate(c.snaplen as usize);
+                match c.tx.try_send((i, copy)) {
+                    Ok(()) => {
+                        if let Some(left) = &mut c.left {
+                            *left -= 1;
+                            c.done |= *left == 0;
+                        }
+                    }
+                    Err(TrySendError::Full(_)) => {
+                        c.counters[i as usize][1].fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(TrySendError::Disconnected(_)) => c.done = true,
+                }
+            }
+        }
+        let now = self.fabric_now(self.ports.now());
+        for c in &mut self.captures {
+            c.done |= c.until.is_some_and(|u| now >= u);
+        }
+        if self.captures.iter().any(|c| c.done) {
+            self.captures.retain(|c| !c.done);
+            self.retap();
+        }
+    }
+
+    /// Taps the union of what the captures want.
+    fn retap(&mut self) {
+        let mut ports = Vec::new();
+        let (mut snaplen, mut drops) = (0, false);
+        for c in &self.captures {
+            for (p, i) in c.index_of.iter().enumerate() {
+                if i.is_some() {
+                    ports.push(closbox_fabric::routing::PortId(p as u32));
+                }
+            }
+            snaplen = snaplen.max(c.snaplen);
+            drops |= c.drops;
+        }
+        ports.sort();
+        ports.dedup();
+        self.model.set_taps(&ports, snaplen, drops);
+    }
+
+    fn start_capture(&mut self, spec: CaptureSpec) -> Result<CaptureStart, String> {
+        let mut index_of = vec![None; self.port_names.len()];
+        for (i, name) in spec.ports.iter().enumerate() {
+            let p = self
+                .port_names
+                .iter()
+                .position(|n| n == name)
+                .ok_or_else(|| {
+                    format!(
+                        "no port {name:?} (ports are named like {:?})",
+                        self.port_names[0]
+                    )
+                })?;
+            if index_of[p].is_some() {
+                return Err(format!("port {name} is listed twice"));
+            }
+            index_of[p] = Some(i as u32);
+        }
+        if spec.ports.is_empty() {
+            return Err("no port to capture".into());
+        }
+        if spec.count == Some(0) || spec.duration_ns == Some(0) {
+            return Err("--count and --duration must be above 0".into());
+        }
+        self.next_capture += 1;
+        let counters: Arc<Vec<[std::sync::atomic::AtomicU64; 2]>> =
+            Arc::new((0..spec.ports.len()).map(|_| Default::default()).collect());
+        let now = self.fabric_now(self.ports.now());
+        self.captures.push(Capture {
+            id: self.next_capture,
+            index_of,
+            tx: spec.tx,
+            counters: Arc::clone(&counters),
+            left: spec.count,
+            until: spec
+                .duration_ns
+                .map(|d| now + closbox_fabric::Duration::from_nanos(d)),
+            drops: spec.drops,
+            snaplen: spec.snaplen,
+            done: false,
+        });
+        self.retap();
+        Ok(CaptureStart {
+            id: self.next_capture,
+            epoch_ns: self.epoch_ns,
+            counters,
+        })
     }
 
     fn read_port(&mut self, host: usize) {
@@ -536,6 +700,13 @@ impl<P: Ports> DataPlane<P> {
                 }
                 Ctl::Cancel(timeline, reply) => {
                     let _ = reply.send(self.cancel(timeline));
+                }
+                Ctl::Capture(spec, reply) => {
+                    let _ = reply.send(self.start_capture(spec));
+                }
+                Ctl::EndCapture(id) => {
+                    self.captures.retain(|c| c.id != id);
+                    self.retap();
                 }
                 Ctl::Events(reply) => {
                     let _ = reply.send(self.events.clone());

@@ -10,6 +10,7 @@ pub mod control;
 pub mod dataplane;
 pub mod histogram;
 pub mod netns;
+pub mod pcapng;
 pub mod scenario;
 pub mod state;
 pub mod stop;

@@ -1,0 +1,184 @@
+//! `closbox capture`: packets as they leave fabric ports, into a pcapng file (or stdout)
+//! that tcpdump, tshark and Wireshark read. Timestamps are fabric time (from the wall
+//! clock at which the fabric came up), one interface per port.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+
+use anyhow::{bail, Context};
+use closbox_switchd::control::{self, Reply, Request};
+use closbox_switchd::state::FabricName;
+
+use crate::live;
+
+/// Which ports to capture.
+pub struct Selection<'a> {
+    pub ports: &'a [String],
+    pub links: &'a [String],
+    pub gpus: &'a [String],
+    pub all: bool,
+}
+
+pub struct Args<'a> {
+    pub fabric: Option<&'a FabricName>,
+    pub select: Selection<'a>,
+    pub file: &'a Path,
+    pub count: Option<u64>,
+    pub duration_ns: Option<u64>,
+    pub snaplen: u32,
+    pub drops: bool,
+}
+
+/// The port names a selection means, checked against the fabric's ports.
+fn resolve(all_ports: &[String], s: &Selection) -> anyhow::Result<Vec<String>> {
+    if s.all {
+        return Ok(all_ports.to_vec());
+    }
+    let mut out: Vec<String> = Vec::new();
+    let mut add = |p: String| {
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    };
+    for p in s.ports {
+        if !all_ports.contains(p) {
+            let from = p.split("->").next().unwrap_or("");
+            let near: Vec<&str> = all_ports
+                .iter()
+                .filter(|q| q.starts_with(&format!("{from}->")))
+                .map(String::as_str)
+                .collect();
+            return Err(crate::usage(format!(
+                "no port {p:?}; {}",
+                if near.is_empty() {
+                    format!("ports are named like {:?}", all_ports[0])
+                } else {
+                    format!("ports of {from}: {}", near.join(", "))
+                }
+            )));
+        }
+        add(p.clone());
+    }
+    for pair in s.links.chunks(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        let both = [format!("{a}->{b}"), format!("{b}->{a}")];
+        if !both.iter().all(|p| all_ports.contains(p)) {
+            return Err(crate::usage(format!("no link between {a} and {b}")));
+        }
+        both.into_iter().for_each(&mut add);
+    }
+    for g in s.gpus {
+        let of: Vec<&String> = all_ports
+            .iter()
+            .filter(|p| p.starts_with(&format!("{g}->")) || p.ends_with(&format!("->{g}")))
+            .collect();
+        if of.is_empty() {
+            return Err(crate::usage(format!("no GPU {g:?} in this fabric")));
+        }
+        of.into_iter().cloned().for_each(&mut add);
+    }
+    if out.is_empty() {
+        return Err(crate::usage(
+            "nothing to capture: give --port A->B, --link A B, --gpu G or --all",
+        ));
+    }
+    Ok(out)
+}
+
+pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox capture")?;
+    let st = live::resolve(a.fabric)?;
+    let all_ports: Vec<String> = match control::request(&st.fabric, &Request::Status)? {
+        Reply::Status(s) => s.ports.iter().map(|p| p.port.clone()).collect(),
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    };
+    let ports = resolve(&all_ports, &a.select)?;
+    let to_stdout = a.file == Path::new("-");
+    let mut out: Box<dyn Write> = if to_stdout {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::BufWriter::new(
+            std::fs::File::create(a.file)
+                .with_context(|| format!("creating {}", a.file.display()))?,
+        ))
+    };
+    let stop = closbox_switchd::stop_on_signals()?;
+    let req = Request::Capture {
+        ports: ports.clone(),
+        snaplen: a.snaplen,
+        drops: a.drops,
+        count: a.count,
+        duration_ns: a.duration_ns,
+    };
+    let (reply, mut stream) = control::capture(&st.fabric, &req)?;
+    match reply {
+        Reply::Capturing { .. } => {}
+        Reply::Error { message } => return Err(crate::usage(message)),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+    eprintln!(
+        "closbox: capturing {} port{} of fabric {} ({}){}",
+        ports.len(),
+        if ports.len() == 1 { "" } else { "s" },
+        st.fabric,
+        if ports.len() <= 4 {
+            ports.join(", ")
+        } else {
+            format!("{}, …", ports[..4].join(", "))
+        },
+        if a.count.is_none() && a.duration_ns.is_none() {
+            "; Ctrl-C ends it"
+        } else {
+            ""
+        }
+    );
+    // Copy the stream; a signal asks the daemon to end (it then writes the statistics).
+    stream
+        .get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_millis(200)))?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut asked = false;
+    loop {
+        if stop.load(Ordering::Relaxed) && !asked {
+            let _ = stream.get_ref().shutdown(std::net::Shutdown::Write);
+            asked = true;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                out.write_all(&buf[..n])?;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e).context("reading the capture from the daemon"),
+        }
+    }
+    out.flush()?;
+    drop(out);
+    let size = std::fs::metadata(a.file).map_or(u64::MAX, |m| m.len());
+    if !to_stdout && size <= 256 << 20 {
+        let bytes = std::fs::read(a.file)?;
+        let (packets, dropped) = closbox_switchd::pcapng::summarize(&bytes);
+        eprintln!(
+            "closbox: {} packet{} written to {}{}",
+            packets,
+            if packets == 1 { "" } else { "s" },
+            a.file.display(),
+            if dropped > 0 {
+                format!(
+                    "; {dropped} more not kept (the capture fell behind; counted in the file's statistics)"
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
