@@ -55,14 +55,19 @@ fn join(names: &[FabricName]) -> String {
         .join(", ")
 }
 
-pub fn up(file: &Path, detach: bool, log_to: Option<&Path>) -> anyhow::Result<()> {
+pub fn up(
+    file: &Path,
+    detach: bool,
+    log_to: Option<&Path>,
+    metrics: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
     let topo = closbox_fabric::load(file)?;
     closbox_switchd::require_root("closbox up")?;
     if detach {
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
-        return up_detached(file, &name);
+        return up_detached(file, &name, metrics);
     }
-    closbox_switchd::run_fabric(&topo, file, log_to, |st, took| {
+    closbox_switchd::run_fabric(&topo, file, log_to, metrics, |st, took| {
         let how = if log_to.is_some() {
             format!(
                 "detached daemon pid {}; `closbox down {}` to stop",
@@ -86,7 +91,11 @@ pub fn up(file: &Path, detach: bool, log_to: Option<&Path>) -> anyhow::Result<()
     Ok(())
 }
 
-fn up_detached(file: &Path, name: &FabricName) -> anyhow::Result<()> {
+fn up_detached(
+    file: &Path,
+    name: &FabricName,
+    metrics: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
             bail!(
@@ -103,12 +112,12 @@ fn up_detached(file: &Path, name: &FabricName) -> anyhow::Result<()> {
     // through the pipe.
     let mut child = {
         use std::os::unix::process::CommandExt;
-        Command::new(exe)
-            .arg("up")
-            .arg(file)
-            .arg("--log-to")
-            .arg(&log_path)
-            .stdin(Stdio::null())
+        let mut cmd = Command::new(exe);
+        cmd.arg("up").arg(file).arg("--log-to").arg(&log_path);
+        if let Some(addr) = metrics {
+            cmd.arg("--metrics").arg(addr.to_string());
+        }
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .process_group(0)

@@ -43,6 +43,10 @@ enum Command {
         /// to this file.
         #[arg(long, hide = true, conflicts_with = "detach")]
         log_to: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDR/metrics (a loopback address, e.g.
+        /// 127.0.0.1:9464).
+        #[arg(long, value_name = "ADDR", value_parser = loopback_addr)]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
@@ -435,6 +439,18 @@ pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(Usage(msg.into()))
 }
 
+fn loopback_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    let a: std::net::SocketAddr = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not an address with a port, e.g. 127.0.0.1:9464"))?;
+    if !a.ip().is_loopback() {
+        return Err(format!(
+            "{a}: metrics are served on a loopback address only (127.0.0.1:PORT or [::1]:PORT)"
+        ));
+    }
+    Ok(a)
+}
+
 fn parse_algo(s: &str) -> Result<closbox_agents::Algo, String> {
     closbox_agents::Algo::from_name(s)
         .ok_or_else(|| format!("unknown algorithm {s:?}: auto, ring, tree, rhd or hier"))
@@ -554,7 +570,8 @@ fn main() -> ExitCode {
             file,
             detach,
             log_to,
-        } => live::up(&file, detach, log_to.as_deref()).map(|()| ExitCode::SUCCESS),
+            metrics,
+        } => live::up(&file, detach, log_to.as_deref(), metrics).map(|()| ExitCode::SUCCESS),
         Command::Down { fabric, all } => {
             live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
         }

@@ -192,3 +192,116 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     assert!(o.contains("198.18.0.1.520"), "{o}");
     f.down();
 }
+
+/// `GET /metrics` with a plain client: the body.
+fn scrape(addr: &str, accept: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    let accept = accept.map_or(String::new(), |a| format!("Accept: {a}\r\n"));
+    write!(c, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{accept}\r\n").unwrap();
+    let mut r = String::new();
+    c.read_to_string(&mut r).unwrap();
+    let (head, body) = r.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+    body.to_owned()
+}
+
+/// The value of the sample whose name and labels start with `prefix`.
+fn sample(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn metrics_pass_promtool_and_equal_status() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    // Only loopback addresses, refused before anything is made.
+    let cfg = scratch_dir().join("lt-met-bad.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-met\"\n{INCAST}")).unwrap();
+    let out = closbox(&["up", cfg.to_str().unwrap(), "--metrics", "0.0.0.0:39464"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("loopback address only"),
+        "{:?}",
+        text(&out)
+    );
+    let busy = std::net::TcpListener::bind("127.0.0.1:39465").unwrap();
+    let out = closbox(&[
+        "up",
+        cfg.to_str().unwrap(),
+        "--detach",
+        "--metrics",
+        "127.0.0.1:39465",
+    ]);
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("cannot listen"), "{:?}", text(&out));
+    assert!(
+        common::leftovers("lt-met").is_empty(),
+        "{:?}",
+        common::leftovers("lt-met")
+    );
+    drop(busy);
+
+    let addr = "127.0.0.1:39464";
+    let f = TestFabric::up_with("lt-met", INCAST, &["--metrics", addr]);
+    let out = f.exec("gpu0", &["ping", "-c", "5", "-i", "0.05", "-q", "gpu3"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(200));
+    let body = scrape(addr, None);
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    check
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = check.wait_with_output().unwrap();
+    assert!(out.status.success(), "promtool: {:?}\n{body}", text(&out));
+    // The same numbers as `status --json`, port by port.
+    let st = f.status();
+    for p in st["ports"].as_array().unwrap() {
+        let name = p["port"].as_str().unwrap();
+        let tx = sample(
+            &body,
+            &format!("closbox_port_tx_packets_total{{fabric=\"lt-met\",port=\"{name}\""),
+        );
+        assert_eq!(tx as u64, p["tx_packets"].as_u64().unwrap(), "{name}");
+    }
+    assert_eq!(
+        sample(&body, "closbox_packets_delivered_total{fabric=\"lt-met\"}") as u64,
+        st["delivered"].as_u64().unwrap()
+    );
+    assert!(sample(&body, "closbox_packets_in_total{fabric=\"lt-met\"}") >= 10.0);
+    assert!(sample(&body, "closbox_write_lateness_seconds_count") >= 10.0);
+    assert_eq!(
+        sample(
+            &body,
+            "closbox_port_up{fabric=\"lt-met\",port=\"sw0->gpu3\""
+        ),
+        1.0
+    );
+    // Prometheus itself asks for OpenMetrics, and gets it.
+    let om = scrape(
+        addr,
+        Some("application/openmetrics-text;version=1.0.0,text/plain;q=0.5"),
+    );
+    assert!(om.ends_with("# EOF\n"), "{om}");
+    assert!(om.contains("# TYPE closbox_port_tx_packets counter"));
+    f.down();
+}

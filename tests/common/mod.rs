@@ -89,6 +89,11 @@ pub struct TestFabric {
 impl TestFabric {
     /// Writes `body` (everything after `[fabric]`'s name) to a file and brings it up.
     pub fn up(name: &str, body: &str) -> TestFabric {
+        TestFabric::up_with(name, body, &[])
+    }
+
+    /// As `up`, with more arguments for `closbox up`.
+    pub fn up_with(name: &str, body: &str, args: &[&str]) -> TestFabric {
         assert!(
             leftovers(name).is_empty(),
             "leftovers before the test: {:?}",
@@ -96,7 +101,9 @@ impl TestFabric {
         );
         let config = scratch_dir().join(format!("{name}.toml"));
         std::fs::write(&config, format!("[fabric]\nname = \"{name}\"\n{body}")).unwrap();
-        let out = closbox(&["up", config.to_str().unwrap(), "--detach"]);
+        let mut up = vec!["up", config.to_str().unwrap(), "--detach"];
+        up.extend_from_slice(args);
+        let out = closbox(&up);
         let (o, e) = text(&out);
         assert!(out.status.success(), "up failed: {o}{e}");
         TestFabric {

@@ -218,6 +218,19 @@ pub struct PortStatus {
     pub load_tx_bytes: u64,
     #[serde(default)]
     pub load_drops: u64,
+    /// Lost because its link went down (queued, on the wire, or blackholed).
+    #[serde(default)]
+    pub drops_link_down: u64,
+    /// Bytes queued now (GPU packets and load), as of the snapshot.
+    #[serde(default)]
+    pub queue_bytes: u64,
+    /// The link's class (nic, nvlink, leaf-spine, spine-core), rate now, and whether up.
+    #[serde(default)]
+    pub class: String,
+    #[serde(default)]
+    pub rate_bps: u64,
+    #[serde(default)]
+    pub up: bool,
 }
 
 /// Write lateness in wall-clock microseconds.
@@ -887,8 +900,23 @@ impl<P: Ports> DataPlane<P> {
                 utilization: c.busy.as_nanos() as f64 / elapsed,
                 load_tx_bytes: c.load_tx_bytes,
                 load_drops: c.load_drops,
+                drops_link_down: c.drops.get(DropReason::LinkDown),
+                queue_bytes: 0,
+                class: String::new(),
+                rate_bps: 0,
+                up: true,
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let mut ports = ports;
+        let changed = self.model.changed_links();
+        for (i, p) in ports.iter_mut().enumerate() {
+            let id = closbox_fabric::routing::PortId(i as u32);
+            let link = self.model.routes().port(id).link;
+            p.queue_bytes = self.model.queued(id).1;
+            p.class = self.topo.links[link as usize].class.name().to_owned();
+            p.rate_bps = self.model.link_of(id).rate.bps();
+            p.up = !changed.iter().any(|l| l.link == link && !l.up);
+        }
         let loads = self.load_info();
         let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {

@@ -9,6 +9,7 @@ pub mod chaos;
 pub mod control;
 pub mod dataplane;
 pub mod histogram;
+pub mod metrics;
 pub mod netns;
 pub mod pcapng;
 pub mod scenario;
@@ -96,6 +97,7 @@ pub fn run_fabric(
     topo: &Topology,
     config: &Path,
     log_to: Option<&Path>,
+    metrics: Option<std::net::SocketAddr>,
     ready: impl FnOnce(&State, Duration),
 ) -> anyhow::Result<()> {
     require_root("closbox up")?;
@@ -128,6 +130,8 @@ pub fn run_fabric(
             );
         }
     }
+    // Bound before anything is created: a taken address fails `up` cleanly.
+    let metrics = metrics.map(metrics::bind).transpose()?;
     if let Some(old) = State::load(&name)? {
         tracing::warn!("fabric {name}: a previous run left state behind; cleaning it up");
         state::kill_gpu_processes(&old, Duration::from_secs(2));
@@ -166,6 +170,11 @@ pub fn run_fabric(
     let (ctl_tx, ctl_rx) = mpsc::channel();
     let dp = DataPlane::new(topo, TunPorts::new(tuns, Arc::clone(&wake))?, ctl_rx);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
+    if let Some(listener) = metrics {
+        let addr = listener.local_addr()?;
+        metrics::serve(listener, ctl_tx.clone(), Arc::clone(&wake))?;
+        tracing::info!("fabric {name}: metrics on http://{addr}/metrics");
+    }
     st.phase = Phase::Ready;
     st.save()?;
     tracing::info!(

@@ -1,0 +1,488 @@
+//! Prometheus metrics (`closbox up --metrics ADDR`): `GET /metrics` on a loopback address
+//! answers with the fabric's counters in the OpenMetrics text format, encoded by
+//! `prometheus-client` from a status snapshot (the same numbers as `status --json`).
+//!
+//! One thread, one connection at a time, each bounded by timeouts: a scrape every few
+//! seconds is the whole load.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::dataplane::{Ctl, Status};
+use crate::sys::EventFd;
+
+/// Binds the metrics address (loopback only: the metrics describe the box's fabric, and
+/// nothing of closbox listens beyond the box).
+pub fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    if !addr.ip().is_loopback() {
+        bail!("--metrics {addr}: a loopback address only (127.0.0.1:PORT or [::1]:PORT)");
+    }
+    TcpListener::bind(addr).with_context(|| format!("--metrics {addr}: cannot listen"))
+}
+
+/// Serves `/metrics` from `listener` until the data plane stops.
+pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
+    let ctl = Mutex::new(ctl);
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            for conn in listener.incoming().flatten() {
+                if let Err(e) = answer(conn, &ctl, &wake) {
+                    tracing::debug!("metrics: {e:#}");
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyhow::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    // The request head, up to 8 KiB.
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    let mut words = line.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    // Prometheus asks for OpenMetrics; other clients (curl, promtool) get the classic
+    // text format.
+    let openmetrics = line.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("accept:") && l.contains("application/openmetrics-text")
+    });
+    let (status, kind, body) = match (method, path.split('?').next().unwrap_or("")) {
+        ("GET", "/metrics") => match snapshot(ctl, wake) {
+            Some(s) if openmetrics => (
+                "200 OK",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                encode(&s),
+            ),
+            Some(s) => (
+                "200 OK",
+                "text/plain; version=0.0.4; charset=utf-8",
+                classic_text(&encode(&s)),
+            ),
+            None => (
+                "503 Service Unavailable",
+                "text/plain",
+                "the data plane did not answer\n".to_owned(),
+            ),
+        },
+        ("GET", _) => (
+            "404 Not Found",
+            "text/plain",
+            "only /metrics here\n".to_owned(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "GET /metrics\n".to_owned(),
+        ),
+    };
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    Ok(())
+}
+
+fn snapshot(ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Option<Status> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctl.lock().ok()?.send(Ctl::Status(tx)).ok()?;
+    wake.notify();
+    rx.recv_timeout(Duration::from_secs(5)).ok()
+}
+
+/// A per-port gauge: name, help, unit, value.
+type PortGauge<'a> = (
+    &'a str,
+    &'a str,
+    Option<Unit>,
+    &'a dyn Fn(&crate::dataplane::PortStatus) -> i64,
+);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortLabels {
+    fabric: String,
+    port: String,
+    from: String,
+    to: String,
+    tier: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortReason {
+    fabric: String,
+    port: String,
+    from: String,
+    to: String,
+    tier: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FabricLabel {
+    fabric: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FabricReason {
+    fabric: String,
+    reason: String,
+}
+
+/// A histogram from counts already kept elsewhere (the data plane's lateness histogram):
+/// per upper bound (seconds), the samples in that bucket alone.
+#[derive(Debug)]
+struct FixedHistogram {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
+}
+
+impl TypedMetric for FixedHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for FixedHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            self.sum,
+            self.count,
+            &self.buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// Upper bounds of the lateness histogram, seconds of wall time.
+const LATENESS_BOUNDS: [f64; 16] = [
+    1e-6, 2e-6, 5e-6, 10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3,
+    50e-3, 100e-3,
+];
+
+fn lateness(buckets: &[(u64, u64)]) -> FixedHistogram {
+    let mut out: Vec<(f64, u64)> = LATENESS_BOUNDS.iter().map(|&b| (b, 0)).collect();
+    out.push((f64::MAX, 0));
+    let (mut sum, mut count) = (0.0, 0);
+    for &(ns, n) in buckets {
+        let s = ns as f64 / 1e9;
+        sum += s * n as f64;
+        count += n;
+        let i = LATENESS_BOUNDS
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(LATENESS_BOUNDS.len());
+        out[i].1 += n;
+    }
+    FixedHistogram {
+        sum,
+        count,
+        buckets: out,
+    }
+}
+
+/// The snapshot in the OpenMetrics text format.
+pub fn encode(s: &Status) -> String {
+    let mut reg = Registry::with_prefix("closbox");
+    let fabric = FabricLabel {
+        fabric: s.fabric.clone(),
+    };
+    let port_family = |reg: &mut Registry,
+                       name: &str,
+                       help: &str,
+                       unit: Option<Unit>,
+                       f: &dyn Fn(&crate::dataplane::PortStatus) -> u64| {
+        let fam = Family::<PortLabels, Counter>::default();
+        for p in &s.ports {
+            fam.get_or_create(&labels(s, p)).inc_by(f(p));
+        }
+        match unit {
+            Some(u) => reg.register_with_unit(name, help, u, fam),
+            None => reg.register(name, help, fam),
+        }
+    };
+    port_family(
+        &mut reg,
+        "port_tx_packets",
+        "GPU packets sent by an egress port",
+        None,
+        &|p| p.tx_packets,
+    );
+    port_family(
+        &mut reg,
+        "port_tx",
+        "GPU bytes (IP) sent by an egress port",
+        Some(Unit::Bytes),
+        &|p| p.tx_bytes,
+    );
+    port_family(
+        &mut reg,
+        "port_ecn_marked",
+        "GPU packets an egress port set CE on",
+        None,
+        &|p| p.ecn_marked,
+    );
+    port_family(
+        &mut reg,
+        "port_load_tx",
+        "Synthetic load bytes sent by an egress port",
+        Some(Unit::Bytes),
+        &|p| p.load_tx_bytes,
+    );
+    port_family(
+        &mut reg,
+        "port_load_drops",
+        "Synthetic load packets dropped at an egress port",
+        None,
+        &|p| p.load_drops,
+    );
+    let drops = Family::<PortReason, Counter>::default();
+    for p in &s.ports {
+        let l = labels(s, p);
+        for (reason, v) in [
+            ("buffer_full", p.drops_buffer),
+            ("loss", p.drops_loss),
+            ("link_down", p.drops_link_down),
+        ] {
+            drops
+                .get_or_create(&PortReason {
+                    fabric: l.fabric.clone(),
+                    port: l.port.clone(),
+                    from: l.from.clone(),
+                    to: l.to.clone(),
+                    tier: l.tier.clone(),
+                    reason: reason.into(),
+                })
+                .inc_by(v);
+        }
+    }
+    reg.register(
+        "port_drops",
+        "GPU packets dropped at an egress port, by reason",
+        drops,
+    );
+    let gauges: [PortGauge; 5] = [
+        (
+            "port_queue",
+            "Bytes queued at an egress port now",
+            Some(Unit::Bytes),
+            &|p| p.queue_bytes as i64,
+        ),
+        (
+            "port_queue_peak",
+            "Most bytes queued at an egress port since the fabric came up",
+            Some(Unit::Bytes),
+            &|p| p.max_queue_bytes as i64,
+        ),
+        (
+            "port_rate",
+            "Rate of an egress port's link now, bit/s",
+            None,
+            &|p| p.rate_bps as i64,
+        ),
+        ("port_up", "1 if an egress port's link is up", None, &|p| {
+            i64::from(p.up)
+        }),
+        (
+            "port_busy_ppm",
+            "Busy share of fabric time since the fabric came up, parts per million",
+            None,
+            &|p| (p.utilization * 1e6) as i64,
+        ),
+    ];
+    for (name, help, unit, f) in gauges {
+        let fam = Family::<PortLabels, Gauge>::default();
+        for p in &s.ports {
+            fam.get_or_create(&labels(s, p)).set(f(p));
+        }
+        match unit {
+            Some(u) => reg.register_with_unit(name, help, u, fam),
+            None => reg.register(name, help, fam),
+        }
+    }
+    let one = |reg: &mut Registry, name: &str, help: &str, v: u64| {
+        let fam = Family::<FabricLabel, Counter>::default();
+        fam.get_or_create(&fabric).inc_by(v);
+        reg.register(name, help, fam);
+    };
+    one(
+        &mut reg,
+        "packets_in",
+        "Packets the GPUs sent into the fabric",
+        s.packets_in,
+    );
+    one(
+        &mut reg,
+        "packets_delivered",
+        "Packets the fabric delivered to GPUs",
+        s.delivered,
+    );
+    one(
+        &mut reg,
+        "events",
+        "Changes applied to the fabric (closbox events)",
+        s.events,
+    );
+    one(
+        &mut reg,
+        "io_errors",
+        "Errors reading or writing TUNs",
+        s.io_errors,
+    );
+    let fabric_drops = Family::<FabricReason, Counter>::default();
+    for (reason, v) in &s.drops {
+        fabric_drops
+            .get_or_create(&FabricReason {
+                fabric: s.fabric.clone(),
+                reason: reason.clone(),
+            })
+            .inc_by(*v);
+    }
+    if let Some(t) = s.tun_tx_dropped {
+        fabric_drops
+            .get_or_create(&FabricReason {
+                fabric: s.fabric.clone(),
+                reason: "tun_kernel".into(),
+            })
+            .inc_by(t);
+    }
+    reg.register(
+        "drops",
+        "Packets dropped, fabric-wide, by reason",
+        fabric_drops,
+    );
+    let gauge_f = |reg: &mut Registry, name: &str, help: &str, unit: Option<Unit>, v: f64| {
+        let fam = Family::<FabricLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        fam.get_or_create(&fabric).set(v);
+        match unit {
+            Some(u) => reg.register_with_unit(name, help, u, fam),
+            None => reg.register(name, help, fam),
+        }
+    };
+    gauge_f(
+        &mut reg,
+        "fabric_time",
+        "Fabric time since the fabric came up",
+        Some(Unit::Seconds),
+        s.fabric_time_s,
+    );
+    gauge_f(
+        &mut reg,
+        "uptime",
+        "Wall time since the fabric came up",
+        Some(Unit::Seconds),
+        s.uptime_s,
+    );
+    gauge_f(
+        &mut reg,
+        "time_scale",
+        "Wall seconds per fabric second",
+        None,
+        s.time_scale.get(),
+    );
+    gauge_f(
+        &mut reg,
+        "queued_packets",
+        "GPU packets queued in the fabric now",
+        None,
+        s.queued as f64,
+    );
+    gauge_f(
+        &mut reg,
+        "packet_memory",
+        "Bytes held for packets in the fabric now",
+        Some(Unit::Bytes),
+        s.packet_memory as f64,
+    );
+    gauge_f(
+        &mut reg,
+        "loads_active",
+        "Synthetic loads running",
+        None,
+        s.loads.iter().filter(|l| l.active).count() as f64,
+    );
+    gauge_f(
+        &mut reg,
+        "behind",
+        "1 if the box is not keeping up (recent p99 lateness above the bar)",
+        None,
+        f64::from(u8::from(s.behind)),
+    );
+    reg.register_with_unit(
+        "write_lateness",
+        "How late packets left the fabric (write start minus scheduled departure, wall time)",
+        Unit::Seconds,
+        lateness(&s.lateness_buckets),
+    );
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String");
+    out
+}
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics text: a counter's HELP and TYPE
+/// name its samples' `_total` name, and there are no UNIT or EOF lines.
+pub fn classic_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find(|p| line.starts_with(p));
+        match meta {
+            Some(prefix) => {
+                let rest = &line[prefix.len()..];
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                if counters.contains(name) {
+                    out.push_str(&format!("{prefix}{name}_total {tail}"));
+                } else {
+                    out.push_str(line);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn labels(s: &Status, p: &crate::dataplane::PortStatus) -> PortLabels {
+    let (from, to) = p.port.split_once("->").unwrap_or((&p.port, ""));
+    PortLabels {
+        fabric: s.fabric.clone(),
+        port: p.port.clone(),
+        from: from.to_owned(),
+        to: to.to_owned(),
+        tier: p.class.clone(),
+    }
+}
