@@ -10,6 +10,7 @@ use closbox_switchd::state::FabricName;
 mod bench;
 mod capture;
 mod chaos;
+mod flows;
 mod live;
 mod plan;
 mod render;
@@ -258,6 +259,24 @@ enum Command {
         /// down), each with its reason as a packet comment.
         #[arg(long)]
         drops: bool,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Flows (5-tuples) through the fabric, heaviest first: packets, bytes, drops, ECN
+    /// marks, and the path the fabric hashes each onto (ECMP collisions show as heavy
+    /// flows sharing an uplink).
+    #[command(
+        after_help = "Examples:\n  closbox flows\n  closbox flows --top 5 --since 10ms\n  closbox flows --json"
+    )]
+    Flows {
+        /// Show this many flows.
+        #[arg(long, default_value_t = 20)]
+        top: usize,
+        /// Only flows with a packet in the last DURATION of fabric time.
+        #[arg(long, value_name = "DURATION")]
+        since: Option<closbox_fabric::Duration>,
+        #[arg(long)]
+        json: bool,
         #[arg(long, short)]
         fabric: Option<FabricName>,
     },
@@ -722,6 +741,12 @@ fn main() -> ExitCode {
             snaplen,
             drops,
         }),
+        Command::Flows {
+            top,
+            since,
+            json,
+            fabric,
+        } => flows::flows(fabric.as_ref(), top, since, json),
         Command::Chaos {
             file,
             dry_run,

@@ -68,7 +68,8 @@ pub fn status(
             | Reply::Events { .. }
             | Reply::Scheduled { .. }
             | Reply::Cancelled { .. }
-            | Reply::Capturing { .. } => Answer::Error {
+            | Reply::Capturing { .. }
+            | Reply::Flows(_) => Answer::Error {
                 fabric: n.to_string(),
                 error: "the daemon answered something else than its status".into(),
             },

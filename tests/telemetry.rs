@@ -305,3 +305,126 @@ fn metrics_pass_promtool_and_equal_status() {
     assert!(om.contains("# TYPE closbox_port_tx_packets counter"));
     f.down();
 }
+
+/// Source ports from 40000 up whose TCP flow from `src` to `dst`:`dport` the fabric hashes
+/// through `via` (a port name such as "leaf0->spine1").
+fn cports_via(
+    topo: &closbox_fabric::Topology,
+    src: u32,
+    dst: u32,
+    dport: u16,
+    via: &str,
+) -> Vec<u16> {
+    let f = closbox_fabric::Fabric::new(topo);
+    let h = topo.hosts.len() as u32;
+    let name = |v: u32| {
+        if v < h {
+            topo.hosts[v as usize].name.clone()
+        } else {
+            topo.switches[(v - h) as usize].name.clone()
+        }
+    };
+    (40000..41000)
+        .filter(|&sport| {
+            let key = closbox_fabric::packet::FlowKey {
+                src: topo.hosts[src as usize].addr,
+                dst: topo.hosts[dst as usize].addr,
+                proto: 6,
+                sport,
+                dport,
+            };
+            f.flow_path(&key).unwrap().iter().any(|p| {
+                let e = f.routes().port(*p);
+                format!("{}->{}", name(e.from), name(e.to)) == via
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn flows_show_an_ecmp_collision() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-flows", &common::leaf_spine_4("1Gbit", "5us"));
+    let topo = closbox_fabric::load(&f.config).unwrap();
+    // gpu0 → gpu2 and gpu1 → gpu3, both hashed onto leaf0 → spine1; spine0 idle.
+    let p0 = cports_via(&topo, 0, 2, 5201, "leaf0->spine1")[0];
+    let p1 = cports_via(&topo, 1, 3, 5202, "leaf0->spine1")[0];
+    let mut servers = vec![
+        f.spawn(
+            "gpu2",
+            &["iperf3", "-s", "-1", "-p", "5201", "-B", "198.18.0.3"],
+        ),
+        f.spawn(
+            "gpu3",
+            &["iperf3", "-s", "-1", "-p", "5202", "-B", "198.18.0.4"],
+        ),
+    ];
+    wait_for_port(&f, "gpu2", 5201);
+    wait_for_port(&f, "gpu3", 5202);
+    let before = |port: &str| port_bytes(&f, port);
+    let (idle0, busy0) = (before("leaf0->spine0"), before("leaf0->spine1"));
+    let clients: Vec<_> = [
+        ("gpu0", "198.18.0.3", "5201", p0),
+        ("gpu1", "198.18.0.4", "5202", p1),
+    ]
+    .into_iter()
+    .map(|(gpu, to, port, cport)| {
+        let cport = cport.to_string();
+        std::thread::spawn(move || {
+            closbox(&[
+                "exec", "--fabric", "lt-flows", gpu, "--", "iperf3", "-c", to, "-p", port,
+                "--cport", &cport, "-t", "2", "-J",
+            ])
+        })
+    })
+    .collect();
+    let mut total = 0.0;
+    for c in clients {
+        let out = c.join().unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        total += v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap();
+    }
+    for mut s in servers.drain(..) {
+        let _ = s.wait();
+    }
+    let idle = before("leaf0->spine0") - idle0;
+    let busy = before("leaf0->spine1") - busy0;
+    eprintln!("two iperf3 flows hashed onto leaf0->spine1: {:.0} Mbit/s together; leaf0->spine1 carried {busy} bytes, leaf0->spine0 {idle}", total / 1e6);
+    // Together they get one uplink's worth, not two.
+    assert!(total < 1.0e9, "{total}");
+    assert!(busy > 100 * idle.max(1), "{busy} vs {idle}");
+    let out = closbox(&["flows", "--fabric", "lt-flows", "--json"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let heavy: Vec<&serde_json::Value> = v["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["bytes"].as_u64().unwrap() > 10_000_000)
+        .collect();
+    assert_eq!(heavy.len(), 2, "{v}");
+    for x in &heavy {
+        let path: Vec<&str> = x["path"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        assert_eq!(&path[1..3], ["leaf0", "spine1"], "{x}");
+    }
+    let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "2"]);
+    let o = text(&out).0;
+    eprintln!("{o}");
+    assert_eq!(o.matches("> leaf0 > spine1 >").count(), 2, "{o}");
+    f.down();
+}
+
+fn port_bytes(f: &TestFabric, name: &str) -> u64 {
+    port(f, name)["tx_bytes"].as_u64().unwrap()
+}

@@ -244,6 +244,36 @@ impl Taps {
     }
 }
 
+/// What the fabric did with one flow's packets (`Fabric::enable_flows`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCounters {
+    pub packets: u64,
+    /// IP bytes.
+    pub bytes: u64,
+    /// Dropped anywhere in the fabric, for any reason.
+    pub drops: u64,
+    pub ecn_marked: u64,
+    pub first: Instant,
+    pub last: Instant,
+}
+
+/// Per-flow counters, keyed by the flow's (unseeded) 5-tuple hash.
+struct Flows {
+    map: std::collections::HashMap<u64, (FlowKey, FlowCounters)>,
+    max: usize,
+    /// Packets of flows beyond `max`.
+    untracked: u64,
+}
+
+impl Flows {
+    #[inline]
+    fn drop(flows: &mut Option<Box<Flows>>, flow: u64) {
+        if let Some(e) = flows.as_mut().and_then(|f| f.map.get_mut(&flow)) {
+            e.1.drops += 1;
+        }
+    }
+}
+
 /// `InFlight::load` of a GPU's packet.
 const NO_LOAD: u32 = u32::MAX;
 /// Backlog entry flags.
@@ -360,6 +390,8 @@ pub struct Fabric {
     seed: u64,
     /// Packet taps (captures), when any port is tapped.
     taps: Option<Box<Taps>>,
+    /// Per-flow counters, when enabled.
+    flows: Option<Box<Flows>>,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -442,6 +474,7 @@ impl Fabric {
             load_in_transit: 0,
             seed,
             taps: None,
+            flows: None,
             topo: topo.clone(),
         }
     }
@@ -469,6 +502,27 @@ impl Fabric {
             out,
             overflow,
         }));
+    }
+
+    /// Counts packets, bytes, drops and ECN marks per flow (5-tuple) from now on, for up
+    /// to `max` flows (packets of more are counted as untracked).
+    pub fn enable_flows(&mut self, max: usize) {
+        self.flows.get_or_insert_with(|| {
+            Box::new(Flows {
+                map: std::collections::HashMap::new(),
+                max,
+                untracked: 0,
+            })
+        });
+    }
+
+    /// Every flow seen since `enable_flows`, with its counters, and the packets of flows
+    /// beyond the limit.
+    pub fn flows(&self) -> (Vec<(FlowKey, FlowCounters)>, u64) {
+        match &self.flows {
+            Some(f) => (f.map.values().copied().collect(), f.untracked),
+            None => (Vec::new(), 0),
+        }
     }
 
     /// The next packet a tap saw, in the order they were seen.
@@ -547,20 +601,45 @@ impl Fabric {
                 return Verdict::Dropped(r);
             }
         };
+        let flow = flow_key_mix(&headers.key);
+        if let Some(f) = &mut self.flows {
+            let full = f.map.len() >= f.max;
+            match f.map.get_mut(&flow) {
+                Some(e) => {
+                    e.1.packets += 1;
+                    e.1.bytes += headers.len as u64;
+                    e.1.last = now;
+                }
+                None if full => f.untracked += 1,
+                None => {
+                    let c = FlowCounters {
+                        packets: 1,
+                        bytes: headers.len as u64,
+                        first: now,
+                        last: now,
+                        ..FlowCounters::default()
+                    };
+                    f.map.insert(flow, (headers.key, c));
+                }
+            }
+        }
         let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
         if dst >= self.hosts || dst == src.0 {
             self.vertex_drops.add(DropReason::NoRoute);
+            Flows::drop(&mut self.flows, flow);
             return Verdict::Dropped(DropReason::NoRoute);
         }
         if let Some(groups) = &self.partition {
             if groups[src.0 as usize] != groups[dst as usize] {
                 self.vertex_drops.add(DropReason::Partitioned);
+                Flows::drop(&mut self.flows, flow);
                 return Verdict::Dropped(DropReason::Partitioned);
             }
         }
         let charge = charge(&data);
         if self.memory_used + charge > self.memory_limit {
             self.vertex_drops.add(DropReason::MemoryLimit);
+            Flows::drop(&mut self.flows, flow);
             return Verdict::Dropped(DropReason::MemoryLimit);
         }
         self.memory_used += charge;
@@ -574,7 +653,7 @@ impl Fabric {
             len,
             wire_bits: (len as u64 + frames as u64 * self.l2_overhead as u64) * 8,
             ecn: headers.ecn,
-            flow: flow_key_mix(&headers.key),
+            flow,
             load: NO_LOAD,
         };
         self.next_packet += 1;
@@ -1031,6 +1110,7 @@ impl Fabric {
             let counters = &mut self.ports[p.0 as usize].counters;
             if load == NO_LOAD {
                 counters.drops.add(DropReason::LinkDown);
+                Flows::drop(&mut self.flows, pkt.flow);
                 if Taps::wants(&self.taps, p, Some(DropReason::LinkDown)) {
                     let taps = self.taps.as_mut().expect("tapped");
                     taps.record(p, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
@@ -1086,7 +1166,8 @@ impl Fabric {
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
             if !packet::decrement_ttl(&mut pkt.data) {
-                self.release(slot);
+                let flow = self.release(slot).flow;
+                Flows::drop(&mut self.flows, flow);
                 self.vertex_drops.add(DropReason::TtlExpired);
                 return Err(DropReason::TtlExpired);
             }
@@ -1096,7 +1177,8 @@ impl Fabric {
             let port_id = match self.choose_degraded(now, v, pkt.dst, pkt.flow) {
                 Some(p) => p,
                 None => {
-                    self.release(slot);
+                    let flow = self.release(slot).flow;
+                    Flows::drop(&mut self.flows, flow);
                     self.vertex_drops.add(DropReason::NoRoute);
                     return Err(DropReason::NoRoute);
                 }
@@ -1112,7 +1194,8 @@ impl Fabric {
                     let taps = self.taps.as_mut().expect("tapped");
                     taps.record(port_id, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
                 }
-                self.release(slot);
+                let flow = self.release(slot).flow;
+                Flows::drop(&mut self.flows, flow);
                 return Err(DropReason::LinkDown);
             }
             return self.enqueue(now, port_id, slot);
@@ -1120,7 +1203,8 @@ impl Fabric {
         let group = self.routes.next_hops(v, pkt.dst);
         let port_id = match group.len() {
             0 => {
-                self.release(slot);
+                let flow = self.release(slot).flow;
+                Flows::drop(&mut self.flows, flow);
                 self.vertex_drops.add(DropReason::NoRoute);
                 return Err(DropReason::NoRoute);
             }
@@ -1205,6 +1289,7 @@ impl Fabric {
                     .add(DropReason::BufferFull);
             } else {
                 port.counters.drops.add(DropReason::BufferFull);
+                Flows::drop(&mut self.flows, pkt.flow);
                 if Taps::wants(&self.taps, port_id, Some(DropReason::BufferFull)) {
                     let taps = self.taps.as_mut().expect("tapped");
                     taps.record(port_id, now, &pkt.data, len, Some(DropReason::BufferFull));
@@ -1231,6 +1316,9 @@ impl Fabric {
             } else {
                 packet::mark_ce(&mut pkt.data);
                 port.counters.ecn_marked += 1;
+                if let Some(e) = self.flows.as_mut().and_then(|f| f.map.get_mut(&pkt.flow)) {
+                    e.1.ecn_marked += 1;
+                }
             }
         }
         // Back to back: the serialization remainder carries over, so long runs are exact.
@@ -1270,7 +1358,10 @@ impl Fabric {
                 let taps = self.taps.as_mut().expect("tapped");
                 taps.record(port_id, finish, &pkt.data, len, Some(DropReason::Loss));
             }
-            self.release(slot);
+            let flow = self.release(slot).flow;
+            if !synthetic {
+                Flows::drop(&mut self.flows, flow);
+            }
         } else {
             if synthetic {
                 self.load_in_transit += 1;

@@ -1194,3 +1194,36 @@ fn a_tap_sees_what_leaves_its_port_when_it_has_left_and_what_it_drops() {
     run(&mut f);
     assert!(f.poll_tapped().is_none());
 }
+
+#[test]
+fn flows_count_what_each_5_tuple_sent_lost_and_had_marked() {
+    let t = topo(&format!(
+        "{SWITCH2}buffer = \"2500B\"\necn = {{ k = \"500B\" }}\n"
+    ));
+    let mut f = Fabric::new(&t);
+    f.enable_flows(3);
+    // Three flows of 3 ECT packets each, at once, into gpu0's port: it marks above 500
+    // bytes and drops beyond 2500. A fourth flow is beyond the limit: untracked.
+    for src in 1..=3u32 {
+        for _ in 0..3 {
+            let _ = send(&mut f, &t, 0, (src, 0), src as u16, 0b10, 1000);
+        }
+    }
+    let _ = send(&mut f, &t, 0, (1, 0), 99, 0b10, 1000);
+    run(&mut f);
+    let (flows, untracked) = f.flows();
+    assert_eq!(untracked, 1);
+    assert_eq!(flows.len(), 3);
+    let pc = f.port_counters(Instant::from_nanos(1_000_000));
+    let down = &pc[port(&t, &f, "sw0", "gpu0").0 as usize];
+    for (key, c) in &flows {
+        assert_eq!(key.dport, 9000);
+        assert_eq!((c.packets, c.bytes), (3, 3000), "{key:?}");
+    }
+    // Every drop and mark at the port is some flow's (the untracked one's aside).
+    let drops: u64 = flows.iter().map(|f| f.1.drops).sum();
+    let marks: u64 = flows.iter().map(|f| f.1.ecn_marked).sum();
+    assert!(down.drops.total() > 0 && down.ecn_marked > 0, "{down:?}");
+    assert!(drops <= down.drops.total() && drops + 1 >= down.drops.total());
+    assert!(marks <= down.ecn_marked && marks + 1 >= down.ecn_marked);
+}

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::chaos::{ChangeRequest, Event};
 use crate::dataplane::{CaptureSpec, CaptureStart, Ctl};
-pub use crate::dataplane::{Lateness, LinkStatus, PortStatus, Status};
+pub use crate::dataplane::{FlowInfo, Flows, Lateness, LinkStatus, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
 
@@ -46,6 +46,8 @@ pub enum Request {
     Cancel {
         timeline: Option<u64>,
     },
+    /// Per-flow counters and paths.
+    Flows,
     /// `{"v":1,"cmd":"capture","ports":["leaf0->spine1"],"snaplen":262144,"drops":false,
     /// "count":null,"duration_ns":null}`: the reply line (`capturing`) is followed by a
     /// pcapng stream until the capture ends (count, duration, the fabric stopping) or the
@@ -86,6 +88,7 @@ pub enum Reply {
     Capturing {
         ports: Vec<String>,
     },
+    Flows(Box<Flows>),
     Stopping,
     Error {
         message: String,
@@ -218,6 +221,8 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                     })
                             }
                             Ok(Request::Capture { .. }) => unreachable!("served above"),
+                            Ok(Request::Flows) => ask(ctl, wake, Ctl::Flows)
+                                .map_or_else(Reply::error, |f| Reply::Flows(Box::new(f))),
                             Ok(Request::Stop) => {
                                 let _ = ctl.lock().expect("control lock").send(Ctl::Stop);
                                 wake.notify();

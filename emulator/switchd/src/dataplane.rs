@@ -64,8 +64,46 @@ pub enum Ctl {
     Capture(CaptureSpec, Sender<Result<CaptureStart, String>>),
     /// Ends a capture (its client went away).
     EndCapture(u64),
+    /// Per-flow counters and paths.
+    Flows(Sender<Flows>),
     Events(Sender<Vec<Event>>),
     Stop,
+}
+
+/// Most flows counted one by one (packets of more are counted as untracked).
+pub const MAX_FLOWS: usize = 65_536;
+
+/// One flow (5-tuple) and what the fabric did with it, for `closbox flows`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlowInfo {
+    pub src: String,
+    pub dst: String,
+    /// "tcp", "udp", "icmp" or the protocol number.
+    pub proto: String,
+    pub sport: u16,
+    pub dport: u16,
+    /// GPU names of the addresses (empty if not the fabric's).
+    pub src_gpu: String,
+    pub dst_gpu: String,
+    pub packets: u64,
+    pub bytes: u64,
+    pub drops: u64,
+    pub ecn_marked: u64,
+    /// Fabric seconds of its first and last packet.
+    pub first_s: f64,
+    pub last_s: f64,
+    /// The vertices its packets cross now, as the fabric hashes it (empty when a switch
+    /// on the way sprays or adapts packet by packet, or there is no route).
+    pub path: Vec<String>,
+}
+
+/// The flows reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Flows {
+    pub fabric_time_s: f64,
+    pub flows: Vec<FlowInfo>,
+    /// Packets of flows beyond `MAX_FLOWS`.
+    pub untracked_packets: u64,
 }
 
 /// What a capture asks for.
@@ -387,7 +425,8 @@ impl<P: Ports> DataPlane<P> {
     pub fn new(topo: &Topology, ports: P, ctl: Receiver<Ctl>) -> Self {
         assert_eq!(ports.count(), topo.hosts.len(), "a port per GPU");
         let now = ports.now();
-        let model = Fabric::new(topo);
+        let mut model = Fabric::new(topo);
+        model.enable_flows(MAX_FLOWS);
         let vname = |v: u32| {
             let h = topo.hosts.len() as u32;
             if v < h {
@@ -721,6 +760,9 @@ impl<P: Ports> DataPlane<P> {
                     self.captures.retain(|c| c.id != id);
                     self.retap();
                 }
+                Ctl::Flows(reply) => {
+                    let _ = reply.send(self.flows());
+                }
                 Ctl::Events(reply) => {
                     let _ = reply.send(self.events.clone());
                 }
@@ -970,6 +1012,69 @@ impl<P: Ports> DataPlane<P> {
             }),
             loads,
             pending_changes: self.scheduled.len(),
+        }
+    }
+
+    /// Per-flow counters, heaviest first, with their paths as vertex names.
+    pub fn flows(&mut self) -> Flows {
+        let now = self.fabric_now(self.ports.now());
+        self.model.advance(now);
+        let (flows, untracked) = self.model.flows();
+        let h = self.topo.hosts.len() as u32;
+        let vname = |v: u32| {
+            if v < h {
+                self.topo.hosts[v as usize].name.clone()
+            } else {
+                self.topo.switches[(v - h) as usize].name.clone()
+            }
+        };
+        let gpu = |a: std::net::Ipv4Addr| {
+            self.topo
+                .hosts
+                .iter()
+                .find(|x| x.addr == a)
+                .map_or(String::new(), |x| x.name.clone())
+        };
+        let mut out: Vec<FlowInfo> = flows
+            .into_iter()
+            .map(|(k, c)| {
+                let path = self.model.flow_path(&k).map_or_else(Vec::new, |ports| {
+                    let routes = self.model.routes();
+                    let mut names = Vec::with_capacity(ports.len() + 1);
+                    if let Some(first) = ports.first() {
+                        names.push(vname(routes.port(*first).from));
+                    }
+                    names.extend(ports.iter().map(|p| vname(routes.port(*p).to)));
+                    names
+                });
+                FlowInfo {
+                    src: k.src.to_string(),
+                    dst: k.dst.to_string(),
+                    proto: match k.proto {
+                        6 => "tcp".into(),
+                        17 => "udp".into(),
+                        1 => "icmp".into(),
+                        p => p.to_string(),
+                    },
+                    sport: k.sport,
+                    dport: k.dport,
+                    src_gpu: gpu(k.src),
+                    dst_gpu: gpu(k.dst),
+                    packets: c.packets,
+                    bytes: c.bytes,
+                    drops: c.drops,
+                    ecn_marked: c.ecn_marked,
+                    first_s: c.first.as_nanos() as f64 / 1e9,
+                    last_s: c.last.as_nanos() as f64 / 1e9,
+                    path,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.src.cmp(&b.src)));
+        Flows {
+            fabric_time_s: now.as_nanos() as f64 / 1e9,
+            flows: out,
+            untracked_packets: untracked,
         }
     }
 

@@ -1,0 +1,93 @@
+//! `closbox flows`: per 5-tuple, what the fabric carried, dropped and marked, and the path
+//! the fabric hashes it onto — where ECMP collisions show.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+
+use anyhow::bail;
+use closbox_switchd::control::{self, Flows, Reply, Request};
+use closbox_switchd::state::FabricName;
+
+use crate::live;
+use crate::plan::approx_bytes;
+
+pub fn flows(
+    fabric: Option<&FabricName>,
+    top: usize,
+    since: Option<closbox_fabric::Duration>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox flows")?;
+    let st = live::resolve(fabric)?;
+    let mut f = match control::request(&st.fabric, &Request::Flows)? {
+        Reply::Flows(f) => *f,
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    };
+    if let Some(d) = since {
+        let from = f.fabric_time_s - d.as_secs_f64();
+        f.flows.retain(|x| x.last_s >= from);
+    }
+    f.flows.truncate(top);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&f)?);
+    } else {
+        print!("{}", render(&st.fabric, &f, since));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn render(fabric: &FabricName, f: &Flows, since: Option<closbox_fabric::Duration>) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "fabric {fabric}, fabric time {:.6} s: {} flow{}{} (heaviest first; counters since the fabric came up)",
+        f.fabric_time_s,
+        f.flows.len(),
+        if f.flows.len() == 1 { "" } else { "s" },
+        since.map_or(String::new(), |d| format!(" active in the last {d}")),
+    );
+    if f.flows.is_empty() {
+        return o;
+    }
+    let _ = writeln!(
+        o,
+        "{:<5} {:<27} {:<27} {:>10} {:>10} {:>8} {:>8}  path",
+        "proto", "from", "to", "packets", "bytes", "drops", "ecn"
+    );
+    for x in &f.flows {
+        let end = |gpu: &str, addr: &str, port: u16| {
+            let who = if gpu.is_empty() { addr } else { gpu };
+            if port == 0 {
+                who.to_owned()
+            } else {
+                format!("{who}:{port}")
+            }
+        };
+        let _ = writeln!(
+            o,
+            "{:<5} {:<27} {:<27} {:>10} {:>10} {:>8} {:>8}  {}",
+            x.proto,
+            end(&x.src_gpu, &x.src, x.sport),
+            end(&x.dst_gpu, &x.dst, x.dport),
+            x.packets,
+            approx_bytes(x.bytes),
+            x.drops,
+            x.ecn_marked,
+            if x.path.is_empty() {
+                "(per packet)".to_owned()
+            } else {
+                x.path.join(" > ")
+            }
+        );
+    }
+    if f.untracked_packets > 0 {
+        let _ = writeln!(
+            o,
+            "({} packets of flows beyond the first {} not counted per flow)",
+            f.untracked_packets,
+            closbox_switchd::dataplane::MAX_FLOWS
+        );
+    }
+    o
+}
