@@ -490,7 +490,38 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         .as_ref()
         .is_some_and(|h| h.behind(shortest, steps));
     if let Some(path) = &a.plot {
-        std::fs::write(path, render::plot(&rows))
+        let mut names: Vec<String> = Vec::new();
+        for r in &rows {
+            let n = format!("{} ({})", r.op.name(), r.algo);
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        let title = format!(
+            "busbw on fabric {}, {} ranks: {}",
+            st.fabric,
+            sel.len(),
+            names.join(", ")
+        );
+        // The GPUs' NIC line rate: what one GPU can put into the scale-out fabric.
+        let nic = sel
+            .iter()
+            .flat_map(|&i| {
+                let v = closbox_fabric::topology::Vertex::Host(closbox_fabric::HostId(i as u32));
+                topo.links
+                    .iter()
+                    .filter(move |l| {
+                        (l.a == v || l.b == v)
+                            && l.class == closbox_fabric::topology::LinkClass::Nic
+                    })
+                    .map(|l| l.params.rate)
+            })
+            .max();
+        let label = nic.map(|r| format!("NIC line rate ({r} = {:.0} GB/s)", r.bps() as f64 / 8e9));
+        let ceiling = nic
+            .zip(label.as_deref())
+            .map(|(r, l)| (r.bps() as f64 / 8e9, l));
+        std::fs::write(path, render::plot(&rows, &predicted, &title, ceiling))
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if a.json {

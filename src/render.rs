@@ -103,89 +103,142 @@ pub fn table_row(r: &Row, p: f64) -> String {
     )
 }
 
-/// busbw against size (log₂ axis), one line per operation and algorithm.
-pub fn plot(rows: &[Row]) -> String {
-    let (w, h, l, b) = (720.0, 420.0, 70.0, 50.0);
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+/// busbw against size (log₂ axis): per operation and algorithm, measured (solid, dots)
+/// and predicted (dashed, crosses), with a ceiling (a dotted line: the GPUs' NIC line
+/// rate) and a title. `predicted` is per row, in µs.
+pub fn plot(rows: &[Row], predicted: &[f64], title: &str, ceiling: Option<(f64, &str)>) -> String {
+    use plotters::prelude::*;
+    let mut svg = String::new();
+    let measured = series(rows, |r| r.busbw);
+    let predicted_busbw: Vec<Row> = rows
+        .iter()
+        .zip(predicted)
+        .map(|(r, &p)| Row {
+            busbw: if p > 0.0 {
+                r.busbw * r.time_us / p
+            } else {
+                0.0
+            },
+            ..r.clone()
+        })
+        .collect();
+    let predicted = series(&predicted_busbw, |r| r.busbw);
+    let xs: Vec<f64> = rows.iter().map(|r| (r.size as f64).log2()).collect();
+    let (x0, x1) = (
+        xs.iter().copied().fold(f64::MAX, f64::min).floor(),
+        xs.iter().copied().fold(f64::MIN, f64::max).ceil(),
+    );
+    let (x0, x1) = if x1 > x0 {
+        (x0, x1)
+    } else {
+        (x0 - 1.0, x1 + 1.0)
+    };
+    let top = measured
+        .iter()
+        .chain(&predicted)
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .chain(ceiling.map(|c| c.0))
+        .fold(0.0, f64::max)
+        .max(1e-3)
+        * 1.12;
+    // At most one label per whole power of two (plotters picks 1-2-5 steps).
+    let labels = ((x1 - x0) as usize + 1).min(12);
+    {
+        let root = SVGBackend::with_string(&mut svg, (800, 480)).into_drawing_area();
+        let _ = root.fill(&WHITE);
+        let chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 17))
+            .margin(12)
+            .margin_right(36)
+            .x_label_area_size(42)
+            .y_label_area_size(62)
+            .build_cartesian_2d(x0..x1, 0.0..top);
+        let Ok(mut chart) = chart else {
+            return svg_fallback(title);
+        };
+        let size_label = |x: &f64| {
+            if (x - x.round()).abs() < 1e-9 {
+                human(2f64.powf(x.round()) as usize)
+            } else {
+                String::new()
+            }
+        };
+        let _ = chart
+            .configure_mesh()
+            .x_desc("message size (bytes)")
+            .y_desc("busbw (GB/s, fabric time)")
+            .x_labels(labels)
+            .x_label_formatter(&size_label)
+            .y_label_formatter(&|y| format!("{y}"))
+            .light_line_style(WHITE.mix(0.0))
+            .draw();
+        let palette = [
+            RGBColor(31, 119, 180),
+            RGBColor(214, 39, 40),
+            RGBColor(44, 160, 44),
+            RGBColor(255, 127, 14),
+            RGBColor(148, 103, 189),
+            RGBColor(140, 86, 75),
+            RGBColor(227, 119, 194),
+            RGBColor(23, 190, 207),
+        ];
+        if let Some((rate, label)) = ceiling {
+            let grey = RGBColor(110, 110, 110);
+            if let Ok(a) = chart.draw_series(DashedLineSeries::new(
+                vec![(x0, rate), (x1, rate)],
+                2,
+                4,
+                grey.stroke_width(1),
+            )) {
+                a.label(label.to_owned())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey));
+            }
+        }
+        for (i, (name, pts)) in measured.iter().enumerate() {
+            let c = palette[i % palette.len()];
+            if let Ok(a) = chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2))) {
+                a.label(format!("{name} measured")).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            }
+            let _ = chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())));
+            if let Some((_, pp)) = predicted.iter().find(|(n, _)| n == name) {
+                if let Ok(a) =
+                    chart.draw_series(DashedLineSeries::new(pp.clone(), 6, 4, c.stroke_width(1)))
+                {
+                    a.label(format!("{name} predicted")).legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 8, y)], c.stroke_width(1))
+                    });
+                }
+                let _ = chart.draw_series(pp.iter().map(|&p| Cross::new(p, 4, c.stroke_width(1))));
+            }
+        }
+        let _ = chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(200, 200, 200))
+            .draw();
+        let _ = root.present();
+    }
+    svg
+}
+
+/// (op (algo), points (log₂ size, value)) per operation and algorithm, in row order.
+fn series(rows: &[Row], value: impl Fn(&Row) -> f64) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut out: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for r in rows {
         let key = format!("{} ({})", r.op.name(), r.algo);
-        let point = ((r.size as f64).log2(), r.busbw);
-        match series.iter_mut().find(|(k, _)| *k == key) {
+        let point = ((r.size as f64).log2(), value(r));
+        match out.iter_mut().find(|(k, _)| *k == key) {
             Some((_, pts)) => pts.push(point),
-            None => series.push((key, vec![point])),
+            None => out.push((key, vec![point])),
         }
     }
-    let xs = rows.iter().map(|r| (r.size as f64).log2());
-    let (x0, x1) = (
-        xs.clone().fold(f64::MAX, f64::min),
-        xs.fold(f64::MIN, f64::max).max(1.0),
-    );
-    let y1 = rows.iter().map(|r| r.busbw).fold(0.0, f64::max).max(1e-9) * 1.1;
-    let px = |x: f64| l + (x - x0) / (x1 - x0).max(1.0) * (w - l - 20.0);
-    let py = |y: f64| h - b - y / y1 * (h - b - 20.0);
-    let colors = [
-        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    ];
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{l}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - b,
-        w - 20.0,
-        h - b
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{l}\" y1=\"20\" x2=\"{l}\" y2=\"{}\" stroke=\"black\"/>",
-        h - b
-    );
-    for i in 0..=4 {
-        let y = y1 * i as f64 / 4.0;
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{y:.3}</text>",
-            l - 6.0,
-            py(y) + 4.0
-        );
-    }
-    let mut x = x0.ceil();
-    while x <= x1 {
-        let _ = writeln!(
-            s,
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            px(x),
-            h - b + 16.0,
-            human(2f64.powf(x) as usize)
-        );
-        x += ((x1 - x0) / 8.0).ceil().max(1.0);
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size</text>",
-        (l + w) / 2.0,
-        h - 10.0
-    );
-    let _ = writeln!(s, "<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">busbw (GB/s, fabric time)</text>", h / 2.0, h / 2.0);
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        let path: Vec<String> = pts
-            .iter()
-            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
-            .collect();
-        let _ = writeln!(
-            s,
-            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>",
-            path.join(" ")
-        );
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{name}</text>",
-            l + 10.0,
-            34 + 16 * i
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+    out
+}
+
+/// An SVG that says the plot could not be drawn (a degenerate range).
+fn svg_fallback(title: &str) -> String {
+    format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"800\" height=\"60\"><text x=\"10\" y=\"30\">{title}: nothing to plot</text></svg>\n")
 }
