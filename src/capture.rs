@@ -113,7 +113,7 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         count: a.count,
         duration_ns: a.duration_ns,
     };
-    let (reply, mut stream) = control::capture(&st.fabric, &req)?;
+    let (reply, mut stream) = control::open_stream(&st.fabric, &req)?;
     match reply {
         Reply::Capturing { .. } => {}
         Reply::Error { message } => return Err(crate::usage(message)),

@@ -13,6 +13,7 @@ mod chaos;
 mod flows;
 mod live;
 mod plan;
+mod record;
 mod render;
 mod status;
 
@@ -279,6 +280,40 @@ enum Command {
         json: bool,
         #[arg(long, short)]
         fabric: Option<FabricName>,
+    },
+    /// Sample per-port queue depth and utilization at a fabric-time interval into a CSV
+    /// file (the daemon samples, so the interval can be microseconds under dilation).
+    #[command(
+        after_help = "Examples:\n  closbox record -o /tmp/q.csv --interval 10us --ports leaf0-> --duration 5ms\n  closbox plot /tmp/q.csv -o /tmp/q.svg"
+    )]
+    Record {
+        /// Output CSV: fabric_time_s,port,queue_bytes,utilization (after a # comment line).
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        file: PathBuf,
+        /// Fabric time between samples.
+        #[arg(long, default_value = "100us")]
+        interval: closbox_fabric::Duration,
+        /// Only ports whose name contains one of these (comma-separated), e.g. "leaf0->,->gpu0".
+        #[arg(long, value_name = "PATTERNS", allow_hyphen_values = true)]
+        ports: Option<String>,
+        /// Stop after this much fabric time (default: Ctrl-C).
+        #[arg(long)]
+        duration: Option<closbox_fabric::Duration>,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+    },
+    /// Draw a `closbox record` file as an SVG: queue depth (or utilization) over fabric
+    /// time for the busiest ports.
+    Plot {
+        /// A CSV written by `closbox record`.
+        file: PathBuf,
+        #[arg(short = 'o', long = "output", value_name = "FILE.svg")]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "queue")]
+        metric: record::Metric,
+        /// How many ports (those with the highest values).
+        #[arg(long, default_value_t = 8)]
+        top: usize,
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random link flaps (see the README). Prints events as they happen;
@@ -747,6 +782,25 @@ fn main() -> ExitCode {
             json,
             fabric,
         } => flows::flows(fabric.as_ref(), top, since, json),
+        Command::Record {
+            file,
+            interval,
+            ports,
+            duration,
+            fabric,
+        } => record::record(record::RecordArgs {
+            fabric: fabric.as_ref(),
+            file: &file,
+            interval,
+            ports: ports.as_deref(),
+            duration,
+        }),
+        Command::Plot {
+            file,
+            out,
+            metric,
+            top,
+        } => record::plot(&file, &out, metric, top),
         Command::Chaos {
             file,
             dry_run,

@@ -69,7 +69,8 @@ pub fn status(
             | Reply::Scheduled { .. }
             | Reply::Cancelled { .. }
             | Reply::Capturing { .. }
-            | Reply::Flows(_) => Answer::Error {
+            | Reply::Flows(_)
+            | Reply::Recording { .. } => Answer::Error {
                 fabric: n.to_string(),
                 error: "the daemon answered something else than its status".into(),
             },

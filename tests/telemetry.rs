@@ -82,6 +82,22 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let series = scratch_dir().join("incast.csv");
+    let mut rec = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "record",
+            "--fabric",
+            "lt-cap",
+            "--ports",
+            "sw0->gpu0",
+            "--interval",
+            "100us",
+            "-o",
+        ])
+        .arg(&series)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     // 7 → 1: an iperf3 server per sender in gpu0, all senders at once for 2 s.
     let mut servers = Vec::new();
@@ -132,6 +148,54 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     use std::io::Read;
     cap.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{err}");
+
+    Command::new("kill")
+        .args(["-INT", &rec.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(rec.wait().unwrap().success());
+    // The queue time series shows the port's queue reaching its 256 KiB buffer.
+    let csv = std::fs::read_to_string(&series).unwrap();
+    let queues: Vec<u64> = csv
+        .lines()
+        .filter(|l| l.contains(",sw0->gpu0,"))
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
+    let peak = queues.iter().copied().max().unwrap();
+    eprintln!(
+        "{} samples of sw0->gpu0, peak queue {peak} bytes",
+        queues.len()
+    );
+    assert!(
+        queues.len() > 1000,
+        "every 100 us for > 2 s: {}",
+        queues.len()
+    );
+    assert!(peak > 256 * 1024 * 9 / 10 && peak <= 256 * 1024, "{peak}");
+    let svg = scratch_dir().join("incast.svg");
+    let out = closbox(&[
+        "plot",
+        series.to_str().unwrap(),
+        "-o",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("sw0-&gt;gpu0"));
+    // `flows` lists the 7 senders, each with its share of the drops.
+    let out = closbox(&["flows", "--fabric", "lt-cap", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let senders: std::collections::BTreeSet<&str> = v["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["dst_gpu"] == "gpu0" && (5201..=5207).contains(&x["dport"].as_u64().unwrap()))
+        .map(|x| x["src_gpu"].as_str().unwrap())
+        .collect();
+    assert_eq!(senders.len(), 7, "{senders:?}");
+    let out = closbox(&["flows", "--fabric", "lt-cap", "--top", "7"]);
+    eprintln!("{}", text(&out).0);
 
     let p = port(&f, "sw0->gpu0");
     let (tx, dropped) = (

@@ -1408,6 +1408,22 @@ impl Fabric {
             .collect()
     }
 
+    /// The time the model has been advanced to.
+    pub fn now(&self) -> Instant {
+        self.now
+    }
+
+    /// One port as of `now` (events due are processed first): bytes queued (GPU packets
+    /// and load, the one in service included) and serialization time done so far.
+    pub fn port_sample(&mut self, p: PortId, now: Instant) -> (u64, Duration) {
+        self.advance(now);
+        let port = &mut self.ports[p.0 as usize];
+        settle(port, now);
+        let ahead = port.busy_until.saturating_since(now).as_nanos();
+        let busy = Duration::from_nanos(port.counters.busy.as_nanos().saturating_sub(ahead));
+        (port.backlog_bytes, busy)
+    }
+
     /// Packets and bytes queued (admitted, not finished) at a port as of the last settle.
     pub fn queued(&self, p: PortId) -> (usize, u64) {
         let port = &self.ports[p.0 as usize];

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 pub use crate::chaos::{ChangeRequest, Event};
-use crate::dataplane::{CaptureSpec, CaptureStart, Ctl};
+use crate::dataplane::{CaptureSpec, CaptureStart, Ctl, RecordSpec};
 pub use crate::dataplane::{FlowInfo, Flows, Lateness, LinkStatus, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
@@ -48,6 +48,14 @@ pub enum Request {
     },
     /// Per-flow counters and paths.
     Flows,
+    /// Samples ports' queue depth and utilization every `interval_ns` of fabric time;
+    /// the reply line (`recording`) is followed by CSV rows until the recording ends
+    /// (duration, the fabric stopping) or the client shuts down its side.
+    Record {
+        ports: Vec<String>,
+        interval_ns: u64,
+        duration_ns: Option<u64>,
+    },
     /// `{"v":1,"cmd":"capture","ports":["leaf0->spine1"],"snaplen":262144,"drops":false,
     /// "count":null,"duration_ns":null}`: the reply line (`capturing`) is followed by a
     /// pcapng stream until the capture ends (count, duration, the fabric stopping) or the
@@ -89,6 +97,10 @@ pub enum Reply {
         ports: Vec<String>,
     },
     Flows(Box<Flows>),
+    /// A recording started: CSV follows the line.
+    Recording {
+        ports: Vec<String>,
+    },
     Stopping,
     Error {
         message: String,
@@ -200,6 +212,41 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                             clients.fetch_sub(1, Ordering::AcqRel);
                             return;
                         }
+                        if let Ok(Request::Record {
+                            ports,
+                            interval_ns,
+                            duration_ns,
+                        }) = request
+                        {
+                            let (tx, rx) = mpsc::sync_channel(RECORD_QUEUE);
+                            let spec = RecordSpec {
+                                ports: ports.clone(),
+                                interval_ns,
+                                duration_ns,
+                                tx,
+                            };
+                            match ask(ctl, wake, |reply| Ctl::Record(spec, reply)).and_then(|r| r) {
+                                Ok(id) => {
+                                    let _ = reply(
+                                        &mut conn,
+                                        &Reply::Recording {
+                                            ports: ports.clone(),
+                                        },
+                                    );
+                                    if let Err(e) = stream_record(&mut conn, &ports, rx) {
+                                        tracing::debug!("recording {id}: {e}");
+                                    }
+                                    let _ =
+                                        ctl.lock().expect("control lock").send(Ctl::EndRecord(id));
+                                    wake.notify();
+                                }
+                                Err(e) => {
+                                    let _ = reply(&mut conn, &Reply::error(e));
+                                }
+                            }
+                            clients.fetch_sub(1, Ordering::AcqRel);
+                            return;
+                        }
                         let answer = match request {
                             Ok(Request::Status) => status(state, ctl, wake),
                             Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
@@ -220,7 +267,9 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                         changes,
                                     })
                             }
-                            Ok(Request::Capture { .. }) => unreachable!("served above"),
+                            Ok(Request::Capture { .. } | Request::Record { .. }) => {
+                                unreachable!("served above")
+                            }
                             Ok(Request::Flows) => ask(ctl, wake, Ctl::Flows)
                                 .map_or_else(Reply::error, |f| Reply::Flows(Box::new(f))),
                             Ok(Request::Stop) => {
@@ -267,7 +316,15 @@ fn stream_capture(
     let mut written = vec![0u64; ports.len()];
     let (mut first, mut last) = (None, start.epoch_ns);
     let mut probe = conn.try_clone()?;
+    let mut checked = std::time::Instant::now();
     loop {
+        // Whether the client asked to end, also while packets keep coming.
+        if checked.elapsed() >= Duration::from_millis(100) {
+            checked = std::time::Instant::now();
+            if peer_closed(&mut probe) {
+                break;
+            }
+        }
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok((i, t)) => {
                 let ns = start.epoch_ns + t.at.as_nanos();
@@ -297,6 +354,47 @@ fn stream_capture(
         crate::pcapng::statistics(i as u32, first.unwrap_or(last), last, stats, &mut buf);
     }
     conn.write_all(&buf)?;
+    conn.shutdown(std::net::Shutdown::Write)
+}
+
+/// Sample rows a recording's connection may lag behind by (then samples are skipped).
+const RECORD_QUEUE: usize = 4096;
+
+/// Writes a recording as CSV until it ends.
+fn stream_record(
+    conn: &mut UnixStream,
+    ports: &[String],
+    rx: mpsc::Receiver<(u64, Vec<(u64, f64)>)>,
+) -> std::io::Result<()> {
+    use std::fmt::Write as _;
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    conn.write_all(b"fabric_time_s,port,queue_bytes,utilization\n")?;
+    let mut probe = conn.try_clone()?;
+    let mut buf = String::new();
+    let mut checked = std::time::Instant::now();
+    loop {
+        if checked.elapsed() >= Duration::from_millis(100) {
+            checked = std::time::Instant::now();
+            if peer_closed(&mut probe) {
+                break;
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((t, row)) => {
+                buf.clear();
+                for (name, (queue, util)) in ports.iter().zip(row) {
+                    let _ = writeln!(buf, "{:.9},{name},{queue},{util:.4}", t as f64 / 1e9);
+                }
+                conn.write_all(buf.as_bytes())?;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if peer_closed(&mut probe) {
+                    break;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
     conn.shutdown(std::net::Shutdown::Write)
 }
 
@@ -437,10 +535,10 @@ pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
     parse_reply(fabric, &line)
 }
 
-/// Starts a capture: the daemon's reply, and the connection, read past the reply line,
-/// from which the pcapng stream follows. Shutting down the connection's write side asks
-/// the daemon to end the capture.
-pub fn capture(
+/// Starts a streaming request (capture, record): the daemon's reply, and the connection,
+/// read past the reply line, from which the stream follows. Shutting down the
+/// connection's write side asks the daemon to end it.
+pub fn open_stream(
     fabric: &FabricName,
     req: &Request,
 ) -> anyhow::Result<(Reply, BufReader<UnixStream>)> {

@@ -66,6 +66,10 @@ pub enum Ctl {
     EndCapture(u64),
     /// Per-flow counters and paths.
     Flows(Sender<Flows>),
+    /// Starts sampling ports' queues and utilization at a fabric-time interval.
+    Record(RecordSpec, Sender<Result<u64, String>>),
+    /// Ends a recording (its client went away).
+    EndRecord(u64),
     Events(Sender<Vec<Event>>),
     Stop,
 }
@@ -105,6 +109,31 @@ pub struct Flows {
     /// Packets of flows beyond `MAX_FLOWS`.
     pub untracked_packets: u64,
 }
+
+/// What a recording asks for.
+#[derive(Debug)]
+pub struct RecordSpec {
+    /// Port names.
+    pub ports: Vec<String>,
+    pub interval_ns: u64,
+    pub duration_ns: Option<u64>,
+    /// Per sample time: (fabric ns, per port (queue bytes, busy share of the interval)).
+    pub tx: std::sync::mpsc::SyncSender<(u64, Vec<(u64, f64)>)>,
+}
+
+struct Recording {
+    id: u64,
+    ports: Vec<closbox_fabric::routing::PortId>,
+    interval: closbox_fabric::Duration,
+    next: Instant,
+    until: Option<Instant>,
+    tx: std::sync::mpsc::SyncSender<(u64, Vec<(u64, f64)>)>,
+    last_busy: Vec<u64>,
+    done: bool,
+}
+
+/// Shortest sampling interval, fabric time.
+pub const MIN_RECORD_INTERVAL_NS: u64 = 100;
 
 /// What a capture asks for.
 #[derive(Debug)]
@@ -387,6 +416,7 @@ pub struct DataPlane<P: Ports> {
     next_load: u32,
     captures: Vec<Capture>,
     next_capture: u64,
+    recordings: Vec<Recording>,
     /// Wall clock at fabric time 0, ns since the Unix epoch.
     epoch_ns: u64,
     topo: Topology,
@@ -457,6 +487,7 @@ impl<P: Ports> DataPlane<P> {
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
+            recordings: Vec::new(),
             epoch_ns: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
@@ -517,6 +548,7 @@ impl<P: Ports> DataPlane<P> {
     /// once asked to stop.
     pub fn step(&mut self) -> bool {
         let wall = self.ports.now();
+        self.sample_due(wall);
         self.apply_due(wall);
         self.deliver_due(wall);
         if !self.handle_ctl() {
@@ -524,10 +556,14 @@ impl<P: Ports> DataPlane<P> {
         }
         self.rotate_window(wall);
         // No departure pending: sleep until input, or a second for housekeeping.
-        let next = match (self.model.poll_timeout(), self.scheduled.keys().next()) {
-            (Some(a), Some(&(b, _))) => Some(a.min(b)),
-            (a, b) => a.or(b.map(|k| k.0)),
-        };
+        let next = [
+            self.model.poll_timeout(),
+            self.scheduled.keys().next().map(|k| k.0),
+            self.recordings.iter().map(|r| r.next).min(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         let timeout = match next {
             Some(t) => self
                 .wall_of(t)
@@ -547,6 +583,84 @@ impl<P: Ports> DataPlane<P> {
         self.ready = ready;
         self.drain_taps();
         true
+    }
+
+    fn start_recording(&mut self, spec: RecordSpec) -> Result<u64, String> {
+        let mut ports = Vec::new();
+        for name in &spec.ports {
+            let p = self
+                .port_names
+                .iter()
+                .position(|n| n == name)
+                .ok_or_else(|| format!("no port {name:?}"))?;
+            ports.push(closbox_fabric::routing::PortId(p as u32));
+        }
+        if ports.is_empty() {
+            return Err("no port to record".into());
+        }
+        if spec.interval_ns < MIN_RECORD_INTERVAL_NS {
+            return Err(format!(
+                "--interval must be at least {MIN_RECORD_INTERVAL_NS} ns of fabric time"
+            ));
+        }
+        let now = self.fabric_now(self.ports.now());
+        self.next_capture += 1;
+        let last_busy = ports
+            .iter()
+            .map(|&p| self.model.port_sample(p, now).1.as_nanos())
+            .collect();
+        let interval = closbox_fabric::Duration::from_nanos(spec.interval_ns);
+        self.recordings.push(Recording {
+            id: self.next_capture,
+            ports,
+            interval,
+            next: now + interval,
+            until: spec
+                .duration_ns
+                .map(|d| now + closbox_fabric::Duration::from_nanos(d)),
+            tx: spec.tx,
+            last_busy,
+            done: false,
+        });
+        Ok(self.next_capture)
+    }
+
+    /// Takes the samples that are due, each at its own fabric time (the model is advanced
+    /// to it first), and ends recordings that are done.
+    fn sample_due(&mut self, wall: StdInstant) {
+        use std::sync::mpsc::TrySendError;
+        if self.recordings.is_empty() {
+            return;
+        }
+        let now = self.fabric_now(wall);
+        loop {
+            let Some(i) = (0..self.recordings.len())
+                .filter(|&i| !self.recordings[i].done && self.recordings[i].next <= now)
+                .min_by_key(|&i| self.recordings[i].next)
+            else {
+                break;
+            };
+            let t = self.recordings[i].next;
+            let model_now = t.max(self.model.now());
+            let r = &mut self.recordings[i];
+            let mut row = Vec::with_capacity(r.ports.len());
+            for (k, &p) in r.ports.iter().enumerate() {
+                let (queue, busy) = self.model.port_sample(p, model_now);
+                let busy = busy.as_nanos();
+                let share = (busy - r.last_busy[k].min(busy)) as f64 / r.interval.as_nanos() as f64;
+                r.last_busy[k] = busy;
+                row.push((queue, share.min(1.0)));
+            }
+            match r.tx.try_send((t.as_nanos(), row)) {
+                Ok(()) | Err(TrySendError::Full(_)) => {}
+                Err(TrySendError::Disconnected(_)) => r.done = true,
+            }
+            r.next = t + r.interval;
+            if r.until.is_some_and(|u| r.next > u) {
+                r.done = true;
+            }
+        }
+        self.recordings.retain(|r| !r.done);
     }
 
     /// Hands tapped packets to the captures that want them; ends captures that are done.
@@ -762,6 +876,12 @@ impl<P: Ports> DataPlane<P> {
                 }
                 Ctl::Flows(reply) => {
                     let _ = reply.send(self.flows());
+                }
+                Ctl::Record(spec, reply) => {
+                    let _ = reply.send(self.start_recording(spec));
+                }
+                Ctl::EndRecord(id) => {
+                    self.recordings.retain(|r| r.id != id);
                 }
                 Ctl::Events(reply) => {
                     let _ = reply.send(self.events.clone());
