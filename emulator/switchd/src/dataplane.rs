@@ -633,13 +633,10 @@ impl<P: Ports> DataPlane<P> {
             return;
         }
         let now = self.fabric_now(wall);
-        loop {
-            let Some(i) = (0..self.recordings.len())
-                .filter(|&i| !self.recordings[i].done && self.recordings[i].next <= now)
-                .min_by_key(|&i| self.recordings[i].next)
-            else {
-                break;
-            };
+        while let Some(i) = (0..self.recordings.len())
+            .filter(|&i| !self.recordings[i].done && self.recordings[i].next <= now)
+            .min_by_key(|&i| self.recordings[i].next)
+        {
             let t = self.recordings[i].next;
             let model_now = t.max(self.model.now());
             let r = &mut self.recordings[i];
