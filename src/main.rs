@@ -16,6 +16,7 @@ mod plan;
 mod record;
 mod render;
 mod status;
+mod top;
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
 #[derive(Debug, Parser)]
@@ -314,6 +315,15 @@ enum Command {
         /// How many ports (those with the highest values).
         #[arg(long, default_value_t = 8)]
         top: usize,
+    },
+    /// A live view of a fabric: health, leaf x spine uplink utilization, the busiest
+    /// ports (queue, drops/s, ECN/s), recent events; refreshed every second, q quits.
+    Top {
+        /// Print one frame (80x24) as text and exit.
+        #[arg(long)]
+        once: bool,
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random link flaps (see the README). Prints events as they happen;
@@ -801,6 +811,7 @@ fn main() -> ExitCode {
             metric,
             top,
         } => record::plot(&file, &out, metric, top),
+        Command::Top { once, fabric } => top::top(fabric.as_ref(), once),
         Command::Chaos {
             file,
             dry_run,

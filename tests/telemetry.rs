@@ -430,6 +430,27 @@ fn flows_show_an_ecmp_collision() {
     wait_for_port(&f, "gpu3", 5202);
     let before = |port: &str| port_bytes(&f, port);
     let (idle0, busy0) = (before("leaf0->spine0"), before("leaf0->spine1"));
+    // `top` in a terminal of 80 x 24 (tmux), watching.
+    let session = "closbox-top-test";
+    let _ = Command::new("tmux")
+        .args(["kill-session", "-t", session])
+        .output();
+    let top = format!("{} top --fabric lt-flows", env!("CARGO_BIN_EXE_closbox"));
+    let out = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "80",
+            "-y",
+            "24",
+            &top,
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
     let clients: Vec<_> = [
         ("gpu0", "198.18.0.3", "5201", p0),
         ("gpu1", "198.18.0.4", "5202", p1),
@@ -445,6 +466,15 @@ fn flows_show_an_ecmp_collision() {
         })
     })
     .collect();
+    std::thread::sleep(Duration::from_millis(1800));
+    let screen = Command::new("tmux")
+        .args(["capture-pane", "-p", "-t", session])
+        .output()
+        .unwrap();
+    let screen = String::from_utf8_lossy(&screen.stdout).into_owned();
+    let _ = Command::new("tmux")
+        .args(["send-keys", "-t", session, "q"])
+        .output();
     let mut total = 0.0;
     for c in clients {
         let out = c.join().unwrap();
@@ -482,6 +512,31 @@ fn flows_show_an_ecmp_collision() {
             .collect();
         assert_eq!(&path[1..3], ["leaf0", "spine1"], "{x}");
     }
+    // `top` showed the shared uplink busy and the other idle, and quit on q.
+    eprintln!("{screen}");
+    let busy_line = screen
+        .lines()
+        .find(|l| l.contains("leaf0->spine1"))
+        .unwrap_or_else(|| panic!("no leaf0->spine1 in\n{screen}"));
+    let pct: f64 = busy_line
+        .split_whitespace()
+        .find(|w| w.ends_with('%'))
+        .and_then(|w| w.trim_end_matches('%').parse().ok())
+        .unwrap_or_else(|| panic!("no busy share in {busy_line:?}"));
+    assert!(pct > 90.0, "{busy_line}");
+    let up_row = screen.lines().find(|l| l.contains("leaf0 up")).unwrap();
+    let cells: Vec<f64> = up_row
+        .split_whitespace()
+        .filter_map(|w| w.strip_suffix('%'))
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert!(cells[0] < 5.0 && cells[1] > 90.0, "{up_row}");
+    std::thread::sleep(Duration::from_millis(500));
+    let gone = Command::new("tmux")
+        .args(["has-session", "-t", session])
+        .output()
+        .unwrap();
+    assert!(!gone.status.success(), "top did not quit on q");
     let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "2"]);
     let o = text(&out).0;
     eprintln!("{o}");

@@ -260,6 +260,19 @@ pub fn encode(s: &Status) -> String {
         None,
         &|p| p.load_drops,
     );
+    // Fabric seconds a port spent sending (GPU packets and load): its utilization over a
+    // window is rate(...) × time_scale (rate() is per wall second).
+    let busy = Family::<PortLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+    for p in &s.ports {
+        busy.get_or_create(&labels(s, p))
+            .inc_by(p.utilization * s.fabric_time_s);
+    }
+    reg.register_with_unit(
+        "port_busy",
+        "Fabric time an egress port spent sending",
+        Unit::Seconds,
+        busy,
+    );
     let drops = Family::<PortReason, Counter>::default();
     for p in &s.ports {
         let l = labels(s, p);
@@ -285,7 +298,7 @@ pub fn encode(s: &Status) -> String {
         "GPU packets dropped at an egress port, by reason",
         drops,
     );
-    let gauges: [PortGauge; 5] = [
+    let gauges: [PortGauge; 4] = [
         (
             "port_queue",
             "Bytes queued at an egress port now",
@@ -307,12 +320,6 @@ pub fn encode(s: &Status) -> String {
         ("port_up", "1 if an egress port's link is up", None, &|p| {
             i64::from(p.up)
         }),
-        (
-            "port_busy_ppm",
-            "Busy share of fabric time since the fabric came up, parts per million",
-            None,
-            &|p| (p.utilization * 1e6) as i64,
-        ),
     ];
     for (name, help, unit, f) in gauges {
         let fam = Family::<PortLabels, Gauge>::default();

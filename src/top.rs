@@ -1,0 +1,316 @@
+//! `closbox top`: a live view of a fabric in the terminal (ratatui), refreshed every
+//! second: health and totals, leaf × spine uplink utilization, the busiest ports with
+//! their queues and drop and ECN rates, recent chaos events. `q` (or Esc, Ctrl-C) quits.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use closbox_switchd::control::{self, Event, Reply, Request, Status};
+use closbox_switchd::state::FabricName;
+use ratatui::crossterm::event::{self, Event as TermEvent, KeyCode, KeyModifiers};
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Cell, Paragraph, Row, Table};
+use ratatui::Frame;
+
+use crate::live;
+use crate::plan::approx_bytes;
+
+/// One port between two snapshots.
+#[derive(Clone, Debug)]
+struct PortRate {
+    name: String,
+    class: String,
+    /// Busy share of fabric time between the snapshots (GPU packets and load).
+    util: f64,
+    queue: u64,
+    drops_per_s: f64,
+    ecn_per_s: f64,
+}
+
+/// What the view shows, from two status snapshots.
+struct View {
+    status: Status,
+    ports: Vec<PortRate>,
+    events: Vec<Event>,
+    /// Fabric seconds between the snapshots.
+    span_s: f64,
+}
+
+fn snapshot(fabric: &FabricName) -> anyhow::Result<Status> {
+    match control::request(fabric, &Request::Status)? {
+        Reply::Status(s) => Ok(*s),
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
+fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
+    let span = (now.fabric_time_s - prev.fabric_time_s).max(1e-12);
+    let ports = now
+        .ports
+        .iter()
+        .map(|p| {
+            let before = prev.ports.iter().find(|q| q.port == p.port);
+            let busy = |s: &Status, u: f64| u * s.fabric_time_s;
+            let (util, drops, ecn) = match before {
+                Some(b) => (
+                    (busy(&now, p.utilization) - busy(prev, b.utilization)) / span,
+                    (p.drops_buffer + p.drops_loss + p.drops_link_down + p.load_drops)
+                        .saturating_sub(
+                            b.drops_buffer + b.drops_loss + b.drops_link_down + b.load_drops,
+                        ),
+                    p.ecn_marked.saturating_sub(b.ecn_marked),
+                ),
+                None => (0.0, 0, 0),
+            };
+            PortRate {
+                name: p.port.clone(),
+                class: p.class.clone(),
+                util: util.clamp(0.0, 1.0),
+                queue: p.queue_bytes,
+                drops_per_s: drops as f64 / span,
+                ecn_per_s: ecn as f64 / span,
+            }
+        })
+        .collect();
+    View {
+        status: now,
+        ports,
+        events,
+        span_s: span,
+    }
+}
+
+pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox top")?;
+    let st = live::resolve(fabric)?;
+    let mut prev = snapshot(&st.fabric)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let events = |f: &FabricName| match control::request(f, &Request::Events) {
+        Ok(Reply::Events { events }) => events,
+        _ => Vec::new(),
+    };
+    if once {
+        // One frame as text (for scripts and tests without a terminal).
+        let now = snapshot(&st.fabric)?;
+        let v = view(&prev, now, events(&st.fabric));
+        let backend = ratatui::backend::TestBackend::new(80, 24);
+        let mut term = ratatui::Terminal::new(backend)?;
+        term.draw(|f| draw(f, &v))?;
+        let buf = term.backend().buffer().clone();
+        for y in 0..buf.area.height {
+            let line: String = (0..buf.area.width)
+                .map(|x| buf[(x, y)].symbol().to_owned())
+                .collect();
+            println!("{}", line.trim_end());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut term = ratatui::init();
+    let result = (|| -> anyhow::Result<()> {
+        let mut next = Instant::now();
+        let mut current: Option<View> = None;
+        loop {
+            if Instant::now() >= next {
+                let now = snapshot(&st.fabric)?;
+                let v = view(&prev, now.clone(), events(&st.fabric));
+                prev = now;
+                current = Some(v);
+                next = Instant::now() + Duration::from_secs(1);
+            }
+            if let Some(v) = &current {
+                term.draw(|f| draw(f, v))?;
+            }
+            if event::poll(next.saturating_duration_since(Instant::now()))? {
+                if let TermEvent::Key(k) = event::read()? {
+                    let ctrl_c =
+                        k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL);
+                    if matches!(k.code, KeyCode::Char('q') | KeyCode::Esc) || ctrl_c {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    })();
+    ratatui::restore();
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+fn util_style(u: f64) -> Style {
+    let c = if u >= 0.9 {
+        Color::Red
+    } else if u >= 0.6 {
+        Color::Yellow
+    } else if u >= 0.05 {
+        Color::Green
+    } else {
+        Color::DarkGray
+    };
+    Style::default().fg(c)
+}
+
+fn draw(f: &mut Frame, v: &View) {
+    let s = &v.status;
+    let drops: u64 = s.drops.iter().map(|d| d.1).sum();
+    let header = vec![
+        Line::from(vec![
+            Span::styled(
+                format!("fabric {}", s.fabric),
+                Style::default().add_modifier(Modifier::BOLD),
+            ),
+            Span::raw(format!(
+                "  {} GPUs  time_scale {}  fabric time {:.6} s",
+                s.gpus, s.time_scale, s.fabric_time_s
+            )),
+        ]),
+        Line::from(vec![
+            if s.behind {
+                Span::styled(
+                    "BEHIND",
+                    Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+                )
+            } else {
+                Span::styled("health ok", Style::default().fg(Color::Green))
+            },
+            Span::raw(format!(
+                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}",
+                s.lateness_recent.p99_us,
+                s.packets_in,
+                drops,
+                s.loads.iter().filter(|l| l.active).count(),
+                s.events
+            )),
+        ]),
+    ];
+    let matrix = uplink_matrix(v);
+    let rows = Layout::vertical([
+        Constraint::Length(2),
+        Constraint::Length(matrix.as_ref().map_or(0, |m| m.1 as u16 + 2)),
+        Constraint::Min(5),
+        Constraint::Length(4),
+    ])
+    .split(f.area());
+    f.render_widget(Paragraph::new(header), rows[0]);
+    if let Some((table, _)) = matrix {
+        f.render_widget(table, rows[1]);
+    }
+    // The busiest ports.
+    let mut ports: Vec<&PortRate> = v.ports.iter().collect();
+    ports.sort_by(|a, b| {
+        (b.util, b.drops_per_s, b.queue)
+            .partial_cmp(&(a.util, a.drops_per_s, a.queue))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let height = rows[2].height.saturating_sub(3) as usize;
+    let body: Vec<Row> = ports
+        .iter()
+        .take(height)
+        .map(|p| {
+            Row::new(vec![
+                Cell::from(p.name.clone()),
+                Cell::from(p.class.clone()),
+                Cell::from(format!("{:>5.1}%", p.util * 100.0)).style(util_style(p.util)),
+                Cell::from(format!("{:>9}", approx_bytes(p.queue))),
+                Cell::from(format!("{:>8.0}", p.drops_per_s)),
+                Cell::from(format!("{:>8.0}", p.ecn_per_s)),
+            ])
+        })
+        .collect();
+    let table = Table::new(
+        body,
+        [
+            Constraint::Length(20),
+            Constraint::Length(10),
+            Constraint::Length(7),
+            Constraint::Length(10),
+            Constraint::Length(9),
+            Constraint::Length(9),
+        ],
+    )
+    .header(
+        Row::new(vec![
+            "port",
+            "link",
+            "  busy",
+            "    queue",
+            " drops/s",
+            "   ecn/s",
+        ])
+        .style(Style::default().add_modifier(Modifier::BOLD)),
+    )
+    .block(Block::bordered().title(format!(
+        " busiest ports (last {:.3} ms of fabric time) ",
+        v.span_s * 1e3
+    )));
+    f.render_widget(table, rows[2]);
+    let recent: Vec<Line> = v
+        .events
+        .iter()
+        .rev()
+        .take(2)
+        .map(|e| Line::from(format!("{:.6} s  {}", e.fabric_ns as f64 / 1e9, e.what)))
+        .collect();
+    f.render_widget(
+        Paragraph::new(if recent.is_empty() {
+            vec![Line::from("no changes since up")]
+        } else {
+            recent
+        })
+        .block(Block::bordered().title(" recent events (q quits) ")),
+        rows[3],
+    );
+}
+
+/// Leaf → spine utilization as a matrix (leaves down, spines across), when the fabric
+/// has leaf-spine links; and its row count.
+fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
+    let up: Vec<&PortRate> = v
+        .ports
+        .iter()
+        .filter(|p| p.class == "leaf-spine" && p.name.starts_with("leaf"))
+        .collect();
+    if up.is_empty() {
+        return None;
+    }
+    let mut leaves: Vec<&str> = Vec::new();
+    let mut spines: Vec<&str> = Vec::new();
+    for p in &up {
+        let (a, b) = p.name.split_once("->")?;
+        if !leaves.contains(&a) {
+            leaves.push(a);
+        }
+        if !spines.contains(&b) {
+            spines.push(b);
+        }
+    }
+    // What fits in 80 columns: 8 spines, 6 leaves.
+    spines.truncate(8);
+    leaves.truncate(6);
+    let rows: Vec<Row> = leaves
+        .iter()
+        .map(|l| {
+            let mut cells = vec![Cell::from(format!("{l} up"))];
+            for s in &spines {
+                let u = up
+                    .iter()
+                    .filter(|p| p.name == format!("{l}->{s}"))
+                    .map(|p| p.util)
+                    .fold(0.0, f64::max);
+                cells.push(Cell::from(format!("{:>5.0}%", u * 100.0)).style(util_style(u)));
+            }
+            Row::new(cells)
+        })
+        .collect();
+    let n = rows.len();
+    let mut widths = vec![Constraint::Length(12)];
+    widths.extend(spines.iter().map(|_| Constraint::Length(8)));
+    let mut head = vec![String::new()];
+    head.extend(spines.iter().map(|s| format!("{s:>7}")));
+    let table = Table::new(rows, widths)
+        .header(Row::new(head).style(Style::default().add_modifier(Modifier::BOLD)))
+        .block(Block::bordered().title(" leaf -> spine utilization "));
+    Some((table, n + 1))
+}
