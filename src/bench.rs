@@ -34,6 +34,23 @@ pub struct Target<'a> {
     pub chaos: Option<&'a std::path::Path>,
 }
 
+impl Target<'_> {
+    /// The fabric, the selected GPUs and the chaos timeline (checked) of a job.
+    fn open(
+        &self,
+        what: &str,
+    ) -> anyhow::Result<(State, Vec<usize>, Option<crate::chaos::Timeline>)> {
+        closbox_switchd::require_root(what)?;
+        let st = live::resolve(self.fabric)?;
+        let sel = live::select(&st, self.gpus)?;
+        let timeline = self
+            .chaos
+            .map(|f| crate::chaos::Timeline::load(&st, f))
+            .transpose()?;
+        Ok((st, sel, timeline))
+    }
+}
+
 pub struct BenchArgs<'a> {
     pub target: Target<'a>,
     pub ops: Vec<Op>,
@@ -373,14 +390,7 @@ fn run_agents(
 }
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
-    closbox_switchd::require_root("closbox bench")?;
-    let st = live::resolve(a.target.fabric)?;
-    let sel = live::select(&st, a.target.gpus)?;
-    let timeline = a
-        .target
-        .chaos
-        .map(|f| crate::chaos::Timeline::load(&st, f))
-        .transpose()?;
+    let (st, sel, timeline) = a.target.open("closbox bench")?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     // Validated here, before any agent starts, by the agents' own rules.
     let spec = a
@@ -414,7 +424,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         plural(total, "result"),
         plural(a.ops.len(), "op"),
         plural(spec.sizes.len(), "size"),
-        plural(spec.iters as usize + spec.warmup as usize, "run"),
+        plural(spec.iters + spec.warmup, "run"),
         expected.ceil()
     );
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
@@ -641,14 +651,7 @@ impl Sweep {
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
-    closbox_switchd::require_root("closbox train")?;
-    let st = live::resolve(a.target.fabric)?;
-    let sel = live::select(&st, a.target.gpus)?;
-    let timeline = a
-        .target
-        .chaos
-        .map(|f| crate::chaos::Timeline::load(&st, f))
-        .transpose()?;
+    let (st, sel, timeline) = a.target.open("closbox train")?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);

@@ -13,6 +13,38 @@ use closbox_switchd::state::FabricName;
 
 use crate::live;
 
+/// Copies a daemon's stream (capture, recording) to `out` until the daemon ends it; once
+/// `stop` is set (a signal), asks the daemon to end it by shutting down our side.
+pub fn copy_stream(
+    stream: &mut std::io::BufReader<std::os::unix::net::UnixStream>,
+    out: &mut dyn Write,
+    stop: &std::sync::atomic::AtomicBool,
+) -> std::io::Result<()> {
+    stream
+        .get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_millis(200)))?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut asked = false;
+    loop {
+        if stop.load(Ordering::Relaxed) && !asked {
+            let _ = stream.get_ref().shutdown(std::net::Shutdown::Write);
+            asked = true;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => out.write_all(&buf[..n])?,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Which ports to capture.
 pub struct Selection<'a> {
     pub ports: &'a [String],
@@ -136,30 +168,7 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         }
     );
     // Copy the stream; a signal asks the daemon to end (it then writes the statistics).
-    stream
-        .get_ref()
-        .set_read_timeout(Some(std::time::Duration::from_millis(200)))?;
-    let mut buf = vec![0u8; 1 << 16];
-    let mut asked = false;
-    loop {
-        if stop.load(Ordering::Relaxed) && !asked {
-            let _ = stream.get_ref().shutdown(std::net::Shutdown::Write);
-            asked = true;
-        }
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                out.write_all(&buf[..n])?;
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e).context("reading the capture from the daemon"),
-        }
-    }
+    copy_stream(&mut stream, &mut out, &stop).context("reading the capture from the daemon")?;
     out.flush()?;
     drop(out);
     let size = std::fs::metadata(a.file).map_or(u64::MAX, |m| m.len());

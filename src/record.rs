@@ -2,10 +2,9 @@
 //! fabric-time interval, as CSV; `closbox plot`: draws such a file.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context};
 use closbox_switchd::control::{self, Reply, Request};
@@ -87,29 +86,8 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
-    stream
-        .get_ref()
-        .set_read_timeout(Some(std::time::Duration::from_millis(200)))?;
-    let mut buf = vec![0u8; 1 << 16];
-    let mut asked = false;
-    loop {
-        if stop.load(Ordering::Relaxed) && !asked {
-            let _ = stream.get_ref().shutdown(std::net::Shutdown::Write);
-            asked = true;
-        }
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => out.write_all(&buf[..n])?,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(e).context("reading the recording from the daemon"),
-        }
-    }
+    crate::capture::copy_stream(&mut stream, &mut out, &stop)
+        .context("reading the recording from the daemon")?;
     out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
@@ -232,16 +210,7 @@ pub fn plot(file: &Path, out: &Path, metric: Metric, top: usize) -> anyhow::Resu
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(|e| anyhow::anyhow!("plotting: {e}"))?;
-        let palette = [
-            RGBColor(31, 119, 180),
-            RGBColor(214, 39, 40),
-            RGBColor(44, 160, 44),
-            RGBColor(255, 127, 14),
-            RGBColor(148, 103, 189),
-            RGBColor(140, 86, 75),
-            RGBColor(227, 119, 194),
-            RGBColor(23, 190, 207),
-        ];
+        let palette = crate::render::PALETTE;
         for (i, (port, _)) in ranked.iter().enumerate() {
             let c = palette[i % palette.len()];
             let pts: Vec<(f64, f64)> = rec.series[*port]

@@ -103,6 +103,18 @@ pub fn table_row(r: &Row, p: f64) -> String {
     )
 }
 
+/// Line colours of plots (matplotlib's first eight).
+pub const PALETTE: [plotters::style::RGBColor; 8] = [
+    plotters::style::RGBColor(31, 119, 180),
+    plotters::style::RGBColor(214, 39, 40),
+    plotters::style::RGBColor(44, 160, 44),
+    plotters::style::RGBColor(255, 127, 14),
+    plotters::style::RGBColor(148, 103, 189),
+    plotters::style::RGBColor(140, 86, 75),
+    plotters::style::RGBColor(227, 119, 194),
+    plotters::style::RGBColor(23, 190, 207),
+];
+
 /// busbw against size (log₂ axis): per operation and algorithm, measured (solid, dots)
 /// and predicted (dashed, crosses), with a ceiling (a dotted line: the GPUs' NIC line
 /// rate) and a title. `predicted` is per row, in µs.
@@ -172,16 +184,7 @@ pub fn plot(rows: &[Row], predicted: &[f64], title: &str, ceiling: Option<(f64, 
             .y_label_formatter(&|y| format!("{y}"))
             .light_line_style(WHITE.mix(0.0))
             .draw();
-        let palette = [
-            RGBColor(31, 119, 180),
-            RGBColor(214, 39, 40),
-            RGBColor(44, 160, 44),
-            RGBColor(255, 127, 14),
-            RGBColor(148, 103, 189),
-            RGBColor(140, 86, 75),
-            RGBColor(227, 119, 194),
-            RGBColor(23, 190, 207),
-        ];
+        let palette = PALETTE;
         if let Some((rate, label)) = ceiling {
             let grey = RGBColor(110, 110, 110);
             if let Ok(a) = chart.draw_series(DashedLineSeries::new(

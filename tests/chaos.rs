@@ -15,14 +15,7 @@ fn fabric() -> String {
 }
 
 fn port_tx(f: &TestFabric, port: &str) -> u64 {
-    let out = closbox(&["status", &f.name, "--json", "--ports", port]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0]["ports"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["port"] == port)
-        .map_or(0, |p| p["tx_packets"].as_u64().unwrap())
+    f.port(port)["tx_packets"].as_u64().unwrap()
 }
 
 fn drops(f: &TestFabric, reason: &str) -> u64 {
@@ -240,19 +233,6 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
     f.down();
 }
 
-/// A port's counters from `status --json`.
-fn port(f: &TestFabric, name: &str) -> serde_json::Value {
-    let out = closbox(&["status", &f.name, "--json", "--ports", name]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0]["ports"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["port"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no port {name}"))
-}
-
 #[test]
 fn loads_and_incasts_fill_queues_and_are_counted_apart() {
     let _s = serial();
@@ -334,7 +314,7 @@ buffer = "256KiB"
     assert!(out.status.success(), "{:?}", text(&out));
     assert_eq!(text(&out).0.lines().count(), 3, "{:?}", text(&out));
     std::thread::sleep(Duration::from_millis(200));
-    let p = port(&f, "leaf0->gpu0");
+    let p = f.port("leaf0->gpu0");
     let max_queue = p["max_queue_bytes"].as_u64().unwrap();
     assert!(
         max_queue > 256 * 1024 - 1500 && max_queue <= 256 * 1024,
@@ -661,19 +641,8 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
 /// `mpirun` as rank 0 of `closbox run` (gpu0), its daemons started through `closbox
 /// exec` as in the live tests; `run --timeout` bounds it.
 fn mpirun(f: &TestFabric, limit_s: &str, script_args: &[&str]) -> std::process::Output {
-    let scripts = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts");
-    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_closbox"))
-        .parent()
-        .unwrap()
-        .display()
-        .to_string();
-    let path_env = format!(
-        "PATH={bin_dir}:{}",
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let rsh = format!("{scripts}/closbox-rsh");
-    let script = format!("{scripts}/allreduce_loop_mpi.py");
-    let mut args = vec![
+    let path = common::path_with_closbox();
+    let mut args: Vec<String> = [
         "run",
         "--fabric",
         &f.name,
@@ -683,35 +652,14 @@ fn mpirun(f: &TestFabric, limit_s: &str, script_args: &[&str]) -> std::process::
         limit_s,
         "--",
         "env",
-        &path_env,
-        "mpirun",
-        "--allow-run-as-root",
-        "--host",
-        "gpu0,gpu1,gpu2,gpu3",
-        "-np",
-        "4",
-        "--mca",
-        "plm_rsh_agent",
-        &rsh,
-        "--mca",
-        "pml",
-        "ob1",
-        "--mca",
-        "btl",
-        "tcp,self",
-        "--mca",
-        "btl_tcp_if_include",
-        "cb0",
-        "--mca",
-        "oob_tcp_if_include",
-        "cb0",
-        "--mca",
-        "mpi_yield_when_idle",
-        "1",
-        "/usr/bin/python3",
-        &script,
-    ];
-    args.extend_from_slice(script_args);
+        &path,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(common::mpirun_args("allreduce_loop_mpi.py"));
+    args.extend(script_args.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     closbox(&args)
 }
 

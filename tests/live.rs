@@ -564,48 +564,11 @@ fn mpi_all_reduce_runs_unmodified() {
         return;
     }
     let f = TestFabric::up("lt-mpi", &leaf_spine_4("1Gbit", "5us"));
-    let scripts = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts");
-    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_closbox"))
-        .parent()
-        .unwrap()
-        .display()
-        .to_string();
-    let path = format!("{bin_dir}:{}", std::env::var("PATH").unwrap_or_default());
-    let rsh = format!("{scripts}/closbox-rsh");
-    let script = format!("{scripts}/allreduce_mpi.py");
-    let out = f.exec(
-        "gpu0",
-        &[
-            "env",
-            &format!("PATH={path}"),
-            "mpirun",
-            "--allow-run-as-root",
-            "--host",
-            "gpu0,gpu1,gpu2,gpu3",
-            "-np",
-            "4",
-            "--mca",
-            "plm_rsh_agent",
-            &rsh,
-            "--mca",
-            "pml",
-            "ob1",
-            "--mca",
-            "btl",
-            "tcp,self",
-            "--mca",
-            "btl_tcp_if_include",
-            "cb0",
-            "--mca",
-            "oob_tcp_if_include",
-            "cb0",
-            "--mca",
-            "mpi_yield_when_idle",
-            "1",
-            "/usr/bin/python3",
-            &script,
-        ],
-    );
+    let path = common::path_with_closbox();
+    let mut cmd = vec!["env".to_owned(), path];
+    cmd.extend(common::mpirun_args("allreduce_mpi.py"));
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+    let out = f.exec("gpu0", &cmd);
     let (o, e) = text(&out);
     f.down();
     assert!(out.status.success(), "{o}\n{e}");

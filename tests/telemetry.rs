@@ -20,18 +20,6 @@ latency = "500ns"
 buffer = "256KiB"
 "#;
 
-fn port(f: &TestFabric, name: &str) -> serde_json::Value {
-    let out = closbox(&["status", &f.name, "--json", "--ports", name]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0]["ports"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["port"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no port {name}"))
-}
-
 /// Lines of a tool's output reading `file`.
 fn read_with(tool: &str, args: &[&str]) -> String {
     let out = Command::new(tool).args(args).output().unwrap();
@@ -197,7 +185,7 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     let out = closbox(&["flows", "--fabric", "lt-cap", "--top", "7"]);
     eprintln!("{}", text(&out).0);
 
-    let p = port(&f, "sw0->gpu0");
+    let p = f.port("sw0->gpu0");
     let (tx, dropped) = (
         p["tx_packets"].as_u64().unwrap(),
         p["drops_buffer"].as_u64().unwrap() + p["drops_loss"].as_u64().unwrap(),
@@ -545,5 +533,5 @@ fn flows_show_an_ecmp_collision() {
 }
 
 fn port_bytes(f: &TestFabric, name: &str) -> u64 {
-    port(f, name)["tx_bytes"].as_u64().unwrap()
+    f.port(name)["tx_bytes"].as_u64().unwrap()
 }

@@ -137,6 +137,19 @@ impl TestFabric {
         v[0].clone()
     }
 
+    /// One egress port's counters from `status --json` ("leaf0->spine1").
+    pub fn port(&self, name: &str) -> serde_json::Value {
+        let out = closbox(&["status", &self.name, "--json", "--ports", name]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+        v[0]["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .find(|p| p["port"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no port {name}"))
+    }
+
     /// Takes the fabric down and checks nothing is left.
     pub fn down(mut self) {
         self.down = true;
@@ -204,4 +217,55 @@ pub fn leaf_spine_4(rate: &str, per_link_delay: &str) -> String {
     LEAF_SPINE_4
         .replace("RATE", rate)
         .replace("DELAY", per_link_delay)
+}
+
+/// `mpirun` for Open MPI through closbox: 4 ranks on gpu0..gpu3, remote daemons started
+/// by `tests/scripts/closbox-rsh`, TCP over the GPUs' `cb0`; then `script` and its args.
+pub fn mpirun_args(script: &str) -> Vec<String> {
+    let scripts = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts");
+    let mut a: Vec<String> = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--host",
+        "gpu0,gpu1,gpu2,gpu3",
+        "-np",
+        "4",
+        "--mca",
+        "plm_rsh_agent",
+        &format!("{scripts}/closbox-rsh"),
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "tcp,self",
+        "--mca",
+        "btl_tcp_if_include",
+        "cb0",
+        "--mca",
+        "oob_tcp_if_include",
+        "cb0",
+        "--mca",
+        "mpi_yield_when_idle",
+        "1",
+        "/usr/bin/python3",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.push(format!("{scripts}/{script}"));
+    a
+}
+
+/// PATH with the directory of the closbox under test first (for `closbox-rsh`).
+pub fn path_with_closbox() -> String {
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_closbox"))
+        .parent()
+        .expect("bin dir")
+        .display()
+        .to_string();
+    format!(
+        "PATH={bin_dir}:{}",
+        std::env::var("PATH").unwrap_or_default()
+    )
 }
