@@ -1,7 +1,7 @@
 # closbox: a GPU-cluster network fabric on one Linux box.
 CARGO ?= cargo
 
-.PHONY: all build demo test test-deps bench lint fmt clean
+.PHONY: all build demo test test-deps bench bench-live lint fmt clean
 
 all: build
 
@@ -30,6 +30,12 @@ test-deps:
 # Model throughput (criterion): packet-hops per second on one core.
 bench:
 	$(CARGO) bench -p closbox-fabric --bench model
+
+# Root: closbox against a kernel veth pair and a bare offload TUN relay, same run.
+bench-live:
+	$(CARGO) build --release --workspace
+	$(CARGO) build --release -p closbox-switchd --example tun_relay
+	scripts/bench-live
 
 lint:
 	$(CARGO) fmt --all --check
