@@ -745,17 +745,10 @@ fn a_ring_allreduce_with_a_spine_down_is_correct_and_as_predicted() {
     }
     // configs/default.toml (2 leaves × 4 GPUs, 4 spines, 400G, time_scale 4000), with
     // detection and convergence short enough to wait for (0.4 s and 1 s of wall time).
-    let body =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.toml"))
-            .unwrap();
-    let body = body
-        .split_once("[topology]")
-        .map(|(_, rest)| {
-            format!(
-                "mtu = 9000\ntime_scale = 4000\nfailure_detection = \"100us\"\nroute_convergence = \"250us\"\n[topology]{rest}"
-            )
-        })
-        .unwrap();
+    let body = common::shipped_body(
+        "default.toml",
+        "mtu = 9000\ntime_scale = 4000\nfailure_detection = \"100us\"\nroute_convergence = \"250us\"",
+    );
     let f = TestFabric::up("lt-spine", &body);
     let follow = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args(["events", "--follow", "--json", "--fabric", "lt-spine"])

@@ -449,13 +449,7 @@ fn bench_and_train_through_the_fabric() {
     if !root_or_skip() {
         return;
     }
-    let body =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/default.toml"))
-            .unwrap();
-    let body = body
-        .split_once("[topology]")
-        .map(|(_, rest)| format!("time_scale = 4000\n[topology]{rest}"))
-        .unwrap();
+    let body = common::shipped_body("default.toml", "time_scale = 4000");
     let f = TestFabric::up("lt-bench", &body);
     let out = closbox(&[
         "bench",

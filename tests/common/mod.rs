@@ -269,3 +269,12 @@ pub fn path_with_closbox() -> String {
         std::env::var("PATH").unwrap_or_default()
     )
 }
+
+/// A shipped config's body for `TestFabric::up` (everything after `[fabric]`'s own
+/// settings), with `fabric` lines (e.g. `time_scale = 4000`) in place of the file's.
+pub fn shipped_body(config: &str, fabric: &str) -> String {
+    let text = std::fs::read_to_string(format!("{}/configs/{config}", env!("CARGO_MANIFEST_DIR")))
+        .expect("shipped config");
+    let (_, rest) = text.split_once("[topology]").expect("a [topology] table");
+    format!("{fabric}\n[topology]{rest}")
+}
