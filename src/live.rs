@@ -551,3 +551,110 @@ fn stop_all(ranks: &mut [Rank]) {
         let _ = r.child.wait();
     }
 }
+
+/// `closbox mpirun`.
+pub struct MpirunArgs<'a> {
+    pub fabric: Option<&'a FabricName>,
+    pub gpus: &'a str,
+    pub timeout: Option<Duration>,
+    /// KEY VALUE pairs.
+    pub mca: &'a [String],
+    pub export: &'a [String],
+    pub dry_run: bool,
+    pub cmd: &'a [String],
+}
+
+/// The mpirun line for a job on `st`'s GPUs `sel` (rank i on the i-th).
+fn mpirun_line(st: &State, sel: &[usize], a: &MpirunArgs) -> anyhow::Result<Vec<String>> {
+    let exe = std::env::current_exe().context("locating the closbox binary")?;
+    let hosts: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
+    let mut line: Vec<String> = vec![
+        "mpirun".into(),
+        "--allow-run-as-root".into(),
+        "--host".into(),
+        hosts.join(","),
+        "-np".into(),
+        sel.len().to_string(),
+        // Ranks placed in the order of --gpus, one per GPU.
+        "--map-by".into(),
+        "node".into(),
+    ];
+    let mut mca = |k: &str, v: &str| line.extend(["--mca".into(), k.into(), v.into()]);
+    // closbox starts each remote daemon in its GPU (and ends it with mpirun).
+    mca(
+        "plm_rsh_agent",
+        &format!("{} rsh --fabric {}", exe.display(), st.fabric),
+    );
+    // TCP over the GPUs' fabric interface; no shared memory or RDMA paths around it.
+    mca("pml", "ob1");
+    mca("btl", "tcp,self");
+    mca("btl_tcp_if_include", &st.tun);
+    mca("oob_tcp_if_include", &st.tun);
+    // Ranks share the box's cores with the fabric: they must not spin while they wait.
+    mca("mpi_yield_when_idle", "1");
+    for kv in a.mca.chunks(2) {
+        line.extend(["--mca".into(), kv[0].clone(), kv[1].clone()]);
+    }
+    for x in a.export {
+        line.extend(["-x".into(), x.clone()]);
+    }
+    line.extend(a.cmd.iter().cloned());
+    Ok(line)
+}
+
+/// `closbox mpirun`: mpirun runs in the first selected GPU (as rank 0 of `run`, with its
+/// exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
+pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox mpirun")?;
+    let st = resolve(a.fabric)?;
+    let sel = select(&st, a.gpus)?;
+    let line = mpirun_line(&st, &sel, &a)?;
+    if a.dry_run {
+        let quoted: Vec<String> = line
+            .iter()
+            .map(|w| {
+                if w.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./,=:".contains(c))
+                {
+                    w.clone()
+                } else {
+                    format!("'{}'", w.replace('\'', "'\\''"))
+                }
+            })
+            .collect();
+        println!(
+            "closbox exec --fabric {} {} -- {}",
+            st.fabric,
+            st.gpus[sel[0]].name,
+            quoted.join(" ")
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    if which("mpirun").is_none() {
+        bail!("mpirun not found: install Open MPI (Debian: apt-get install openmpi-bin)");
+    }
+    run(RunArgs {
+        st: &st,
+        sel: &sel[..1],
+        timeout: a.timeout,
+        master_port: 29500,
+        cmd: &line,
+        sink: Some(Arc::new(|_, is_err, line: &str| {
+            if is_err {
+                eprintln!("{line}");
+            } else {
+                println!("{line}");
+            }
+        })),
+        chaos: None,
+    })
+}
+
+/// The path of `program` on PATH.
+fn which(program: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(program))
+            .find(|f| f.is_file())
+    })
+}

@@ -325,6 +325,44 @@ enum Command {
         #[arg(long, short)]
         fabric: Option<FabricName>,
     },
+    /// Run an MPI program (Open MPI) with one rank per selected GPU: the launcher built in
+    /// (closbox starts the remote daemons in their GPUs), TCP over the GPUs' interface, no
+    /// busy-polling; exit status and a failing rank reported like `run`.
+    #[command(
+        after_help = "Examples:\n  closbox mpirun -- /usr/bin/python3 -m mpi4py.bench helloworld\n  closbox mpirun --gpus 0,7 --timeout 60 -- NPmpi -u 4194304\n  closbox mpirun --dry-run -- ./allreduce"
+    )]
+    Mpirun {
+        /// Fabric (default: the only fabric up).
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+        /// GPUs: "all", ranks and ranges ("0-3,6") or names; rank i runs on the i-th.
+        #[arg(long, default_value = "all")]
+        gpus: String,
+        /// Stop the job after this many seconds (exit 124).
+        #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
+        timeout: Option<std::time::Duration>,
+        /// More MCA parameters for mpirun (repeatable): --mca btl_tcp_eager_limit 65536.
+        #[arg(long, num_args = 2, value_names = ["KEY", "VALUE"])]
+        mca: Vec<String>,
+        /// Environment variables for the ranks (repeatable, as mpirun's -x).
+        #[arg(short = 'x', value_name = "VAR[=VALUE]")]
+        export: Vec<String>,
+        /// Print the mpirun command line and run nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// (Internal) the remote-shell agent of `closbox mpirun`: runs CMD in GPU HOST, ended
+    /// with its launcher.
+    #[command(hide = true)]
+    Rsh {
+        #[arg(long, short)]
+        fabric: Option<FabricName>,
+        host: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<String>,
+    },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random link flaps (see the README). Prints events as they happen;
     /// Ctrl-C cancels the rest.
@@ -812,6 +850,33 @@ fn main() -> ExitCode {
             top,
         } => record::plot(&file, &out, metric, top),
         Command::Top { once, fabric } => top::top(fabric.as_ref(), once),
+        Command::Mpirun {
+            fabric,
+            gpus,
+            timeout,
+            mca,
+            export,
+            dry_run,
+            cmd,
+        } => live::mpirun(live::MpirunArgs {
+            fabric: fabric.as_ref(),
+            gpus: &gpus,
+            timeout,
+            mca: &mca,
+            export: &export,
+            dry_run,
+            cmd: &cmd,
+        }),
+        Command::Rsh { fabric, host, cmd } => {
+            // The remote command arrives as words of one shell line (as ssh would run it).
+            let line = format!("exec {}", cmd.join(" "));
+            live::exec(
+                fabric.as_ref(),
+                &host,
+                &["sh".to_owned(), "-c".to_owned(), line],
+                true,
+            )
+        }
         Command::Chaos {
             file,
             dry_run,

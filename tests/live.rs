@@ -549,8 +549,9 @@ fn bench_and_train_through_the_fabric() {
     f.down();
 }
 
-/// Unmodified Open MPI + mpi4py: mpirun inside GPU 0 starts its remote daemons through
-/// `closbox exec` (tests/scripts/closbox-rsh as plm_rsh_agent).
+/// Unmodified Open MPI + mpi4py through a hand-written mpirun line: mpirun inside GPU 0
+/// starts its remote daemons through `closbox exec` (tests/scripts/closbox-rsh as
+/// plm_rsh_agent), as a user without `closbox mpirun` would.
 #[test]
 fn mpi_all_reduce_runs_unmodified() {
     let _s = serial();
@@ -564,7 +565,6 @@ fn mpi_all_reduce_runs_unmodified() {
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
     let out = f.exec("gpu0", &cmd);
     let (o, e) = text(&out);
-    f.down();
     assert!(out.status.success(), "{o}\n{e}");
     for r in 0..4 {
         assert!(
@@ -572,4 +572,78 @@ fn mpi_all_reduce_runs_unmodified() {
             "rank {r} missing:\n{o}\n{e}"
         );
     }
+
+    // `closbox mpirun`: the same without a line or a script, and mpi4py's own bundled
+    // programs (written by others), checked by what they print.
+    let mpirun = |gpus: &str, prog: &[&str]| {
+        let mut a = vec![
+            "mpirun",
+            "--fabric",
+            "lt-mpi",
+            "--gpus",
+            gpus,
+            "--timeout",
+            "120",
+            "--",
+        ];
+        a.extend_from_slice(prog);
+        closbox(&a)
+    };
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/allreduce_mpi.py"
+    );
+    let out = mpirun("all", &["/usr/bin/python3", script]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..4 {
+        assert!(o.contains(&format!("rank {r}/4 on gpu{r}: ok")), "{o}\n{e}");
+    }
+    let out = mpirun(
+        "3,1",
+        &["/usr/bin/python3", "-m", "mpi4py.bench", "helloworld"],
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    assert!(
+        o.contains("Hello, World! I am process 0 of 2 on gpu3."),
+        "{o}\n{e}"
+    );
+    assert!(
+        o.contains("Hello, World! I am process 1 of 2 on gpu1."),
+        "{o}\n{e}"
+    );
+    let out = mpirun(
+        "all",
+        &[
+            "/usr/bin/python3",
+            "-m",
+            "mpi4py.bench",
+            "ringtest",
+            "-n",
+            "1024",
+            "-l",
+            "20",
+        ],
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    assert!(
+        o.contains("time for 20 loops = ") && o.contains("(4 processes, 1024 bytes)"),
+        "{o}\n{e}"
+    );
+    // A failing program: its exit status, the failing rank named.
+    let out = mpirun(
+        "all",
+        &["/usr/bin/python3", "-c", "import sys; sys.exit(3)"],
+    );
+    assert!(!out.status.success(), "{:?}", text(&out));
+    let out = closbox(&["mpirun", "--fabric", "lt-mpi", "--dry-run", "--", "./a.out"]);
+    let (o, _) = text(&out);
+    assert!(
+        o.contains("plm_rsh_agent") && o.contains("rsh --fabric lt-mpi"),
+        "{o}"
+    );
+    assert!(o.contains("--host gpu0,gpu1,gpu2,gpu3 -np 4"), "{o}");
+    f.down();
 }
