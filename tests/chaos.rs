@@ -638,28 +638,23 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
     f.down();
 }
 
-/// `mpirun` as rank 0 of `closbox run` (gpu0), its daemons started through `closbox
-/// exec` as in the live tests; `run --timeout` bounds it.
+/// An Open MPI job through `closbox mpirun`, bounded by its `--timeout`.
 fn mpirun(f: &TestFabric, limit_s: &str, script_args: &[&str]) -> std::process::Output {
-    let path = common::path_with_closbox();
-    let mut args: Vec<String> = [
-        "run",
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/allreduce_loop_mpi.py"
+    );
+    let mut args = vec![
+        "mpirun",
         "--fabric",
         &f.name,
-        "--gpus",
-        "0",
         "--timeout",
         limit_s,
         "--",
-        "env",
-        &path,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(common::mpirun_args("allreduce_loop_mpi.py"));
-    args.extend(script_args.iter().map(|s| s.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        "/usr/bin/python3",
+        script,
+    ];
+    args.extend_from_slice(script_args);
     closbox(&args)
 }
 
@@ -715,14 +710,14 @@ fn an_mpi_job_under_a_partition_is_ended_by_its_timeout_and_runs_after_heal() {
         o.lines().rev().take(8).collect::<Vec<_>>().join("\n")
     );
     // Open MPI's TCP transport does not give up on a silent peer by itself: the job
-    // hangs until `run --timeout` ends it (exit 124), or fails if it notices.
+    // hangs until `mpirun --timeout` ends it (exit 124), or fails if it notices.
     assert!(!job.status.success(), "{o}\n{e}");
     assert!(
         o.contains("all-reduces"),
         "it ran before the partition: {o}\n{e}"
     );
-    // Nothing of it is left in any GPU: `run` stopped mpirun's group, `exec` passed the
-    // signal on to the remote daemons, and those stopped their ranks.
+    // Nothing of it is left in any GPU: `mpirun --timeout` stopped mpirun's group, and
+    // the remote daemons (started by `closbox rsh`, ended with mpirun) their ranks.
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(gpu_processes(&f), Vec::<String>::new());
     assert!(closbox(&["heal", "--fabric", "lt-mpipart"])
