@@ -169,83 +169,64 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                         let (state, ctl, wake) = &*shared;
                         let request = read_request(&conn);
                         tracing::debug!("control: {request:?}");
-                        if let Ok(Request::Capture {
-                            ports,
-                            snaplen,
-                            drops,
-                            count,
-                            duration_ns,
-                        }) = request
-                        {
-                            let (tx, rx) = mpsc::sync_channel(CAPTURE_QUEUE);
-                            let spec = CaptureSpec {
-                                ports: ports.clone(),
+                        match request {
+                            Ok(Request::Capture {
+                                ports,
                                 snaplen,
                                 drops,
                                 count,
                                 duration_ns,
-                                tx,
-                            };
-                            match ask(ctl, wake, |reply| Ctl::Capture(spec, reply)).and_then(|r| r)
-                            {
-                                Ok(start) => {
-                                    let _ = reply(
-                                        &mut conn,
-                                        &Reply::Capturing {
-                                            ports: ports.clone(),
-                                        },
-                                    );
-                                    let r = stream_capture(&mut conn, &ports, snaplen, &start, rx);
-                                    if let Err(e) = r {
-                                        tracing::debug!("capture {}: {e}", start.id);
-                                    }
-                                    let _ = ctl
-                                        .lock()
-                                        .expect("control lock")
-                                        .send(Ctl::EndCapture(start.id));
-                                    wake.notify();
-                                }
-                                Err(e) => {
-                                    let _ = reply(&mut conn, &Reply::error(e));
-                                }
+                            }) => {
+                                let (tx, rx) = mpsc::sync_channel(CAPTURE_QUEUE);
+                                let spec = CaptureSpec {
+                                    ports: ports.clone(),
+                                    snaplen,
+                                    drops,
+                                    count,
+                                    duration_ns,
+                                    tx,
+                                };
+                                serve_stream(
+                                    &mut conn,
+                                    ctl,
+                                    wake,
+                                    |r| Ctl::Capture(spec, r),
+                                    Reply::Capturing {
+                                        ports: ports.clone(),
+                                    },
+                                    |c, start| stream_capture(c, &ports, snaplen, start, rx),
+                                    |start| Ctl::EndCapture(start.id),
+                                );
+                                clients.fetch_sub(1, Ordering::AcqRel);
+                                return;
                             }
-                            clients.fetch_sub(1, Ordering::AcqRel);
-                            return;
-                        }
-                        if let Ok(Request::Record {
-                            ports,
-                            interval_ns,
-                            duration_ns,
-                        }) = request
-                        {
-                            let (tx, rx) = mpsc::sync_channel(RECORD_QUEUE);
-                            let spec = RecordSpec {
-                                ports: ports.clone(),
+                            Ok(Request::Record {
+                                ports,
                                 interval_ns,
                                 duration_ns,
-                                tx,
-                            };
-                            match ask(ctl, wake, |reply| Ctl::Record(spec, reply)).and_then(|r| r) {
-                                Ok(id) => {
-                                    let _ = reply(
-                                        &mut conn,
-                                        &Reply::Recording {
-                                            ports: ports.clone(),
-                                        },
-                                    );
-                                    if let Err(e) = stream_record(&mut conn, &ports, rx) {
-                                        tracing::debug!("recording {id}: {e}");
-                                    }
-                                    let _ =
-                                        ctl.lock().expect("control lock").send(Ctl::EndRecord(id));
-                                    wake.notify();
-                                }
-                                Err(e) => {
-                                    let _ = reply(&mut conn, &Reply::error(e));
-                                }
+                            }) => {
+                                let (tx, rx) = mpsc::sync_channel(RECORD_QUEUE);
+                                let spec = RecordSpec {
+                                    ports: ports.clone(),
+                                    interval_ns,
+                                    duration_ns,
+                                    tx,
+                                };
+                                serve_stream(
+                                    &mut conn,
+                                    ctl,
+                                    wake,
+                                    |r| Ctl::Record(spec, r),
+                                    Reply::Recording {
+                                        ports: ports.clone(),
+                                    },
+                                    |c, _| stream_record(c, &ports, rx),
+                                    |id| Ctl::EndRecord(*id),
+                                );
+                                clients.fetch_sub(1, Ordering::AcqRel);
+                                return;
                             }
-                            clients.fetch_sub(1, Ordering::AcqRel);
-                            return;
+                            _ => {}
                         }
                         let answer = match request {
                             Ok(Request::Status) => status(state, ctl, wake),
@@ -288,6 +269,32 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
             }
         })?;
     Ok(())
+}
+
+/// A streaming request: asks the data plane to `start` it, answers with `header` (or
+/// the error), streams until the stream ends, then tells the data plane to `end` it.
+fn serve_stream<S>(
+    conn: &mut UnixStream,
+    ctl: &Mutex<Sender<Ctl>>,
+    wake: &EventFd,
+    start: impl FnOnce(Sender<Result<S, String>>) -> Ctl,
+    header: Reply,
+    stream: impl FnOnce(&mut UnixStream, &S) -> std::io::Result<()>,
+    end: impl FnOnce(&S) -> Ctl,
+) {
+    match ask(ctl, wake, start).and_then(|r| r) {
+        Ok(started) => {
+            let _ = reply(conn, &header);
+            if let Err(e) = stream(conn, &started) {
+                tracing::debug!("control: a stream ended: {e}");
+            }
+            let _ = ctl.lock().expect("control lock").send(end(&started));
+            wake.notify();
+        }
+        Err(e) => {
+            let _ = reply(conn, &Reply::error(e));
+        }
+    }
 }
 
 /// Tapped packets a capture's connection may lag behind by before they are counted as
