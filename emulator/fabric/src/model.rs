@@ -257,9 +257,36 @@ pub struct FlowCounters {
     pub last: Instant,
 }
 
+/// Hashes the flow map's keys as they are: they are already mixed 64-bit hashes of the
+/// 5-tuple, and the map is looked up for every packet a GPU sends.
+#[derive(Default)]
+struct MixedKey(u64);
+
+impl std::hash::Hasher for MixedKey {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = mix(self.0 ^ b as u64);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type FlowMap = std::collections::HashMap<
+    u64,
+    (FlowKey, FlowCounters),
+    std::hash::BuildHasherDefault<MixedKey>,
+>;
+
 /// Per-flow counters, keyed by the flow's (unseeded) 5-tuple hash.
 struct Flows {
-    map: std::collections::HashMap<u64, (FlowKey, FlowCounters)>,
+    map: FlowMap,
     max: usize,
     /// Packets of flows beyond `max`.
     untracked: u64,
@@ -509,7 +536,7 @@ impl Fabric {
     pub fn enable_flows(&mut self, max: usize) {
         self.flows.get_or_insert_with(|| {
             Box::new(Flows {
-                map: std::collections::HashMap::new(),
+                map: FlowMap::default(),
                 max,
                 untracked: 0,
             })
