@@ -199,13 +199,129 @@ pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
 
 /// Environment every command run as a GPU gets.
 fn gpu_env(st: &State, g: &GpuState) -> Vec<(String, String)> {
-    vec![
+    let mut env = vec![
         ("CLOSBOX_FABRIC".into(), st.fabric.to_string()),
         ("CLOSBOX_GPU".into(), g.name.clone()),
         ("CLOSBOX_TIME_SCALE".into(), st.time_scale.to_string()),
         ("GLOO_SOCKET_IFNAME".into(), st.tun.clone()),
         ("NCCL_SOCKET_IFNAME".into(), st.tun.clone()),
+    ];
+    env.extend(fabric_clock_env(st));
+    env
+}
+
+/// The library that gives programs fabric-time clocks (`--fabric-clock`): named by
+/// `CLOSBOX_CLOCK_LIB`, or beside the closbox binary (as cargo builds them), or in
+/// `../lib/closbox/` from it (as installed).
+pub fn clock_lib() -> anyhow::Result<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("CLOSBOX_CLOCK_LIB") {
+        let p = std::path::PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        bail!("CLOSBOX_CLOCK_LIB={}: no such file", p.display());
+    }
+    let exe = std::env::current_exe().context("locating the closbox binary")?;
+    let dir = exe.parent().context("the closbox binary's directory")?;
+    for p in [
+        dir.join("libclosbox_clock.so"),
+        dir.join("../lib/closbox/libclosbox_clock.so"),
+    ] {
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "--fabric-clock: libclosbox_clock.so is not beside {} (build it with `make build`, i.e. cargo build --release --workspace, or name it with CLOSBOX_CLOCK_LIB)",
+        exe.display()
+    )
+}
+
+/// Turns fabric-time clocks on for the GPU commands this process starts (`--fabric-clock`):
+/// one anchor for all of them, so that their clocks agree. Kept if a dilated parent (e.g.
+/// mpirun starting `closbox rsh`) already set one. Does nothing on a real-time fabric.
+pub fn enable_fabric_clock(st: &State) -> anyhow::Result<()> {
+    if st.time_scale.get() <= 1.0 {
+        return Ok(());
+    }
+    let lib = clock_lib()?;
+    if std::env::var("CLOSBOX_CLOCK")
+        .ok()
+        .and_then(|v| clock_anchor(&v))
+        .is_none()
+    {
+        let (mono, real) = sys::clock_anchor_ns();
+        std::env::set_var("CLOSBOX_CLOCK", format!("1 {mono} {real}"));
+    }
+    std::env::set_var("CLOSBOX_CLOCK_LIB", lib);
+    Ok(())
+}
+
+/// The anchor (monotonic and realtime ns) in a `CLOSBOX_CLOCK` value "K MONO REAL".
+fn clock_anchor(v: &str) -> Option<(i128, i128)> {
+    let w: Vec<&str> = v.split_whitespace().collect();
+    match w[..] {
+        [_, m, r] => Some((m.parse().ok()?, r.parse().ok()?)),
+        _ => None,
+    }
+}
+
+/// `LD_PRELOAD` and `CLOSBOX_CLOCK` for a GPU command, when fabric clocks are on (this
+/// process has an anchor) and the fabric is dilated.
+fn fabric_clock_env(st: &State) -> Vec<(String, String)> {
+    let anchor = std::env::var("CLOSBOX_CLOCK")
+        .ok()
+        .and_then(|v| clock_anchor(&v));
+    let (Some((mono, real)), true) = (anchor, st.time_scale.get() > 1.0) else {
+        return Vec::new();
+    };
+    let Ok(lib) = clock_lib() else {
+        return Vec::new();
+    };
+    let mut preload = lib.display().to_string();
+    if let Ok(other) = std::env::var("LD_PRELOAD") {
+        if !other.is_empty() {
+            preload = format!("{preload}:{other}");
+        }
+    }
+    vec![
+        ("LD_PRELOAD".into(), preload),
+        (
+            "CLOSBOX_CLOCK".into(),
+            format!("{} {mono} {real}", st.time_scale.get()),
+        ),
     ]
+}
+
+/// closbox itself never runs on a fabric clock: started by a dilated program (mpirun's
+/// `closbox rsh`), it drops the library from `LD_PRELOAD` and starts again, keeping
+/// `CLOSBOX_CLOCK` so that the commands it starts in GPUs are dilated like their parent.
+pub fn undilate_self() {
+    use std::os::unix::process::CommandExt;
+    let Some(preload) = std::env::var_os("LD_PRELOAD") else {
+        return;
+    };
+    let preload = preload.to_string_lossy().into_owned();
+    if !preload.contains("libclosbox_clock") {
+        return;
+    }
+    let rest: Vec<&str> = preload
+        .split([':', ' '])
+        .filter(|p| !p.is_empty() && !p.contains("libclosbox_clock"))
+        .collect();
+    let mut cmd = Command::new("/proc/self/exe");
+    cmd.args(std::env::args_os().skip(1));
+    if let Some(a0) = std::env::args_os().next() {
+        cmd.arg0(a0);
+    }
+    if rest.is_empty() {
+        cmd.env_remove("LD_PRELOAD");
+    } else {
+        cmd.env("LD_PRELOAD", rest.join(":"));
+    }
+    let e = cmd.exec();
+    eprintln!("closbox: cannot restart without the fabric clock: {e}");
+    std::process::exit(1);
 }
 
 fn spawn_error(e: std::io::Error, program: &str) -> anyhow::Error {
@@ -230,10 +346,14 @@ pub fn exec(
     gpu: &str,
     cmd: &[String],
     die_with_parent: bool,
+    fabric_clock: bool,
 ) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox exec")?;
 
     let st = resolve(fabric)?;
+    if fabric_clock {
+        enable_fabric_clock(&st)?;
+    }
     let (_, g) = st.gpu(gpu)?;
     let mut enter = netns::open_gpu(&st, g)?;
     // From a terminal, the command stays in the terminal's foreground group (Ctrl-C and
@@ -552,63 +672,186 @@ fn stop_all(ranks: &mut [Rank]) {
     }
 }
 
+/// Which MPI's launcher `closbox mpirun` drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpiImpl {
+    /// Open MPI (`mpirun.openmpi`, Debian `openmpi-bin`).
+    Openmpi,
+    /// MPICH with its hydra launcher (`mpiexec.hydra`, Debian `mpich`).
+    Mpich,
+}
+
+impl MpiImpl {
+    /// The launcher's program: the implementation's own name for it first (Debian installs
+    /// both side by side behind one `mpirun` alternative), the generic one otherwise.
+    fn launcher(self) -> anyhow::Result<String> {
+        let (own, generic, package) = match self {
+            MpiImpl::Openmpi => ("mpirun.openmpi", "mpirun", "openmpi-bin"),
+            MpiImpl::Mpich => ("mpiexec.hydra", "mpiexec", "mpich"),
+        };
+        if which(own).is_some() {
+            return Ok(own.into());
+        }
+        // The generic name is used only if it is that implementation's.
+        let generic_is_it = which(generic).is_some_and(|p| {
+            let target = std::fs::canonicalize(&p).unwrap_or(p);
+            let t = target.to_string_lossy();
+            match self {
+                MpiImpl::Openmpi => t.contains("openmpi") || t.ends_with("orterun"),
+                MpiImpl::Mpich => t.contains("hydra") || t.contains("mpich"),
+            }
+        });
+        if generic_is_it {
+            return Ok(generic.into());
+        }
+        bail!(
+            "{own} not found: install {} (Debian: apt-get install {package})",
+            match self {
+                MpiImpl::Openmpi => "Open MPI",
+                MpiImpl::Mpich => "MPICH",
+            }
+        )
+    }
+
+    /// The implementation to use when none is named: Open MPI if it is installed, MPICH
+    /// otherwise, Open MPI (and its install hint) if neither is.
+    fn detect() -> MpiImpl {
+        if MpiImpl::Openmpi.launcher().is_ok() || MpiImpl::Mpich.launcher().is_err() {
+            MpiImpl::Openmpi
+        } else {
+            MpiImpl::Mpich
+        }
+    }
+}
+
 /// `closbox mpirun`.
 pub struct MpirunArgs<'a> {
     pub fabric: Option<&'a FabricName>,
     pub gpus: &'a str,
     pub timeout: Option<Duration>,
-    /// KEY VALUE pairs.
+    /// None: detected (`MpiImpl::detect`).
+    pub implementation: Option<MpiImpl>,
+    /// KEY VALUE pairs (Open MPI only).
     pub mca: &'a [String],
     pub export: &'a [String],
     pub dry_run: bool,
+    pub fabric_clock: bool,
     pub cmd: &'a [String],
 }
 
-/// The mpirun line for a job on `st`'s GPUs `sel` (rank i on the i-th).
-fn mpirun_line(st: &State, sel: &[usize], a: &MpirunArgs) -> anyhow::Result<Vec<String>> {
+/// The launcher line for a job on `st`'s GPUs `sel` (rank i on the i-th), run in the first
+/// selected GPU.
+fn mpirun_line(
+    st: &State,
+    sel: &[usize],
+    a: &MpirunArgs,
+    imp: MpiImpl,
+    launcher: String,
+) -> anyhow::Result<Vec<String>> {
     let exe = std::env::current_exe().context("locating the closbox binary")?;
     let hosts: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
-    let mut line: Vec<String> = vec![
-        "mpirun".into(),
-        "--allow-run-as-root".into(),
-        "--host".into(),
-        hosts.join(","),
-        "-np".into(),
-        sel.len().to_string(),
-        // Ranks placed in the order of --gpus, one per GPU.
-        "--map-by".into(),
-        "node".into(),
-    ];
-    let mut mca = |k: &str, v: &str| line.extend(["--mca".into(), k.into(), v.into()]);
-    // closbox starts each remote daemon in its GPU (and ends it with mpirun).
-    mca(
-        "plm_rsh_agent",
-        &format!("{} rsh --fabric {}", exe.display(), st.fabric),
-    );
-    // TCP over the GPUs' fabric interface; no shared memory or RDMA paths around it.
-    mca("pml", "ob1");
-    mca("btl", "tcp,self");
-    mca("btl_tcp_if_include", &st.tun);
-    mca("oob_tcp_if_include", &st.tun);
-    // Ranks share the box's cores with the fabric: they must not spin while they wait.
-    mca("mpi_yield_when_idle", "1");
-    for kv in a.mca.chunks(2) {
-        line.extend(["--mca".into(), kv[0].clone(), kv[1].clone()]);
+    match imp {
+        MpiImpl::Openmpi => {
+            let mut line: Vec<String> = vec![
+                launcher,
+                "--allow-run-as-root".into(),
+                "--host".into(),
+                hosts.join(","),
+                "-np".into(),
+                sel.len().to_string(),
+                // Ranks placed in the order of --gpus, one per GPU.
+                "--map-by".into(),
+                "node".into(),
+            ];
+            let mut mca = |k: &str, v: &str| line.extend(["--mca".into(), k.into(), v.into()]);
+            // closbox starts each remote daemon in its GPU (and ends it with mpirun).
+            mca(
+                "plm_rsh_agent",
+                &format!("{} rsh --fabric {}", exe.display(), st.fabric),
+            );
+            // TCP over the GPUs' fabric interface; no shared memory or RDMA paths around it.
+            mca("pml", "ob1");
+            mca("btl", "tcp,self");
+            mca("btl_tcp_if_include", &st.tun);
+            mca("oob_tcp_if_include", &st.tun);
+            // Ranks share the box's cores with the fabric: they must not spin while they wait.
+            mca("mpi_yield_when_idle", "1");
+            for kv in a.mca.chunks(2) {
+                line.extend(["--mca".into(), kv[0].clone(), kv[1].clone()]);
+            }
+            for x in a.export {
+                line.extend(["-x".into(), x.clone()]);
+            }
+            line.extend(a.cmd.iter().cloned());
+            Ok(line)
+        }
+        MpiImpl::Mpich => {
+            if !a.mca.is_empty() {
+                bail!("--mca is for Open MPI; MPICH takes its settings as environment variables (-x MPIR_CVAR_...=...)");
+            }
+            // hydra runs `EXE $HYDRA_LAUNCHER_EXTRA_ARGS HOST PROXY...` for each host: the
+            // extra words make that `closbox rsh --fabric F HOST PROXY...` (a fabric name
+            // has no spaces).
+            let mut line: Vec<String> = vec![
+                "env".into(),
+                format!("HYDRA_LAUNCHER_EXTRA_ARGS=rsh --fabric {}", st.fabric),
+                launcher,
+                "-launcher".into(),
+                "rsh".into(),
+                "-launcher-exec".into(),
+                exe.display().to_string(),
+                "-iface".into(),
+                st.tun.clone(),
+                "-hosts".into(),
+                hosts.join(","),
+                "-n".into(),
+                sel.len().to_string(),
+                "-ppn".into(),
+                "1".into(),
+            ];
+            let genv = |line: &mut Vec<String>, k: &str, v: &str| {
+                line.extend(["-genv".into(), k.into(), v.into()])
+            };
+            // Debian's MPICH is ch4:ucx: UCX over TCP on the fabric interface only (its
+            // shared-memory transports would reach the other GPUs' memory directly), and
+            // no rank counted local to another.
+            genv(&mut line, "UCX_TLS", "tcp,self");
+            genv(&mut line, "UCX_NET_DEVICES", &st.tun);
+            genv(&mut line, "MPIR_CVAR_NOLOCAL", "1");
+            // Yield the core at every poll of a busy wait (the default: every 1000).
+            genv(&mut line, "MPIR_CVAR_POLLS_BEFORE_YIELD", "1");
+            for x in a.export {
+                match x.split_once('=') {
+                    Some((k, v)) => genv(&mut line, k, v),
+                    None => line.extend(["-genvlist".into(), x.clone()]),
+                }
+            }
+            line.extend(a.cmd.iter().cloned());
+            Ok(line)
+        }
     }
-    for x in a.export {
-        line.extend(["-x".into(), x.clone()]);
-    }
-    line.extend(a.cmd.iter().cloned());
-    Ok(line)
 }
 
-/// `closbox mpirun`: mpirun runs in the first selected GPU (as rank 0 of `run`, with its
-/// exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
+/// `closbox mpirun`: the launcher runs in the first selected GPU (as rank 0 of `run`, with
+/// its exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
 pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox mpirun")?;
     let st = resolve(a.fabric)?;
     let sel = select(&st, a.gpus)?;
-    let line = mpirun_line(&st, &sel, &a)?;
+    let imp = a.implementation.unwrap_or_else(MpiImpl::detect);
+    let launcher = match imp.launcher() {
+        Ok(l) => l,
+        // A dry run shows the line even where the MPI is not installed.
+        Err(_) if a.dry_run => match imp {
+            MpiImpl::Openmpi => "mpirun".into(),
+            MpiImpl::Mpich => "mpiexec.hydra".into(),
+        },
+        Err(e) => return Err(e),
+    };
+    let line = mpirun_line(&st, &sel, &a, imp, launcher)?;
+    if a.fabric_clock {
+        enable_fabric_clock(&st)?;
+    }
     if a.dry_run {
         let quoted: Vec<String> = line
             .iter()
@@ -629,9 +872,6 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
             quoted.join(" ")
         );
         return Ok(ExitCode::SUCCESS);
-    }
-    if which("mpirun").is_none() {
-        bail!("mpirun not found: install Open MPI (Debian: apt-get install openmpi-bin)");
     }
     run(RunArgs {
         st: &st,

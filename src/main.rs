@@ -83,6 +83,10 @@ enum Command {
         /// nothing running in the GPUs.
         #[arg(long)]
         die_with_parent: bool,
+        /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        #[arg(long)]
+        fabric_clock: bool,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -325,11 +329,11 @@ enum Command {
         #[arg(long, short)]
         fabric: Option<FabricName>,
     },
-    /// Run an MPI program (Open MPI) with one rank per selected GPU: the launcher built in
-    /// (closbox starts the remote daemons in their GPUs), TCP over the GPUs' interface, no
-    /// busy-polling; exit status and a failing rank reported like `run`.
+    /// Run an MPI program (Open MPI or MPICH) with one rank per selected GPU: the launcher
+    /// built in (closbox starts the remote daemons in their GPUs), TCP over the GPUs'
+    /// interface, no busy-polling; exit status and a failing rank reported like `run`.
     #[command(
-        after_help = "Examples:\n  closbox mpirun -- /usr/bin/python3 -m mpi4py.bench helloworld\n  closbox mpirun --gpus 0,7 --timeout 60 -- NPmpi -u 4194304\n  closbox mpirun --dry-run -- ./allreduce"
+        after_help = "Examples:\n  closbox mpirun -- /usr/bin/python3 -m mpi4py.bench helloworld\n  closbox mpirun --gpus 0,15 --timeout 120 -- NPopenmpi -u 4194304\n  closbox mpirun --impl mpich --gpus 0,15 -- NPmpich2 -u 4194304\n  closbox mpirun --dry-run -- ./allreduce"
     )]
     Mpirun {
         /// Fabric (default: the only fabric up).
@@ -341,15 +345,24 @@ enum Command {
         /// Stop the job after this many seconds (exit 124).
         #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
-        /// More MCA parameters for mpirun (repeatable): --mca btl_tcp_eager_limit 65536.
+        /// The MPI whose launcher to use (default: Open MPI if installed, else MPICH).
+        #[arg(long = "impl", value_name = "IMPL")]
+        implementation: Option<live::MpiImpl>,
+        /// More MCA parameters for Open MPI's mpirun (repeatable): --mca btl_tcp_eager_limit
+        /// 65536.
         #[arg(long, num_args = 2, value_names = ["KEY", "VALUE"])]
         mca: Vec<String>,
         /// Environment variables for the ranks (repeatable, as mpirun's -x).
         #[arg(short = 'x', value_name = "VAR[=VALUE]")]
         export: Vec<String>,
-        /// Print the mpirun command line and run nothing.
+        /// Print the launcher's command line and run nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        #[arg(long)]
+        fabric_clock: bool,
+
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -404,6 +417,10 @@ enum Command {
         /// start; what is still pending when the job ends is cancelled.
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
+        /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        #[arg(long)]
+        fabric_clock: bool,
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
@@ -656,6 +673,7 @@ fn parse_radix(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    live::undilate_self();
     closbox_switchd::sys::default_sigpipe();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -854,17 +872,21 @@ fn main() -> ExitCode {
             fabric,
             gpus,
             timeout,
+            implementation,
             mca,
             export,
             dry_run,
+            fabric_clock,
             cmd,
         } => live::mpirun(live::MpirunArgs {
             fabric: fabric.as_ref(),
             gpus: &gpus,
             timeout,
+            implementation,
             mca: &mca,
             export: &export,
             dry_run,
+            fabric_clock,
             cmd: &cmd,
         }),
         Command::Rsh { fabric, host, cmd } => {
@@ -875,6 +897,7 @@ fn main() -> ExitCode {
                 &host,
                 &["sh".to_owned(), "-c".to_owned(), line],
                 true,
+                false,
             )
         }
         Command::Chaos {
@@ -890,8 +913,9 @@ fn main() -> ExitCode {
             gpu,
             fabric,
             die_with_parent,
+            fabric_clock,
             cmd,
-        } => live::exec(fabric.as_ref(), &gpu, &cmd, die_with_parent),
+        } => live::exec(fabric.as_ref(), &gpu, &cmd, die_with_parent, fabric_clock),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)
         }
@@ -938,11 +962,15 @@ fn main() -> ExitCode {
             timeout,
             master_port,
             chaos,
+            fabric_clock,
             cmd,
         } => (|| {
             closbox_switchd::require_root("closbox run")?;
             let st = live::resolve(fabric.as_ref())?;
             let sel = live::select(&st, &gpus)?;
+            if fabric_clock {
+                live::enable_fabric_clock(&st)?;
+            }
             let timeline = chaos
                 .as_deref()
                 .map(|f| chaos::Timeline::load(&st, f))

@@ -470,3 +470,14 @@ impl Pidfd {
         }
     }
 }
+
+/// `CLOCK_MONOTONIC` and `CLOCK_REALTIME` now, in ns: the anchor of a fabric clock
+/// (`closbox-clock`).
+pub fn clock_anchor_ns() -> (i128, i128) {
+    use rustix::time::{clock_gettime, ClockId};
+    let ns = |t: rustix::time::Timespec| t.tv_sec as i128 * 1_000_000_000 + t.tv_nsec as i128;
+    (
+        ns(clock_gettime(ClockId::Monotonic)),
+        ns(clock_gettime(ClockId::Realtime)),
+    )
+}
