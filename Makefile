@@ -21,7 +21,7 @@ demo: build
 
 # Every test: unit, virtual-clock model tests, CLI tests and, as root, live fabrics running
 # real programs. Installs those programs first if they are missing (scripts/test-deps).
-test: test-deps
+test: test-deps build
 	$(CARGO) test --workspace --release
 
 test-deps:

@@ -80,10 +80,12 @@ pub fn leftovers(name: &str) -> Vec<String> {
     left
 }
 
+/// A live fabric for a test: `closbox::Fabric` (the crate's fixture) driving the binary
+/// under test, with the checks a test wants (nothing left behind, failures as panics).
 pub struct TestFabric {
     pub name: String,
     pub config: PathBuf,
-    down: bool,
+    fabric: Option<closbox::Fabric>,
 }
 
 impl TestFabric {
@@ -101,36 +103,33 @@ impl TestFabric {
         );
         let config = scratch_dir().join(format!("{name}.toml"));
         std::fs::write(&config, format!("[fabric]\nname = \"{name}\"\n{body}")).unwrap();
-        let mut up = vec!["up", config.to_str().unwrap(), "--detach"];
-        up.extend_from_slice(args);
-        let out = closbox(&up);
-        let (o, e) = text(&out);
-        assert!(out.status.success(), "up failed: {o}{e}");
+        let fabric = closbox::Fabric::options()
+            .binary(env!("CARGO_BIN_EXE_closbox"))
+            .args(args.iter().copied())
+            .up(&config)
+            .unwrap_or_else(|e| panic!("up failed: {e:#}"));
         TestFabric {
             name: name.into(),
             config,
-            down: false,
+            fabric: Some(fabric),
         }
     }
 
+    /// The crate's fixture underneath.
+    pub fn fabric(&self) -> &closbox::Fabric {
+        self.fabric.as_ref().expect("fabric up")
+    }
+
     pub fn exec(&self, gpu: &str, cmd: &[&str]) -> Output {
-        let mut args = vec!["exec", "--fabric", &self.name, gpu, "--"];
-        args.extend_from_slice(cmd);
-        closbox(&args)
+        self.fabric().exec(gpu, cmd).expect("closbox exec")
     }
 
     /// Starts a long-running server in a GPU (it dies with the fabric).
     pub fn spawn(&self, gpu: &str, cmd: &[&str]) -> std::process::Child {
-        let mut args = vec!["exec", "--fabric", &self.name, gpu, "--"];
-        args.extend_from_slice(cmd);
-        Command::new(env!("CARGO_BIN_EXE_closbox"))
-            .args(&args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap()
+        self.fabric().spawn(gpu, cmd).expect("closbox exec")
     }
 
+    /// `closbox status --json` of this fabric (busy ports only), as JSON.
     pub fn status(&self) -> serde_json::Value {
         let out = closbox(&["status", &self.name, "--json"]);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
@@ -152,20 +151,11 @@ impl TestFabric {
 
     /// Takes the fabric down and checks nothing is left.
     pub fn down(mut self) {
-        self.down = true;
-        let out = closbox(&["down", &self.name]);
-        let (o, e) = text(&out);
-        assert!(out.status.success(), "down failed: {o}{e}");
+        if let Some(f) = self.fabric.take() {
+            f.down().unwrap_or_else(|e| panic!("down failed: {e:#}"));
+        }
         let left = leftovers(&self.name);
         assert!(left.is_empty(), "fabric {} left {left:?}", self.name);
-    }
-}
-
-impl Drop for TestFabric {
-    fn drop(&mut self) {
-        if !self.down {
-            let _ = closbox(&["down", &self.name]);
-        }
     }
 }
 

@@ -1,0 +1,302 @@
+//! closbox as a test fixture for other projects (and for its own live tests): bring a fabric
+//! up from a topology file, run programs in its GPUs, read its counters, change its links,
+//! and have it taken down when the guard is dropped.
+//!
+//! ```no_run
+//! // As root (network namespaces), with the `closbox` binary built (see `Fabric::binary`).
+//! let fabric = closbox::Fabric::up("configs/leaf-spine-16.toml")?;
+//! let out = fabric.exec("gpu0", &["ping", "-c", "1", "gpu15"])?;
+//! assert!(out.status.success());
+//! // Every GPU runs the program as one rank (RANK, WORLD_SIZE, MASTER_ADDR, ... set).
+//! let job = fabric.run(&["/usr/bin/python3", "allreduce.py"])?;
+//! assert!(job.status.success());
+//! let st = fabric.status()?;
+//! assert_eq!(st.drops.iter().map(|(_, n)| n).sum::<u64>(), 0);
+//! fabric.link_down("leaf0", "spine1")?;
+//! fabric.down()?; // or let it drop: the fabric goes down either way
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+//!
+//! The guard drives the `closbox` binary for what runs processes (`up`, `exec`, `run`,
+//! `mpirun`, `down`): a GPU's process must start in a fresh process inside the namespaces.
+//! Status and link changes go straight to the fabric's daemon over its control socket, typed
+//! (`closbox_switchd::dataplane::Status`, `closbox_switchd::chaos::ChangeRequest`).
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use anyhow::{bail, Context};
+pub use closbox_switchd::chaos::ChangeRequest;
+use closbox_switchd::control::{self, Reply, Request};
+pub use closbox_switchd::dataplane::Status;
+use closbox_switchd::state::FabricName;
+
+/// A live fabric, taken down when dropped (errors then are printed, not raised: call
+/// [`Fabric::down`] to see them).
+#[derive(Debug)]
+pub struct Fabric {
+    name: FabricName,
+    binary: PathBuf,
+    /// A topology written for `from_toml`, removed with the fabric.
+    temp_config: Option<PathBuf>,
+    up: bool,
+}
+
+/// How to bring a fabric up: [`Fabric::options`].
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    binary: Option<PathBuf>,
+    args: Vec<String>,
+}
+
+impl Options {
+    /// The `closbox` binary to drive (default: [`Fabric::binary`]).
+    pub fn binary(mut self, path: impl Into<PathBuf>) -> Options {
+        self.binary = Some(path.into());
+        self
+    }
+
+    /// More arguments for `closbox up` (e.g. `["--metrics", "127.0.0.1:9464"]`).
+    pub fn args<I, S>(mut self, args: I) -> Options
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Brings up the fabric of topology file `config`.
+    pub fn up(self, config: impl AsRef<Path>) -> anyhow::Result<Fabric> {
+        let config = config.as_ref();
+        // Checked here first: a bad file is an error naming file:line, before any process.
+        let topo = closbox_fabric::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let name: FabricName = topo
+            .fabric
+            .name
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?;
+        let binary = match self.binary {
+            Some(b) => b,
+            None => Fabric::binary()?,
+        };
+        let out = Command::new(&binary)
+            .arg("up")
+            .arg(config)
+            .arg("--detach")
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {}", binary.display()))?;
+        if !out.status.success() {
+            bail!(
+                "closbox up {}: {}",
+                config.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(Fabric {
+            name,
+            binary,
+            temp_config: None,
+            up: true,
+        })
+    }
+
+    /// Brings up the fabric described by `toml` (a topology file's text).
+    pub fn from_toml(self, toml: &str) -> anyhow::Result<Fabric> {
+        let path = std::env::temp_dir().join(format!(
+            "closbox-fixture-{}-{}.toml",
+            std::process::id(),
+            next_id()
+        ));
+        std::fs::write(&path, toml).with_context(|| format!("writing {}", path.display()))?;
+        let r = self.up(&path);
+        match r {
+            Ok(mut f) => {
+                f.temp_config = Some(path);
+                Ok(f)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+}
+
+fn next_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Fabric {
+    /// Brings up the fabric of topology file `config` with the default options.
+    pub fn up(config: impl AsRef<Path>) -> anyhow::Result<Fabric> {
+        Options::default().up(config)
+    }
+
+    /// Brings up the fabric described by `toml` with the default options.
+    pub fn from_toml(toml: &str) -> anyhow::Result<Fabric> {
+        Options::default().from_toml(toml)
+    }
+
+    /// Options for `up`: the binary, more `closbox up` arguments.
+    pub fn options() -> Options {
+        Options::default()
+    }
+
+    /// The `closbox` binary the fixture drives by default: `$CLOSBOX_BIN`; else a
+    /// `closbox` in the directory of the running program or its parent (cargo puts
+    /// integration tests in `target/<profile>/deps/` and binaries in `target/<profile>/`);
+    /// else `closbox` on `PATH`.
+    pub fn binary() -> anyhow::Result<PathBuf> {
+        if let Some(b) = std::env::var_os("CLOSBOX_BIN") {
+            return Ok(PathBuf::from(b));
+        }
+        if let Ok(exe) = std::env::current_exe() {
+            for dir in exe.ancestors().skip(1).take(2) {
+                let p = dir.join("closbox");
+                if p.is_file() && p != exe {
+                    return Ok(p);
+                }
+            }
+        }
+        if let Some(path) = std::env::var_os("PATH") {
+            for dir in std::env::split_paths(&path) {
+                let p = dir.join("closbox");
+                if p.is_file() {
+                    return Ok(p);
+                }
+            }
+        }
+        bail!("no closbox binary: set CLOSBOX_BIN, or put closbox on PATH (cargo install --path . in closbox's repository)")
+    }
+
+    /// The fabric's name (`[fabric] name`).
+    pub fn name(&self) -> &str {
+        self.name.as_str()
+    }
+
+    /// `closbox <args>` for this fabric's binary.
+    fn closbox<S: AsRef<OsStr>>(&self, args: &[S]) -> Command {
+        let mut c = Command::new(&self.binary);
+        c.args(args).stdin(Stdio::null());
+        c
+    }
+
+    /// Runs `cmd` in GPU `gpu` (a name or a rank) and waits for it.
+    pub fn exec(&self, gpu: &str, cmd: &[&str]) -> anyhow::Result<Output> {
+        let mut args = vec!["exec", "--fabric", self.name(), gpu, "--"];
+        args.extend_from_slice(cmd);
+        self.closbox(&args).output().context("running closbox exec")
+    }
+
+    /// Starts `cmd` in GPU `gpu` without waiting (a server, say); it ends at the latest
+    /// with the fabric. Its output is discarded.
+    pub fn spawn(&self, gpu: &str, cmd: &[&str]) -> anyhow::Result<Child> {
+        let mut args = vec!["exec", "--fabric", self.name(), gpu, "--"];
+        args.extend_from_slice(cmd);
+        self.closbox(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("running closbox exec")
+    }
+
+    /// Runs `cmd` as one rank per GPU on all of them (`closbox run`), waits for all.
+    pub fn run(&self, cmd: &[&str]) -> anyhow::Result<Output> {
+        self.run_with(&[], cmd)
+    }
+
+    /// As `run`, with `closbox run` options (`["--gpus", "0-3", "--timeout", "60"]`).
+    pub fn run_with(&self, opts: &[&str], cmd: &[&str]) -> anyhow::Result<Output> {
+        let mut args = vec!["run", "--fabric", self.name()];
+        args.extend_from_slice(opts);
+        args.push("--");
+        args.extend_from_slice(cmd);
+        self.closbox(&args).output().context("running closbox run")
+    }
+
+    /// Runs an MPI program (`closbox mpirun`, options such as `["--impl", "mpich"]`).
+    pub fn mpirun(&self, opts: &[&str], cmd: &[&str]) -> anyhow::Result<Output> {
+        let mut args = vec!["mpirun", "--fabric", self.name()];
+        args.extend_from_slice(opts);
+        args.push("--");
+        args.extend_from_slice(cmd);
+        self.closbox(&args)
+            .output()
+            .context("running closbox mpirun")
+    }
+
+    /// The daemon's counters: packets, drops by reason, per-port counters, lateness.
+    pub fn status(&self) -> anyhow::Result<Status> {
+        match control::request(&self.name, &Request::Status)? {
+            Reply::Status(s) => Ok(*s),
+            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
+            _ => bail!("fabric {}: the daemon answered something else", self.name),
+        }
+    }
+
+    /// Applies a change now (links, switches, GPUs, partitions; see `ChangeRequest`).
+    pub fn change(&self, change: ChangeRequest) -> anyhow::Result<()> {
+        match control::request(&self.name, &Request::Change(change))? {
+            Reply::Changed { .. } => Ok(()),
+            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
+            _ => bail!("fabric {}: the daemon answered something else", self.name),
+        }
+    }
+
+    /// Takes every link between `a` and `b` down.
+    pub fn link_down(&self, a: &str, b: &str) -> anyhow::Result<()> {
+        self.change(ChangeRequest::LinkDown {
+            a: a.into(),
+            b: b.into(),
+            index: None,
+        })
+    }
+
+    /// Brings every link between `a` and `b` back up.
+    pub fn link_up(&self, a: &str, b: &str) -> anyhow::Result<()> {
+        self.change(ChangeRequest::LinkUp {
+            a: a.into(),
+            b: b.into(),
+            index: None,
+        })
+    }
+
+    /// Takes the fabric down, and says why if it could not.
+    pub fn down(mut self) -> anyhow::Result<()> {
+        self.take_down()
+    }
+
+    fn take_down(&mut self) -> anyhow::Result<()> {
+        if !self.up {
+            return Ok(());
+        }
+        self.up = false;
+        let out = self.closbox(&["down", self.name.as_str()]).output();
+        if let Some(p) = self.temp_config.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        let out = out.context("running closbox down")?;
+        if !out.status.success() {
+            bail!(
+                "closbox down {}: {}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        if let Err(e) = self.take_down() {
+            eprintln!("closbox fixture: {e:#}");
+        }
+    }
+}

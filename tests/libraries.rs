@@ -1,0 +1,345 @@
+//! Real collective libraries and third-party programs through live fabrics, as root: the
+//! crate's fixture (`closbox::Fabric`), Open MPI and MPICH through `closbox mpirun`
+//! (NetPIPE, ucx_perftest), every torch gloo collective in a 16-rank job, fabric-time clocks
+//! for unmodified programs, and the pytest plugin's sample suite. Each checks results (data,
+//! or measured figures against the configured fabric), not only exit codes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{closbox, root_or_skip, serial, shipped_body, text, wait_for_port, TestFabric};
+
+/// leaf-spine-16 as shipped: 1 Gbit/s everywhere; gpu0 -> gpu15 crosses leaf0, a spine and
+/// leaf3: 2 + 5 + 5 + 2 µs of links and 3 × 1 µs of switches.
+const LS16_PATH_US: f64 = 17.0;
+
+/// The fields of a NetPIPE result line: "  0: 4194304 bytes  4 times --> 891.60 Mbps in
+/// 35890.49 usec" -> (bytes, Mbit/s, µs).
+fn netpipe_lines(out: &str) -> Vec<(u64, f64, f64)> {
+    out.lines()
+        .filter(|l| l.contains("times -->") && l.contains("Mbps"))
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let bytes = w[1].parse().expect("bytes");
+            let i = w.iter().position(|x| *x == "Mbps").expect("Mbps");
+            (bytes, w[i - 1].parse().unwrap(), w[i + 2].parse().unwrap())
+        })
+        .collect()
+}
+
+/// The crate's fixture itself: up from a TOML text, exec, typed status, a link change the
+/// fabric then reports, and down on drop with nothing left.
+#[test]
+fn fixture_brings_up_runs_reports_and_cleans_up() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_closbox");
+    // A bad topology fails before anything is created, naming the line.
+    let err = closbox::Fabric::options()
+        .binary(bin)
+        .from_toml("[fabric]\nname = \"lfix\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 0\n")
+        .unwrap_err();
+    assert!(format!("{err:#}").contains(":5"), "{err:#}");
+    assert!(common::leftovers("lfix").is_empty());
+
+    let f = closbox::Fabric::options()
+        .binary(bin)
+        .from_toml(&format!(
+            "[fabric]\nname = \"lfix\"\n{}",
+            common::leaf_spine_4("1Gbit", "1us")
+        ))
+        .unwrap();
+    assert_eq!(f.name(), "lfix");
+    let out = f
+        .exec(
+            "gpu0",
+            &[
+                "/usr/bin/python3",
+                "-c",
+                "import socket; print(socket.gethostname())",
+            ],
+        )
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gpu0");
+    // A TCP exchange across the spine, counted by the daemon.
+    let mut server = f
+        .spawn("gpu3", &["/usr/bin/python3", "-c", "import socket\ns=socket.create_server(('', 7000))\nc,_=s.accept()\nc.sendall(c.recv(100))"])
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let echoed = loop {
+        let out = f
+            .exec("gpu0", &["/usr/bin/python3", "-c", "import socket\nc=socket.create_connection(('gpu3', 7000))\nc.sendall(b'over the fabric')\nprint(c.recv(100).decode())"])
+            .unwrap();
+        if out.status.success() || Instant::now() > deadline {
+            break String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = server.wait();
+    assert_eq!(echoed, "over the fabric");
+    let st = f.status().unwrap();
+    assert_eq!(st.fabric, "lfix");
+    assert_eq!(st.gpus, 4);
+    assert!(st.delivered >= 6, "{} delivered", st.delivered);
+    assert!(st
+        .ports
+        .iter()
+        .any(|p| p.port == "gpu0->leaf0" && p.rx_packets > 0));
+    f.link_down("leaf0", "spine0").unwrap();
+    let st = f.status().unwrap();
+    assert_eq!(st.changed_links.len(), 1, "{:?}", st.changed_links);
+    assert!(f.link_down("leaf0", "nowhere").is_err());
+    drop(f);
+    assert!(
+        common::leftovers("lfix").is_empty(),
+        "{:?}",
+        common::leftovers("lfix")
+    );
+}
+
+/// NetPIPE (Debian netpipe-openmpi and netpipe-mpich2, unmodified) between gpu0 and gpu15
+/// across the spine, through `closbox mpirun` with Open MPI and with MPICH: its integrity
+/// check passes, its small-message latency is at least the configured path's, its
+/// bandwidth at 4 MiB near (and not above) the 1 Gbit/s links.
+#[test]
+fn netpipe_through_open_mpi_and_mpich() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lnp", &shipped_body("leaf-spine-16.toml", ""));
+    let mpirun = |imp: &str, args: &[&str]| {
+        let mut a = vec![
+            "mpirun",
+            "--fabric",
+            "lnp",
+            "--impl",
+            imp,
+            "--gpus",
+            "0,15",
+            "--timeout",
+            "120",
+            "--",
+        ];
+        a.extend_from_slice(args);
+        let out = closbox(&a);
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{imp} {args:?}:\n{o}\n{e}");
+        // NetPIPE reports on stderr.
+        o + &e
+    };
+    for (imp, prog) in [("openmpi", "NPopenmpi"), ("mpich", "NPmpich2")] {
+        let integrity = mpirun(
+            imp,
+            &[prog, "-i", "-l", "1", "-u", "1048576", "-o", "/dev/null"],
+        );
+        let passed = integrity.matches("Integrity check passed").count();
+        assert!(
+            passed >= 30 && !integrity.contains("failed"),
+            "{imp}: {passed} sizes checked\n{integrity}"
+        );
+        let lat = netpipe_lines(&mpirun(
+            imp,
+            &[
+                prog,
+                "-l",
+                "8",
+                "-u",
+                "8",
+                "-p",
+                "0",
+                "-n",
+                "300",
+                "-o",
+                "/dev/null",
+            ],
+        ));
+        let bw = netpipe_lines(&mpirun(
+            imp,
+            &[
+                prog,
+                "-l",
+                "4194304",
+                "-u",
+                "4194304",
+                "-p",
+                "0",
+                "-n",
+                "4",
+                "-o",
+                "/dev/null",
+            ],
+        ));
+        let (lat_us, mbps) = (lat[0].2, bw[0].1);
+        eprintln!(
+            "{imp}: 8 B one way {lat_us:.1} µs (path {LS16_PATH_US} µs), 4 MiB {mbps:.0} Mbit/s"
+        );
+        assert!(
+            lat_us >= LS16_PATH_US,
+            "{imp}: {lat_us} µs is faster than the path"
+        );
+        assert!(lat_us < LS16_PATH_US + 500.0, "{imp}: {lat_us} µs");
+        assert!(
+            mbps <= 1000.0,
+            "{imp}: {mbps} Mbit/s beyond the 1 Gbit/s links"
+        );
+        let floor = if imp == "openmpi" { 700.0 } else { 300.0 };
+        assert!(mbps >= floor, "{imp}: {mbps} Mbit/s");
+    }
+    let st = f.status();
+    f.down();
+    assert!(st["delivered"].as_u64().unwrap() > 10_000, "{st}");
+}
+
+/// ucx_perftest (Debian ucx-utils, UCX's TCP transport on cb0) between gpu0 and gpu15:
+/// tag-matching bandwidth at 1 MiB near the links' rate, latency above the path's.
+#[test]
+fn ucx_perftest_over_tcp_between_two_gpus() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lucx", &shipped_body("leaf-spine-16.toml", ""));
+    let ucx = |test: &str, size: &str, iters: &str| {
+        let env = ["env", "UCX_TLS=tcp", "UCX_NET_DEVICES=cb0", "ucx_perftest"];
+        let mut server_cmd = env.to_vec();
+        server_cmd.extend(["-p", "13337"]);
+        let mut server = f.spawn("gpu15", &server_cmd);
+        wait_for_port(&f, "gpu15", 13337);
+        let mut client = env.to_vec();
+        client.extend(["gpu15", "-p", "13337", "-t", test, "-s", size, "-n", iters]);
+        let out = f.exec("gpu0", &client);
+        let _ = server.wait();
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{test}:\n{o}\n{e}");
+        // "Final:  200  8036.377  14035.823  9206.691  71.25  108.62  71  109":
+        // iterations, overhead p50/avg/overall (µs), bandwidth avg/overall (MB/s), rates.
+        let w: Vec<f64> = o
+            .lines()
+            .find(|l| l.starts_with("Final:"))
+            .unwrap_or_else(|| panic!("no Final line:\n{o}"))
+            .split_whitespace()
+            .skip(1)
+            .map(|x| x.parse().unwrap())
+            .collect();
+        w
+    };
+    let lat = ucx("tag_lat", "8", "2000");
+    let bw = ucx("tag_bw", "1048576", "200");
+    f.down();
+    let (lat_us, mib_s) = (lat[1], bw[5]);
+    let gbit = mib_s * 1048576.0 * 8.0 / 1e9;
+    eprintln!("ucx_perftest: 8 B latency {lat_us:.1} µs, 1 MiB tag_bw {gbit:.3} Gbit/s");
+    assert!(
+        (LS16_PATH_US..LS16_PATH_US + 500.0).contains(&lat_us),
+        "{lat_us} µs"
+    );
+    assert!(
+        (0.6..=1.0).contains(&gbit),
+        "{gbit} Gbit/s over 1 Gbit/s links"
+    );
+}
+
+/// torch.distributed's gloo backend, unmodified, 16 ranks on leaf-spine-16: all_reduce
+/// (sum, max), broadcast, all_gather, gather, scatter, all_to_all_single and barrier, each
+/// rank checking every result.
+#[test]
+fn torch_gloo_every_collective_in_16_ranks() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lgl16", &shipped_body("leaf-spine-16.toml", ""));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/collectives_gloo.py"
+    );
+    let out = f
+        .fabric()
+        .run_with(&["--timeout", "300"], &["/usr/bin/python3", script])
+        .unwrap();
+    let (o, e) = text(&out);
+    f.down();
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..16 {
+        assert!(
+            o.contains(&format!("[{r}] rank {r}/16 on gpu{r}: ok")),
+            "rank {r}:\n{o}\n{e}"
+        );
+    }
+}
+
+/// `--fabric-clock` on default.toml (time_scale 4000): an unmodified torch script timing
+/// its own 16 MiB all_reduce reads about what `closbox bench` reports for that size; a
+/// deadline wait lasts its length in fabric time; a sleep stays in wall time.
+#[test]
+fn fabric_clock_gives_unmodified_programs_fabric_time() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lclk", &shipped_body("default.toml", "time_scale = 4000"));
+    let out = closbox(&[
+        "bench",
+        "allreduce",
+        "--fabric",
+        "lclk",
+        "--gpus",
+        "0-3",
+        "--sizes",
+        "16M",
+        "--iters",
+        "3",
+        "--json",
+    ]);
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    let v: serde_json::Value = serde_json::from_str(&o).expect("bench JSON");
+    let bench_us = v[0]["time_us"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no time_us in {v}"));
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/fabric_clock.py");
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lclk",
+        "--gpus",
+        "0-3",
+        "--fabric-clock",
+        "--timeout",
+        "300",
+        "--",
+        "/usr/bin/python3",
+        script,
+    ]);
+    let (o, e) = text(&out);
+    f.down();
+    assert!(out.status.success(), "{o}\n{e}");
+    let field = |key: &str| -> Vec<f64> {
+        o.lines()
+            .filter_map(|l| l.split_once(&format!("{key}=")))
+            .map(|(_, v)| v.split_whitespace().next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let torch_us = field("allreduce_us");
+    assert_eq!(torch_us.len(), 4, "{o}\n{e}");
+    for t in &torch_us {
+        let ratio = t / bench_us;
+        eprintln!("torch's own timing {t:.1} µs, closbox bench {bench_us:.1} µs: {ratio:.2}");
+        assert!(
+            (0.85..=1.15).contains(&ratio),
+            "torch {t} µs vs bench {bench_us} µs"
+        );
+    }
+    // A 0.5 ms fabric-time wait is 2 s of wall time at 4000; a 0.2 s sleep stays 0.2 s.
+    for w in field("wait_wall_s") {
+        assert!((1.8..6.0).contains(&w), "wait took {w} s wall");
+    }
+    for s in field("sleep_wall_s") {
+        assert!((0.15..1.0).contains(&s), "sleep took {s} s wall");
+    }
+}
