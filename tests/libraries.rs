@@ -343,3 +343,146 @@ fn fabric_clock_gives_unmodified_programs_fabric_time() {
         assert!((0.15..1.0).contains(&s), "sleep took {s} s wall");
     }
 }
+
+/// The pytest plugin (python/pytest-closbox): pip-installed from its path (into a scratch
+/// directory, offline), found by pytest through its entry point, and its sample suite
+/// (gloo all-reduce, a failed uplink, MPI hello, a bad topology) passing with Debian's
+/// pytest against the closbox under test.
+#[test]
+fn pytest_plugin_sample_suite_passes() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let scratch = common::scratch_dir().join("pytest");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/python/pytest-closbox");
+    // A copy: pip builds in the source tree, which must stay clean.
+    let run = |cmd: &mut std::process::Command| {
+        let out = cmd.current_dir(&scratch).output().expect("run");
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{cmd:?}:\n{o}\n{e}");
+        o
+    };
+    run(std::process::Command::new("cp").args(["-r", src, "pkg"]));
+    run(std::process::Command::new("/usr/bin/python3").args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-build-isolation",
+        "--no-deps",
+        "--no-index",
+        "--target",
+        "site",
+        "./pkg",
+    ]));
+    let out = run(std::process::Command::new("/usr/bin/python3")
+        .args(["-m", "pytest", "pkg/tests", "-q", "-p", "no:cacheprovider"])
+        .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
+        .env("PYTHONPATH", scratch.join("site")));
+    assert!(out.contains("5 passed"), "{out}");
+    assert!(
+        common::leftovers("pyt").is_empty(),
+        "{:?}",
+        common::leftovers("pyt")
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// docs/ci.md as written: its files (`<!-- ci: PATH -->` before a fenced block) written to
+/// a scratch checkout and its test step run there, with the closbox under test on PATH and
+/// the pytest plugin importable (what the workflow's install step provides).
+#[test]
+fn ci_doc_commands_run_as_written() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/ci.md"))
+        .expect("docs/ci.md");
+    let repo = common::scratch_dir().join("ci-doc");
+    let _ = std::fs::remove_dir_all(&repo);
+    let mut files = Vec::new();
+    let mut lines = doc.lines();
+    while let Some(l) = lines.next() {
+        let Some(path) = l
+            .strip_prefix("<!-- ci: ")
+            .and_then(|r| r.strip_suffix(" -->"))
+        else {
+            continue;
+        };
+        let fence = lines.next().expect("a fenced block after the marker");
+        assert!(fence.starts_with("```"), "{path}: {fence}");
+        let body: Vec<&str> = lines.by_ref().take_while(|l| *l != "```").collect();
+        let file = repo.join(path);
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(&file, body.join("\n") + "\n").unwrap();
+        files.push(path.to_owned());
+    }
+    assert_eq!(
+        files,
+        [
+            "ci/fabric.toml",
+            "ci/fabric-tests.sh",
+            "tests/allreduce_test.py",
+            "tests/test_on_fabric.py"
+        ]
+    );
+    // The plugin, as `pip install` would make it importable (entry point included).
+    let site = repo.join("site");
+    let pkg = repo.join("pkg");
+    let cp = std::process::Command::new("cp")
+        .args([
+            "-r",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/python/pytest-closbox"),
+        ])
+        .arg(&pkg)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let pip = std::process::Command::new("/usr/bin/python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-build-isolation",
+            "--no-deps",
+        ])
+        .args(["--no-index", "--target"])
+        .args([&site, &pkg])
+        .output()
+        .unwrap();
+    assert!(pip.status.success(), "{:?}", text(&pip));
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_closbox"))
+        .parent()
+        .unwrap();
+    let out = std::process::Command::new("sh")
+        .arg("ci/fabric-tests.sh")
+        .current_dir(&repo)
+        .env(
+            "PATH",
+            format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap()),
+        )
+        .env("PYTHONPATH", &site)
+        .output()
+        .unwrap();
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    for r in 0..8 {
+        assert!(
+            o.contains(&format!("[{r}] rank {r}/8: all_reduce ok")),
+            "{o}\n{e}"
+        );
+    }
+    assert!(o.contains("1 passed"), "{o}\n{e}");
+    assert!(o.contains("fabric ci (8 GPUs"), "{o}\n{e}");
+    assert!(
+        common::leftovers("ci").is_empty(),
+        "{:?}",
+        common::leftovers("ci")
+    );
+    let _ = std::fs::remove_dir_all(&repo);
+}

@@ -1,0 +1,192 @@
+"""The `closbox_fabric` fixture factory: live closbox fabrics for a test, taken down after it.
+
+Drives the `closbox` binary (up, exec, run, mpirun, status, link, down); nothing here talks
+to the network itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import pytest
+
+
+class ClosboxError(RuntimeError):
+    """A closbox command failed; the message carries its error output."""
+
+
+def _binary(config: pytest.Config) -> str:
+    b = config.getoption("closbox_bin") or os.environ.get("CLOSBOX_BIN") or shutil.which("closbox")
+    if not b:
+        raise pytest.UsageError(
+            "pytest-closbox: no closbox binary (pass --closbox-bin PATH, set CLOSBOX_BIN, or put closbox on PATH)"
+        )
+    return b
+
+
+def _fabric_name(path: Path) -> str:
+    """The [fabric] name of a topology file (closbox up checks the whole file)."""
+    in_fabric = False
+    for line in path.read_text().splitlines():
+        s = line.split("#", 1)[0].strip()
+        if s.startswith("["):
+            in_fabric = s == "[fabric]"
+        elif in_fabric:
+            m = re.match(r'name\s*=\s*"([^"]*)"', s)
+            if m:
+                return m.group(1)
+    raise ClosboxError(f"{path}: no name in [fabric]")
+
+
+class Fabric:
+    """A live fabric. Use the `closbox_fabric` fixture to get one."""
+
+    def __init__(self, binary: str, name: str, temp_config: Optional[Path] = None):
+        self.binary = binary
+        self.name = name
+        self._temp_config = temp_config
+        self._up = True
+
+    def _closbox(self, args: Sequence[str], check: bool = False, timeout: Optional[float] = None):
+        r = subprocess.run(
+            [self.binary, *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and r.returncode != 0:
+            raise ClosboxError(f"closbox {' '.join(args)}: {r.stderr.strip()}")
+        return r
+
+    def exec(self, gpu: str, cmd: Sequence[str]) -> subprocess.CompletedProcess:
+        """Runs `cmd` in one GPU (a name or a rank) and waits for it."""
+        return self._closbox(["exec", "--fabric", self.name, str(gpu), "--", *cmd])
+
+    def run(
+        self,
+        cmd: Sequence[str],
+        gpus: str = "all",
+        timeout: Optional[float] = None,
+        fabric_clock: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """Runs `cmd` as one rank per GPU (RANK, WORLD_SIZE, MASTER_ADDR... set)."""
+        args = ["run", "--fabric", self.name, "--gpus", gpus]
+        if timeout is not None:
+            args += ["--timeout", str(timeout)]
+        if fabric_clock:
+            args.append("--fabric-clock")
+        return self._closbox([*args, "--", *cmd])
+
+    def mpirun(
+        self,
+        cmd: Sequence[str],
+        gpus: str = "all",
+        impl: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> subprocess.CompletedProcess:
+        """Runs an MPI program, one rank per GPU (Open MPI, or MPICH with impl="mpich")."""
+        args = ["mpirun", "--fabric", self.name, "--gpus", gpus]
+        if impl:
+            args += ["--impl", impl]
+        if timeout is not None:
+            args += ["--timeout", str(timeout)]
+        return self._closbox([*args, "--", *cmd])
+
+    def status(self) -> dict:
+        """The daemon's counters, as `closbox status --json` reports them (busy ports)."""
+        r = self._closbox(["status", self.name, "--json"])
+        answers = json.loads(r.stdout or "[]")
+        if not answers or "error" in answers[0]:
+            raise ClosboxError(f"status of {self.name}: {r.stdout.strip()} {r.stderr.strip()}")
+        return answers[0]
+
+    def port(self, port: str) -> dict:
+        """One egress port's counters ("leaf0->spine1")."""
+        r = self._closbox(["status", self.name, "--json", "--ports", port], check=False)
+        for p in json.loads(r.stdout)[0].get("ports", []):
+            if p["port"] == port:
+                return p
+        raise ClosboxError(f"fabric {self.name} has no port {port}")
+
+    def link_down(self, a: str, b: str) -> None:
+        """Takes every link between switches/GPUs `a` and `b` down."""
+        self._closbox(["link", "down", a, b, "--fabric", self.name], check=True)
+
+    def link_up(self, a: str, b: str) -> None:
+        self._closbox(["link", "up", a, b, "--fabric", self.name], check=True)
+
+    def down(self) -> None:
+        """Takes the fabric down (the fixture does it after the test otherwise)."""
+        if not self._up:
+            return
+        self._up = False
+        try:
+            self._closbox(["down", self.name], check=True)
+        finally:
+            if self._temp_config is not None:
+                self._temp_config.unlink(missing_ok=True)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--closbox-bin",
+        action="store",
+        default=None,
+        help="the closbox binary for the closbox_fabric fixture (default: $CLOSBOX_BIN, then PATH)",
+    )
+
+
+@pytest.fixture
+def closbox_fabric(request: pytest.FixtureRequest):
+    """A factory: `closbox_fabric(path)` or `closbox_fabric(toml=TEXT)` brings a fabric up
+    and returns a `Fabric`; every fabric it made goes down after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("closbox fabrics need root (network namespaces, TUN devices)")
+    binary = _binary(request.config)
+    made: list[Fabric] = []
+
+    def make(path: Optional[os.PathLike | str] = None, *, toml: Optional[str] = None,
+             args: Iterable[str] = ()) -> Fabric:
+        if (path is None) == (toml is None):
+            raise TypeError("closbox_fabric: give a topology file path or toml=, not both")
+        temp = None
+        if toml is not None:
+            fd, name = tempfile.mkstemp(prefix="closbox-pytest-", suffix=".toml")
+            with os.fdopen(fd, "w") as f:
+                f.write(toml)
+            temp = Path(name)
+            path = temp
+        path = Path(path)
+        try:
+            name = _fabric_name(path)
+            r = subprocess.run(
+                [binary, "up", str(path), "--detach", *args],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            )
+            if r.returncode != 0:
+                raise ClosboxError(f"closbox up {path}: {r.stderr.strip()}")
+        except BaseException:
+            if temp is not None:
+                temp.unlink(missing_ok=True)
+            raise
+        fabric = Fabric(binary, name, temp)
+        made.append(fabric)
+        return fabric
+
+    yield make
+    errors = []
+    for f in made:
+        try:
+            f.down()
+        except ClosboxError as e:
+            errors.append(str(e))
+    if errors:
+        pytest.fail("; ".join(errors))

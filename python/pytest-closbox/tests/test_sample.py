@@ -1,0 +1,87 @@
+"""A sample suite using the closbox_fabric fixture, as a collective library's tests would.
+
+Run by closbox's `make test` (tests/libraries.rs) with Debian's pytest and torch.
+"""
+
+import sys
+import textwrap
+
+import pytest
+
+from pytest_closbox import ClosboxError
+
+# 2 leaves x 2 GPUs under 2 spines, 1 Gbit/s links.
+SMALL = """
+[fabric]
+name = "pyt"
+[topology]
+kind = "leaf-spine"
+leaves = 2
+spines = 2
+gpus_per_leaf = 2
+[links.nic]
+rate = "1Gbit"
+delay = "2us"
+[links.leaf-spine]
+rate = "1Gbit"
+delay = "5us"
+"""
+
+ALLREDUCE = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    r, w = dist.get_rank(), dist.get_world_size()
+    t = torch.full((100000,), float(r + 1))
+    dist.all_reduce(t)
+    assert torch.all(t == w * (w + 1) / 2), t[:4]
+    print(f"rank {r}: sum ok")
+    """
+)
+
+
+def test_every_gpu_is_a_host(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    assert fabric.name == "pyt"
+    for gpu in ("gpu0", "gpu3"):
+        r = fabric.exec(gpu, ["/usr/bin/python3", "-c", "import socket; print(socket.gethostname())"])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == gpu
+
+
+def test_torch_allreduce_across_the_fabric(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    job = fabric.run(["/usr/bin/python3", "-c", ALLREDUCE], timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
+    for r in range(4):
+        assert f"[{r}] rank {r}: sum ok" in job.stdout
+    st = fabric.status()
+    assert st["delivered"] > 100
+    # 100,000 floats from each rank crossed the leaves' uplinks.
+    up = sum(p["tx_bytes"] for p in st["ports"] if p["port"].startswith("leaf") and "spine" in p["port"])
+    assert up > 400_000, st["ports"]
+
+
+def test_a_failed_uplink_is_reported_and_routed_around(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    fabric.link_down("leaf0", "spine0")
+    job = fabric.run(["/usr/bin/python3", "-c", ALLREDUCE], timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
+    st = fabric.status()
+    assert [(l["link"], l["up"]) for l in st["changed_links"]] == [("leaf0-spine0 #0", False)], st["changed_links"]
+    assert fabric.port("leaf0->spine1")["tx_packets"] > 0
+    with pytest.raises(ClosboxError):
+        fabric.link_down("leaf0", "nowhere")
+
+
+def test_mpi_hello_through_closbox_mpirun(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    r = fabric.mpirun(["/usr/bin/python3", "-m", "mpi4py.bench", "helloworld"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in range(4):
+        assert f"process {rank} of 4 on gpu{rank}" in r.stdout
+
+
+def test_a_bad_topology_names_its_line(closbox_fabric):
+    with pytest.raises(ClosboxError, match=r"\.toml:6:10: `leaves` = -2"):
+        closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
