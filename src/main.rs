@@ -84,7 +84,8 @@ enum Command {
         #[arg(long)]
         die_with_parent: bool,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
-        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README;
+        /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
         #[arg(last = true, required = true)]
@@ -359,7 +360,8 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
-        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README;
+        /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
 
@@ -418,7 +420,8 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
-        /// deadline waits run time_scale times slower (see "Fabric time" in the README).
+        /// deadline waits run time_scale times slower (see "Fabric time" in the README;
+        /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
         #[arg(last = true, required = true)]
