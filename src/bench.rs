@@ -262,6 +262,17 @@ impl RunHealth {
             || (self.lateness.samples >= 100 && self.added_us(steps) > LATENESS_SHARE * shortest_us)
     }
 
+    /// The smallest time scale (1-2-5 steps) at which this run's wall lateness would have
+    /// stayed under `LATENESS_SHARE` of its shortest operation: lateness is a wall-time
+    /// cost of the box, so in fabric time it scales as 1/time_scale. (At a higher scale the
+    /// box also has fewer packets per wall second, so its lateness tends to fall: this is
+    /// enough, not a minimum.)
+    fn holding_time_scale(&self, shortest_us: f64, steps: usize) -> f64 {
+        let k = self.time_scale.get();
+        let needed = k * self.added_us(steps) / (LATENESS_SHARE * shortest_us);
+        closbox_fabric::plan::round_up_125(needed.max(k * 1.0001))
+    }
+
     fn footer(&self, shortest_us: f64, steps: usize) -> String {
         let mut s = format!(
             "# fabric during the run: {} packets, {} dropped by the fabric (buffers, loss); box: write lateness p50 {:.1} µs p99 {:.1} µs wall (p99 = {:.3} µs of fabric time), {} TUN drops\n",
@@ -306,18 +317,29 @@ impl RunHealth {
             let _ = writeln!(s, "# synthetic load during the run: {l}");
         }
         if self.behind(shortest_us, steps) {
-            let why = if self.tun_drops > 0 {
-                "the kernel dropped packets the daemon read too late".to_owned()
+            let (why, advice) = if self.tun_drops > 0 {
+                (
+                    "the kernel dropped packets the daemon read too late".to_owned(),
+                    "raise time_scale (the GPUs offered more than the box moves) or use fewer GPUs"
+                        .to_owned(),
+                )
             } else {
-                format!(
-                    "lateness may add up to {:.2} µs ({steps} sequential messages × p99) to operations as short as {:.2} µs",
-                    self.added_us(steps),
-                    shortest_us
+                (
+                    format!(
+                        "lateness may add up to {:.2} µs ({steps} sequential messages × p99) to operations as short as {:.2} µs",
+                        self.added_us(steps),
+                        shortest_us
+                    ),
+                    format!(
+                        "time_scale {} would have held this run's lateness under {:.0} % (it is wall time: it shrinks in fabric time as time_scale grows), or use fewer GPUs or larger sizes",
+                        self.holding_time_scale(shortest_us, steps),
+                        LATENESS_SHARE * 100.0
+                    ),
                 )
             };
             let _ = writeln!(
                 s,
-                "# WARNING: this box fell behind the fabric's schedule enough to change results ({why}); raise time_scale or use fewer GPUs"
+                "# WARNING: this box fell behind the fabric's schedule enough to change results ({why}); {advice}"
             );
         }
         s
@@ -811,4 +833,46 @@ pub fn check_plot_path(p: &Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn health(k: f64, p99_us: f64, tun_drops: u64) -> RunHealth {
+        RunHealth {
+            packets: 10_000,
+            fabric_drops: 0,
+            tun_drops,
+            lateness: Lateness {
+                samples: 10_000,
+                p50_us: 1.0,
+                p99_us,
+                max_us: p99_us,
+            },
+            time_scale: TimeScale::new(k).unwrap(),
+            other_drops: Vec::new(),
+            changes: 0,
+            changed_links: Vec::new(),
+            events: Vec::new(),
+            loads: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_late_run_names_the_time_scale_that_would_have_held_it() {
+        // 14 messages × 778 µs of wall lateness at k = 100 is 109 µs of fabric time on a
+        // 180 µs operation: 5 % of it needs k ≥ 1210, hence 2000 (1-2-5 steps).
+        let h = health(100.0, 778.2, 0);
+        assert!(h.behind(180.3, 14));
+        assert_eq!(h.holding_time_scale(180.3, 14), 2000.0);
+        let f = h.footer(180.3, 14);
+        assert!(f.contains("time_scale 2000 would have held"), "{f}");
+        // At 2000 the same wall lateness is within 5 %.
+        assert!(!health(2000.0, 778.2, 0).behind(180.3, 14));
+        // Kernel drops: no figure to offer, only the direction.
+        let f = health(100.0, 1.0, 3).footer(180.3, 14);
+        assert!(f.contains("raise time_scale (the GPUs offered more"), "{f}");
+        assert!(!f.contains("would have held"), "{f}");
+    }
 }

@@ -105,7 +105,7 @@ impl TimeScaleHint {
 }
 
 /// The smallest of 1, 2, 5, 10, 20, 50, … at or above `x`.
-fn round_up_125(x: f64) -> f64 {
+pub fn round_up_125(x: f64) -> f64 {
     let mut p = 1.0;
     loop {
         for m in [1.0, 2.0, 5.0] {
