@@ -338,38 +338,121 @@ pub trait Ports {
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
     /// One packet from `port` into `buf`; `Ok(None)` when it has none.
     fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>>;
-    /// One packet out of `port`.
-    fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()>;
+    /// One packet out of `port`, due at wall time `due` (the buffer is the port's now).
+    /// The write may happen later, on another thread: its lateness (from `due` to the
+    /// start of the write) and whether it failed come back through `finished`. `alone`:
+    /// no other packet is due now, so writing it here delays nothing else.
+    fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, alone: bool);
+    /// Writes done since the last call: (lateness in wall ns, write failed).
+    fn finished(&mut self, done: &mut Vec<(u64, bool)>);
 }
 
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
-/// eventfd that control requests use to wake the loop.
+/// eventfd that control requests use to wake the loop. Writes into the TUNs run the
+/// receiving GPU's network stack (the costly half of a packet's way): with more than one
+/// core they go to writer threads, each owning a fixed share of the TUNs (so that every
+/// GPU's packets stay in order), while the data plane's thread reads and runs the model.
 #[derive(Debug)]
 pub struct TunPorts {
-    tuns: Vec<OwnedFd>,
+    tuns: Vec<Arc<OwnedFd>>,
     epoll: Epoll,
     wake: Arc<EventFd>,
     tokens: Vec<u64>,
+    /// Empty: writes happen inline (one core).
+    writers: Vec<Writer>,
+    done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
+    /// Writes done inline, not reported yet.
+    inline_done: Vec<(u64, bool)>,
 }
 
+/// A packet for a writer thread: its TUN, its bytes, when it was due.
+type WriteJob = (Arc<OwnedFd>, Vec<u8>, StdInstant);
+
+#[derive(Debug)]
+struct Writer {
+    tx: std::sync::mpsc::SyncSender<WriteJob>,
+    /// Packets handed over and not written yet.
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A write runs on the data plane's own thread unless the data plane is already this late
+/// (then it has more to do than it can, and a writer thread takes the write): at light
+/// load no thread is woken (the lowest latency), under load the cores share the work.
+const HANDOFF_LATE: StdDuration = StdDuration::from_micros(20);
+
+/// Packets a writer may have queued before the data plane waits for it.
+const WRITE_QUEUE: usize = 4096;
+
 impl TunPorts {
-    pub fn new(tuns: Vec<OwnedFd>, wake: Arc<EventFd>) -> io::Result<TunPorts> {
+    /// `writers`: threads for TUN writes (0: write inline).
+    pub fn new(tuns: Vec<OwnedFd>, wake: Arc<EventFd>, writers: usize) -> io::Result<TunPorts> {
         let epoll = Epoll::new(tuns.len() + 1)?;
         for (i, t) in tuns.iter().enumerate() {
             epoll.add(t.as_fd(), i as u64)?;
         }
         epoll.add(wake.fd(), WAKE_TOKEN)?;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let writers = (0..writers.min(tuns.len()))
+            .map(|i| {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<WriteJob>(WRITE_QUEUE);
+                let done = done_tx.clone();
+                let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let left = Arc::clone(&pending);
+                let thread = std::thread::Builder::new()
+                    .name(format!("tun-writer-{i}"))
+                    .spawn(move || {
+                        sys::set_timer_slack_ns(1);
+                        let _ = sys::set_thread_nice(DATAPLANE_NICE);
+                        for (fd, packet, due) in rx {
+                            let late = StdInstant::now().saturating_duration_since(due);
+                            let failed = sys::write_packet(fd.as_fd(), &packet).is_err();
+                            left.fetch_sub(1, std::sync::atomic::Ordering::Release);
+                            if done.send((late.as_nanos() as u64, failed)).is_err() {
+                                break;
+                            }
+                        }
+                    })?;
+                Ok(Writer {
+                    tx,
+                    pending,
+                    thread: Some(thread),
+                })
+            })
+            .collect::<io::Result<Vec<_>>>()?;
         Ok(TunPorts {
-            tuns,
+            tuns: tuns.into_iter().map(Arc::new).collect(),
             epoll,
             wake,
             tokens: Vec::new(),
+            writers,
+            done_rx: Some(done_rx),
+            inline_done: Vec::new(),
         })
     }
 
-    /// The TUN descriptors, to be closed after their namespaces are gone.
-    pub fn into_tuns(self) -> Vec<OwnedFd> {
+    /// The writer threads a box with `cores` cores gets: one fewer than its cores (the
+    /// data plane's thread has one), at most 4, none on one core.
+    pub fn writers_for(cores: usize) -> usize {
+        cores.saturating_sub(1).min(4)
+    }
+
+    /// The TUN descriptors, to be closed after their namespaces are gone (the writer
+    /// threads are stopped first).
+    pub fn into_tuns(mut self) -> Vec<OwnedFd> {
+        for w in &mut self.writers {
+            // Closing the queue ends the thread once it has written what it holds.
+            let (tx, _) = std::sync::mpsc::sync_channel(0);
+            drop(std::mem::replace(&mut w.tx, tx));
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+        self.writers.clear();
         self.tuns
+            .into_iter()
+            .map(|t| Arc::try_unwrap(t).expect("writers are gone"))
+            .collect()
     }
 }
 
@@ -400,8 +483,44 @@ impl Ports for TunPorts {
         sys::read_packet(self.tuns[port].as_fd(), buf)
     }
 
-    fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()> {
-        sys::write_packet(self.tuns[port].as_fd(), packet)
+    fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, alone: bool) {
+        use std::sync::atomic::Ordering;
+        let w = match self.writers.len() {
+            0 => None,
+            n => Some(&self.writers[port % n]),
+        };
+        // Inline when nothing else waits: a lone packet is written at once (no thread to
+        // wake, the lowest latency), provided its writer has nothing of this port's queued
+        // ahead of it (its share of ports drained: order kept).
+        let inline = match w {
+            None => true,
+            Some(w) => {
+                w.pending.load(Ordering::Acquire) == 0
+                    && (alone || StdInstant::now().saturating_duration_since(due) < HANDOFF_LATE)
+            }
+        };
+        if inline {
+            let late = StdInstant::now().saturating_duration_since(due);
+            let failed = sys::write_packet(self.tuns[port].as_fd(), &packet).is_err();
+            self.inline_done.push((late.as_nanos() as u64, failed));
+            return;
+        }
+        let w = w.expect("not inline");
+        w.pending.fetch_add(1, Ordering::AcqRel);
+        if w.tx
+            .send((Arc::clone(&self.tuns[port]), packet, due))
+            .is_err()
+        {
+            w.pending.fetch_sub(1, Ordering::AcqRel);
+            self.inline_done.push((0, true));
+        }
+    }
+
+    fn finished(&mut self, done: &mut Vec<(u64, bool)>) {
+        done.append(&mut self.inline_done);
+        if let Some(rx) = &self.done_rx {
+            done.extend(rx.try_iter());
+        }
     }
 }
 
@@ -426,6 +545,8 @@ pub struct DataPlane<P: Ports> {
     model: Fabric,
     ports: P,
     ready: Vec<usize>,
+    /// Reused by `account_writes`.
+    done: Vec<(u64, bool)>,
     ctl: Receiver<Ctl>,
     time_scale: TimeScale,
     start: StdInstant,
@@ -498,6 +619,7 @@ impl<P: Ports> DataPlane<P> {
             model,
             ports,
             ready: Vec::new(),
+            done: Vec::new(),
             ctl,
             time_scale: topo.fabric.time_scale,
             start: now,
@@ -791,24 +913,34 @@ impl<P: Ports> DataPlane<P> {
     fn deliver_due(&mut self, wall: StdInstant) {
         let now = self.fabric_now(wall);
         self.model.advance(now);
-        while let Some(d) = self.model.poll_delivery() {
-            // Lateness is taken when the write starts: the write itself runs the
-            // receiver's network stack, which is the GPU's time, not the fabric's.
-            let late = self
-                .ports
-                .now()
-                .saturating_duration_since(self.wall_of(d.at))
-                .as_nanos() as u64;
-            if let Err(e) = self.ports.send(d.dst.0 as usize, &d.data) {
+        // Lateness is taken when the write starts: the write itself runs the receiver's
+        // network stack, which is the GPU's time, not the fabric's.
+        let mut next = self.model.poll_delivery();
+        let mut first = true;
+        while let Some(d) = next.take() {
+            next = self.model.poll_delivery();
+            let alone = first && next.is_none();
+            first = false;
+            let due = self.wall_of(d.at);
+            self.ports.send(d.dst.0 as usize, d.data, due, alone);
+        }
+        self.account_writes(wall);
+    }
+
+    /// Lateness and errors of the writes done since the last call.
+    fn account_writes(&mut self, wall: StdInstant) {
+        let mut done = std::mem::take(&mut self.done);
+        self.ports.finished(&mut done);
+        let at = wall.saturating_duration_since(self.start).as_nanos() as u64;
+        for &(late, failed) in &done {
+            if failed {
                 self.io_errors += 1;
-                tracing::debug!("writing to GPU {}: {e}", d.dst.0);
             }
             self.lateness.record(late);
-            self.recent.record(
-                wall.saturating_duration_since(self.start).as_nanos() as u64,
-                late,
-            );
+            self.recent.record(at, late);
         }
+        done.clear();
+        self.done = done;
     }
 
     fn rotate_window(&mut self, wall: StdInstant) {
@@ -1335,6 +1467,7 @@ mod tests {
         elapsed: StdDuration,
         inbox: Vec<std::collections::VecDeque<(StdDuration, Vec<u8>)>>,
         sent: Vec<(usize, StdDuration, Vec<u8>)>,
+        done: Vec<(u64, bool)>,
     }
 
     impl MemPorts {
@@ -1344,6 +1477,7 @@ mod tests {
                 elapsed: StdDuration::ZERO,
                 inbox: vec![Default::default(); n],
                 sent: Vec::new(),
+                done: Vec::new(),
             }
         }
     }
@@ -1386,9 +1520,14 @@ mod tests {
             Ok(Some(p.len()))
         }
 
-        fn send(&mut self, port: usize, packet: &[u8]) -> io::Result<()> {
-            self.sent.push((port, self.elapsed, packet.to_vec()));
-            Ok(())
+        fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, _alone: bool) {
+            let late = self.now().saturating_duration_since(due).as_nanos() as u64;
+            self.done.push((late, false));
+            self.sent.push((port, self.elapsed, packet));
+        }
+
+        fn finished(&mut self, done: &mut Vec<(u64, bool)>) {
+            done.append(&mut self.done);
         }
     }
 
@@ -1615,5 +1754,55 @@ mod tests {
         assert_eq!(shortest(ls), 800);
         let mesh = "[topology]\nkind = \"full-mesh\"\ngpus = 3\n[links.nic]\ndelay = \"2us\"\n";
         assert_eq!(shortest(mesh), 2000);
+    }
+}
+
+#[cfg(test)]
+mod tun_ports_tests {
+    use super::*;
+    use std::os::unix::net::UnixDatagram;
+
+    /// Writer threads keep each port's packets in order, deliver every one, and report
+    /// every write; late packets go to the writers, a lone one due now is written inline.
+    #[test]
+    fn writer_threads_keep_each_ports_order_and_report_every_write() {
+        for writers in [0, 1, 2] {
+            let (ours, theirs): (Vec<_>, Vec<_>) =
+                (0..3).map(|_| UnixDatagram::pair().unwrap()).unzip();
+            let fds: Vec<OwnedFd> = ours.into_iter().map(OwnedFd::from).collect();
+            let wake = Arc::new(EventFd::new().unwrap());
+            let mut ports = TunPorts::new(fds, wake, writers).unwrap();
+            let late = StdInstant::now() - StdDuration::from_millis(5);
+            let n = 300u32;
+            for i in 0..n {
+                let port = (i % 3) as usize;
+                ports.send(port, i.to_be_bytes().to_vec(), late, false);
+            }
+            ports.send(0, n.to_be_bytes().to_vec(), StdInstant::now(), true);
+            let mut done = Vec::new();
+            let deadline = StdInstant::now() + StdDuration::from_secs(10);
+            while done.len() < n as usize + 1 && StdInstant::now() < deadline {
+                ports.finished(&mut done);
+                std::thread::sleep(StdDuration::from_millis(1));
+            }
+            assert_eq!(done.len(), n as usize + 1, "writers {writers}");
+            assert!(done.iter().all(|&(_, failed)| !failed));
+            // The late ones were at least 5 ms late.
+            assert!(done.iter().filter(|d| d.0 >= 5_000_000).count() >= n as usize);
+            for (port, sock) in theirs.iter().enumerate() {
+                sock.set_nonblocking(true).unwrap();
+                let mut got = Vec::new();
+                let mut b = [0u8; 4];
+                while let Ok(4) = sock.recv(&mut b) {
+                    got.push(u32::from_be_bytes(b));
+                }
+                let mut want: Vec<u32> = (0..n).filter(|i| (i % 3) as usize == port).collect();
+                if port == 0 {
+                    want.push(n);
+                }
+                assert_eq!(got, want, "port {port}, writers {writers}");
+            }
+            drop(ports.into_tuns());
+        }
     }
 }

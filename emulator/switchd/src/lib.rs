@@ -168,7 +168,22 @@ pub fn run_fabric(
     };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
-    let dp = DataPlane::new(topo, TunPorts::new(tuns, Arc::clone(&wake))?, ctl_rx);
+    let dp = DataPlane::new(
+        topo,
+        TunPorts::new(
+            tuns,
+            Arc::clone(&wake),
+            std::env::var("CLOSBOX_TUN_WRITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| {
+                    TunPorts::writers_for(
+                        std::thread::available_parallelism().map_or(1, |n| n.get()),
+                    )
+                }),
+        )?,
+        ctl_rx,
+    );
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;
