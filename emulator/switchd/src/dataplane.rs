@@ -39,8 +39,6 @@ pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 const WINDOW: StdDuration = StdDuration::from_secs(5);
 const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
-/// Largest packet a TUN hands over (an IPv4 packet's length field is 16 bits).
-const MAX_PACKET: usize = 65_536;
 /// Nice value of the data-plane thread.
 const DATAPLANE_NICE: i32 = -15;
 
@@ -336,28 +334,51 @@ pub trait Ports {
     /// Waits until input may be there or `timeout` has passed; `ready` gets the ports that
     /// may have input (a wake-up with none is fine: the loop looks at its control queue).
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
-    /// One packet from `port` into `buf`; `Ok(None)` when it has none.
-    fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>>;
-    /// One packet out of `port`, due at wall time `due` (the buffer is the port's now).
-    /// The write may happen later, on another thread: its lateness (from `due` to the
-    /// start of the write) and whether it failed come back through `finished`. `alone`:
-    /// no other packet is due now, so writing it here delays nothing else.
-    fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, alone: bool);
-    /// Writes done since the last call: (lateness in wall ns, write failed).
+    /// One packet (a frame the fabric carries) from `port`; `Ok(None)` when it has none.
+    fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>>;
+    /// Packets due now, each to its port at its wall time `due` (the buffers are the
+    /// ports' now; `out` is left empty). Writes may happen later, on other threads, and
+    /// several frames of a flow to one port may go as one super-packet: each frame's
+    /// lateness (from `due` to the start of the write carrying it) and whether that write
+    /// failed come back through `finished`.
+    fn send(&mut self, out: &mut Vec<Outgoing>);
+    /// Writes done since the last call, a line per frame: (lateness in wall ns, failed).
     fn finished(&mut self, done: &mut Vec<(u64, bool)>);
 }
 
+/// A packet leaving the fabric.
+#[derive(Debug)]
+pub struct Outgoing {
+    pub port: usize,
+    pub data: Vec<u8>,
+    pub due: StdInstant,
+}
+
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
-/// eventfd that control requests use to wake the loop. Writes into the TUNs run the
-/// receiving GPU's network stack (the costly half of a packet's way): with more than one
-/// core they go to writer threads, each owning a fixed share of the TUNs (so that every
-/// GPU's packets stay in order), while the data plane's thread reads and runs the model.
+/// eventfd that control requests use to wake the loop.
+///
+/// With offload (`offload`), TUNs carry a virtio header each way: TCP super-packets read
+/// are cut into frames (kept per port until taken), and frames of a flow due together are
+/// written back as one super-packet.
+///
+/// Writes into the TUNs run the receiving GPU's network stack (the costly half of a
+/// packet's way): with more than one core they may go to writer threads, each owning a
+/// fixed share of the TUNs (so that every GPU's packets stay in order), while the data
+/// plane's thread reads and runs the model.
 #[derive(Debug)]
 pub struct TunPorts {
     tuns: Vec<Arc<OwnedFd>>,
+    offload: bool,
     epoll: Epoll,
     wake: Arc<EventFd>,
     tokens: Vec<u64>,
+    /// Frames cut from a super-packet and not taken yet, per port.
+    rx_frames: Vec<std::collections::VecDeque<Vec<u8>>>,
+    /// Ports with frames in `rx_frames`.
+    rx_waiting: usize,
+    /// One read buffer: each packet (frame) is then copied into a buffer of its own size,
+    /// so a held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
+    scratch: Vec<u8>,
     /// Empty: writes happen inline (one core).
     writers: Vec<Writer>,
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
@@ -365,13 +386,14 @@ pub struct TunPorts {
     inline_done: Vec<(u64, bool)>,
 }
 
-/// A packet for a writer thread: its TUN, its bytes, when it was due.
-type WriteJob = (Arc<OwnedFd>, Vec<u8>, StdInstant);
+/// What a writer thread writes: a TUN, whether it takes virtio headers, and frames that
+/// go as one packet (several only with offload).
+type WriteJob = (Arc<OwnedFd>, bool, Vec<Outgoing>);
 
 #[derive(Debug)]
 struct Writer {
     tx: std::sync::mpsc::SyncSender<WriteJob>,
-    /// Packets handed over and not written yet.
+    /// Jobs handed over and not written yet.
     pending: Arc<std::sync::atomic::AtomicUsize>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -381,12 +403,54 @@ struct Writer {
 /// load no thread is woken (the lowest latency), under load the cores share the work.
 const HANDOFF_LATE: StdDuration = StdDuration::from_micros(20);
 
-/// Packets a writer may have queued before the data plane waits for it.
+/// Jobs a writer may have queued before the data plane waits for it.
 const WRITE_QUEUE: usize = 4096;
 
+/// Largest read from a TUN: a 64 KiB super-packet and its virtio header.
+const MAX_READ: usize = 65_535 + crate::offload::VNET_HDR_LEN;
+
+/// Writes `frames` (one packet, or a run from `offload::mergeable_run`) into `fd`; a
+/// (lateness, failed) per frame into `done`.
+fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u64, bool)>) {
+    use crate::offload;
+    use std::io::IoSlice;
+    let now = StdInstant::now();
+    let failed = match frames {
+        [one] if !offload => sys::write_packet(fd.as_fd(), &one.data).is_err(),
+        [one] => {
+            let v = offload::single_hdr(&one.data).bytes();
+            sys::write_packet_vectored(fd.as_fd(), &[IoSlice::new(&v), IoSlice::new(&one.data)])
+                .is_err()
+        }
+        run => {
+            let refs: Vec<&[u8]> = run.iter().map(|o| &o.data[..]).collect();
+            let (v, h) = offload::coalesced_headers(&refs);
+            let v = v.bytes();
+            let hl = h.len();
+            let mut iov = Vec::with_capacity(run.len() + 2);
+            iov.push(IoSlice::new(&v));
+            iov.push(IoSlice::new(&h));
+            iov.extend(refs.iter().map(|f| IoSlice::new(&f[hl..])));
+            sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
+        }
+    };
+    done.extend(frames.iter().map(|o| {
+        (
+            now.saturating_duration_since(o.due).as_nanos() as u64,
+            failed,
+        )
+    }));
+}
+
 impl TunPorts {
-    /// `writers`: threads for TUN writes (0: write inline).
-    pub fn new(tuns: Vec<OwnedFd>, wake: Arc<EventFd>, writers: usize) -> io::Result<TunPorts> {
+    /// `offload`: the TUNs were made with virtio headers (`sys::tun_create`). `writers`:
+    /// threads for TUN writes (0: write inline).
+    pub fn new(
+        tuns: Vec<OwnedFd>,
+        wake: Arc<EventFd>,
+        offload: bool,
+        writers: usize,
+    ) -> io::Result<TunPorts> {
         let epoll = Epoll::new(tuns.len() + 1)?;
         for (i, t) in tuns.iter().enumerate() {
             epoll.add(t.as_fd(), i as u64)?;
@@ -396,7 +460,7 @@ impl TunPorts {
         let writers = (0..writers.min(tuns.len()))
             .map(|i| {
                 let (tx, rx) = std::sync::mpsc::sync_channel::<WriteJob>(WRITE_QUEUE);
-                let done = done_tx.clone();
+                let done_tx = done_tx.clone();
                 let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 let left = Arc::clone(&pending);
                 let thread = std::thread::Builder::new()
@@ -404,12 +468,14 @@ impl TunPorts {
                     .spawn(move || {
                         sys::set_timer_slack_ns(1);
                         let _ = sys::set_thread_nice(DATAPLANE_NICE);
-                        for (fd, packet, due) in rx {
-                            let late = StdInstant::now().saturating_duration_since(due);
-                            let failed = sys::write_packet(fd.as_fd(), &packet).is_err();
+                        let mut done = Vec::new();
+                        for (fd, offload, frames) in rx {
+                            write_job(&fd, offload, &frames, &mut done);
                             left.fetch_sub(1, std::sync::atomic::Ordering::Release);
-                            if done.send((late.as_nanos() as u64, failed)).is_err() {
-                                break;
+                            for d in done.drain(..) {
+                                if done_tx.send(d).is_err() {
+                                    return;
+                                }
                             }
                         }
                     })?;
@@ -421,7 +487,11 @@ impl TunPorts {
             })
             .collect::<io::Result<Vec<_>>>()?;
         Ok(TunPorts {
+            rx_frames: vec![Default::default(); tuns.len()],
+            rx_waiting: 0,
+            scratch: vec![0; MAX_READ],
             tuns: tuns.into_iter().map(Arc::new).collect(),
+            offload,
             epoll,
             wake,
             tokens: Vec::new(),
@@ -431,10 +501,13 @@ impl TunPorts {
         })
     }
 
-    /// The writer threads a box with `cores` cores gets: one fewer than its cores (the
-    /// data plane's thread has one), at most 4, none on one core.
+    /// The writer threads a box with `cores` cores gets: a core for the data plane's
+    /// thread and one for the GPUs' processes first, at most 4; none on 2 cores, where
+    /// measured (`make bench-live`, offload on) inline writes beat a writer thread on
+    /// every figure: one flow 14.7–17.1 vs 12.7–14.6 Gbit/s, 8 GPUs 14.9–15.6 vs
+    /// 12.4–13.8, because the thread competes with the GPUs for the same two cores.
     pub fn writers_for(cores: usize) -> usize {
-        cores.saturating_sub(1).min(4)
+        cores.saturating_sub(2).min(4)
     }
 
     /// The TUN descriptors, to be closed after their namespaces are gone (the writer
@@ -454,6 +527,40 @@ impl TunPorts {
             .map(|t| Arc::try_unwrap(t).expect("writers are gone"))
             .collect()
     }
+
+    /// Writes one job here or hands it to its port's writer.
+    fn dispatch(&mut self, port: usize, job: Vec<Outgoing>, alone: bool) {
+        use std::sync::atomic::Ordering;
+        let w = match self.writers.len() {
+            0 => None,
+            n => Some(&self.writers[port % n]),
+        };
+        // Inline when nothing else waits: a lone packet is written at once (no thread to
+        // wake, the lowest latency), provided its writer has nothing queued ahead of it
+        // (order kept); inline too while the data plane is on time.
+        let inline = match w {
+            None => true,
+            Some(w) => {
+                w.pending.load(Ordering::Acquire) == 0
+                    && (alone
+                        || StdInstant::now().saturating_duration_since(job[0].due) < HANDOFF_LATE)
+            }
+        };
+        if inline {
+            write_job(&self.tuns[port], self.offload, &job, &mut self.inline_done);
+            return;
+        }
+        let w = w.expect("not inline");
+        w.pending.fetch_add(1, Ordering::AcqRel);
+        let n = job.len();
+        if w.tx
+            .send((Arc::clone(&self.tuns[port]), self.offload, job))
+            .is_err()
+        {
+            w.pending.fetch_sub(1, Ordering::AcqRel);
+            self.inline_done.extend((0..n).map(|_| (0, true)));
+        }
+    }
 }
 
 impl Ports for TunPorts {
@@ -466,6 +573,12 @@ impl Ports for TunPorts {
     }
 
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
+        // Frames already cut and waiting: no sleeping, and their ports are ready.
+        let timeout = if self.rx_waiting > 0 {
+            StdDuration::ZERO
+        } else {
+            timeout
+        };
         self.tokens.clear();
         self.tokens
             .extend(self.epoll.wait(Some(timeout.as_nanos() as u64))?);
@@ -476,43 +589,78 @@ impl Ports for TunPorts {
                 ready.push(t as usize);
             }
         }
+        if self.rx_waiting > 0 {
+            for (p, q) in self.rx_frames.iter().enumerate() {
+                if !q.is_empty() && !ready.contains(&p) {
+                    ready.push(p);
+                }
+            }
+        }
         Ok(())
     }
 
-    fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        sys::read_packet(self.tuns[port].as_fd(), buf)
+    fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>> {
+        if let Some(f) = self.rx_frames[port].pop_front() {
+            if self.rx_frames[port].is_empty() {
+                self.rx_waiting -= 1;
+            }
+            return Ok(Some(f));
+        }
+        let Some(n) = sys::read_packet(self.tuns[port].as_fd(), &mut self.scratch)? else {
+            return Ok(None);
+        };
+        if !self.offload {
+            return Ok(Some(self.scratch[..n].to_vec()));
+        }
+        use crate::offload::{segment, VnetHdr, VNET_HDR_LEN};
+        let Some(hdr) = VnetHdr::parse(&self.scratch[..n]) else {
+            // Shorter than its header: nothing the kernel sends; the model counts it.
+            return Ok(Some(Vec::new()));
+        };
+        let pkt = &self.scratch[VNET_HDR_LEN..n];
+        let q = &mut self.rx_frames[port];
+        let mut frames = Vec::new();
+        if let Err(e) = segment(&hdr, pkt, &mut frames) {
+            // Handed on as it is: the model judges (and counts) it.
+            tracing::debug!("GPU {port}: super-packet not cut into frames: {e}");
+            return Ok(Some(pkt.to_vec()));
+        }
+        let mut frames = frames.into_iter();
+        let first = frames.next();
+        q.extend(frames);
+        if !q.is_empty() {
+            self.rx_waiting += 1;
+        }
+        Ok(first)
     }
 
-    fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, alone: bool) {
-        use std::sync::atomic::Ordering;
-        let w = match self.writers.len() {
-            0 => None,
-            n => Some(&self.writers[port % n]),
-        };
-        // Inline when nothing else waits: a lone packet is written at once (no thread to
-        // wake, the lowest latency), provided its writer has nothing of this port's queued
-        // ahead of it (its share of ports drained: order kept).
-        let inline = match w {
-            None => true,
-            Some(w) => {
-                w.pending.load(Ordering::Acquire) == 0
-                    && (alone || StdInstant::now().saturating_duration_since(due) < HANDOFF_LATE)
+    fn send(&mut self, out: &mut Vec<Outgoing>) {
+        // Each port's frames together, in their order (a stable sort), then cut into jobs:
+        // one frame each, or with offload a run of frames that continue one flow.
+        out.sort_by_key(|o| o.port);
+        let mut lens = Vec::new();
+        let mut i = 0;
+        while i < out.len() {
+            let port = out[i].port;
+            let mut end = i + 1;
+            while end < out.len() && out[end].port == port {
+                end += 1;
             }
-        };
-        if inline {
-            let late = StdInstant::now().saturating_duration_since(due);
-            let failed = sys::write_packet(self.tuns[port].as_fd(), &packet).is_err();
-            self.inline_done.push((late.as_nanos() as u64, failed));
-            return;
+            let len = if self.offload && end - i > 1 {
+                let refs: Vec<&[u8]> = out[i..end].iter().map(|o| &o.data[..]).collect();
+                crate::offload::mergeable_run(&refs)
+            } else {
+                1
+            };
+            lens.push(len);
+            i += len;
         }
-        let w = w.expect("not inline");
-        w.pending.fetch_add(1, Ordering::AcqRel);
-        if w.tx
-            .send((Arc::clone(&self.tuns[port]), packet, due))
-            .is_err()
-        {
-            w.pending.fetch_sub(1, Ordering::AcqRel);
-            self.inline_done.push((0, true));
+        let alone = lens.len() == 1;
+        let mut it = out.drain(..);
+        for len in lens {
+            let job: Vec<Outgoing> = it.by_ref().take(len).collect();
+            let port = job[0].port;
+            self.dispatch(port, job, alone);
         }
     }
 
@@ -547,12 +695,11 @@ pub struct DataPlane<P: Ports> {
     ready: Vec<usize>,
     /// Reused by `account_writes`.
     done: Vec<(u64, bool)>,
+    /// Reused by `deliver_due`.
+    outgoing: Vec<Outgoing>,
     ctl: Receiver<Ctl>,
     time_scale: TimeScale,
     start: StdInstant,
-    /// One read buffer: each packet is then copied into a buffer of its own size, so a
-    /// held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
-    scratch: Vec<u8>,
     lateness: Histogram,
     recent: Recent,
     /// When the recent window was last checked for a warning.
@@ -620,10 +767,10 @@ impl<P: Ports> DataPlane<P> {
             ports,
             ready: Vec::new(),
             done: Vec::new(),
+            outgoing: Vec::new(),
             ctl,
             time_scale: topo.fabric.time_scale,
             start: now,
-            scratch: vec![0; MAX_PACKET],
             lateness: Histogram::new(),
             recent: Recent::new(WINDOW.as_nanos() as u64, WINDOW_SLOTS),
             checked: now,
@@ -799,6 +946,8 @@ impl<P: Ports> DataPlane<P> {
                 }
                 c.counters[i as usize][0].fetch_add(1, Ordering::Relaxed);
                 let mut copy = t.clone();
+                // What the wire would carry: offloaded frames hold partial checksums.
+                crate::offload::fill_checksum(&mut copy.data);
                 copy.data.truncate(c.snaplen as usize);
                 match c.tx.try_send((i, copy)) {
                     Ok(()) => {
@@ -893,9 +1042,8 @@ impl<P: Ports> DataPlane<P> {
 
     fn read_port(&mut self, host: usize) {
         for _ in 0..READ_BATCH {
-            match self.ports.recv(host, &mut self.scratch) {
-                Ok(Some(n)) => {
-                    let buf = self.scratch[..n].to_vec();
+            match self.ports.recv(host) {
+                Ok(Some(buf)) => {
                     let now = self.fabric_now(self.ports.now());
                     // Drops are counted by the model; nothing else to do with the verdict.
                     let _ = self.model.send(now, HostId(host as u32), buf);
@@ -915,15 +1063,18 @@ impl<P: Ports> DataPlane<P> {
         self.model.advance(now);
         // Lateness is taken when the write starts: the write itself runs the receiver's
         // network stack, which is the GPU's time, not the fabric's.
-        let mut next = self.model.poll_delivery();
-        let mut first = true;
-        while let Some(d) = next.take() {
-            next = self.model.poll_delivery();
-            let alone = first && next.is_none();
-            first = false;
-            let due = self.wall_of(d.at);
-            self.ports.send(d.dst.0 as usize, d.data, due, alone);
+        let mut out = std::mem::take(&mut self.outgoing);
+        while let Some(d) = self.model.poll_delivery() {
+            out.push(Outgoing {
+                port: d.dst.0 as usize,
+                due: self.wall_of(d.at),
+                data: d.data,
+            });
         }
+        if !out.is_empty() {
+            self.ports.send(&mut out);
+        }
+        self.outgoing = out;
         self.account_writes(wall);
     }
 
@@ -1510,20 +1661,20 @@ mod tests {
             Ok(())
         }
 
-        fn recv(&mut self, port: usize, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>> {
             let q = &mut self.inbox[port];
             if q.front().is_none_or(|p| p.0 > self.elapsed) {
                 return Ok(None);
             }
-            let (_, p) = q.pop_front().expect("checked");
-            buf[..p.len()].copy_from_slice(&p);
-            Ok(Some(p.len()))
+            Ok(q.pop_front().map(|(_, p)| p))
         }
 
-        fn send(&mut self, port: usize, packet: Vec<u8>, due: StdInstant, _alone: bool) {
-            let late = self.now().saturating_duration_since(due).as_nanos() as u64;
-            self.done.push((late, false));
-            self.sent.push((port, self.elapsed, packet));
+        fn send(&mut self, out: &mut Vec<Outgoing>) {
+            for o in out.drain(..) {
+                let late = self.now().saturating_duration_since(o.due).as_nanos() as u64;
+                self.done.push((late, false));
+                self.sent.push((o.port, self.elapsed, o.data));
+            }
         }
 
         fn finished(&mut self, done: &mut Vec<(u64, bool)>) {
@@ -1760,37 +1911,63 @@ mod tests {
 #[cfg(test)]
 mod tun_ports_tests {
     use super::*;
+    use crate::offload::{self, VnetHdr, VNET_HDR_LEN};
     use std::os::unix::net::UnixDatagram;
+
+    /// Ports over datagram socket pairs standing in for TUNs (a datagram is a packet):
+    /// ours for the ports, theirs for the GPUs' side.
+    fn ports(n: usize, offload: bool, writers: usize) -> (TunPorts, Vec<UnixDatagram>) {
+        let (ours, theirs): (Vec<_>, Vec<_>) =
+            (0..n).map(|_| UnixDatagram::pair().unwrap()).unzip();
+        let fds: Vec<OwnedFd> = ours.into_iter().map(OwnedFd::from).collect();
+        for t in &theirs {
+            t.set_nonblocking(true).unwrap();
+        }
+        for f in &fds {
+            rustix::fs::fcntl_setfl(f, rustix::fs::OFlags::NONBLOCK).unwrap();
+        }
+        let wake = Arc::new(EventFd::new().unwrap());
+        (TunPorts::new(fds, wake, offload, writers).unwrap(), theirs)
+    }
+
+    fn wait_done(ports: &mut TunPorts, n: usize) -> Vec<(u64, bool)> {
+        let mut done = Vec::new();
+        let deadline = StdInstant::now() + StdDuration::from_secs(10);
+        while done.len() < n && StdInstant::now() < deadline {
+            ports.finished(&mut done);
+            std::thread::sleep(StdDuration::from_millis(1));
+        }
+        done
+    }
 
     /// Writer threads keep each port's packets in order, deliver every one, and report
     /// every write; late packets go to the writers, a lone one due now is written inline.
     #[test]
     fn writer_threads_keep_each_ports_order_and_report_every_write() {
         for writers in [0, 1, 2] {
-            let (ours, theirs): (Vec<_>, Vec<_>) =
-                (0..3).map(|_| UnixDatagram::pair().unwrap()).unzip();
-            let fds: Vec<OwnedFd> = ours.into_iter().map(OwnedFd::from).collect();
-            let wake = Arc::new(EventFd::new().unwrap());
-            let mut ports = TunPorts::new(fds, wake, writers).unwrap();
+            let (mut ports, theirs) = ports(3, false, writers);
             let late = StdInstant::now() - StdDuration::from_millis(5);
             let n = 300u32;
-            for i in 0..n {
-                let port = (i % 3) as usize;
-                ports.send(port, i.to_be_bytes().to_vec(), late, false);
-            }
-            ports.send(0, n.to_be_bytes().to_vec(), StdInstant::now(), true);
-            let mut done = Vec::new();
-            let deadline = StdInstant::now() + StdDuration::from_secs(10);
-            while done.len() < n as usize + 1 && StdInstant::now() < deadline {
-                ports.finished(&mut done);
-                std::thread::sleep(StdDuration::from_millis(1));
-            }
+            let mut out: Vec<Outgoing> = (0..n)
+                .map(|i| Outgoing {
+                    port: (i % 3) as usize,
+                    data: i.to_be_bytes().to_vec(),
+                    due: late,
+                })
+                .collect();
+            ports.send(&mut out);
+            assert!(out.is_empty());
+            let mut lone = vec![Outgoing {
+                port: 0,
+                data: n.to_be_bytes().to_vec(),
+                due: StdInstant::now(),
+            }];
+            ports.send(&mut lone);
+            let done = wait_done(&mut ports, n as usize + 1);
             assert_eq!(done.len(), n as usize + 1, "writers {writers}");
             assert!(done.iter().all(|&(_, failed)| !failed));
-            // The late ones were at least 5 ms late.
             assert!(done.iter().filter(|d| d.0 >= 5_000_000).count() >= n as usize);
             for (port, sock) in theirs.iter().enumerate() {
-                sock.set_nonblocking(true).unwrap();
                 let mut got = Vec::new();
                 let mut b = [0u8; 4];
                 while let Ok(4) = sock.recv(&mut b) {
@@ -1804,5 +1981,84 @@ mod tun_ports_tests {
             }
             drop(ports.into_tuns());
         }
+    }
+
+    /// A TCP packet 10.0.0.1 -> 10.0.0.2 of `payload` bytes from `seq` (ACK|PSH).
+    fn tcp(seq: u32, payload: usize) -> Vec<u8> {
+        let mut p = vec![0u8; 40];
+        p[0] = 0x45;
+        p[2..4].copy_from_slice(&((40 + payload) as u16).to_be_bytes());
+        p[6] = 0x40;
+        p[8] = 64;
+        p[9] = 6;
+        p[12..16].copy_from_slice(&[10, 0, 0, 1]);
+        p[16..20].copy_from_slice(&[10, 0, 0, 2]);
+        p[20..22].copy_from_slice(&1u16.to_be_bytes());
+        p[22..24].copy_from_slice(&2u16.to_be_bytes());
+        p[24..28].copy_from_slice(&seq.to_be_bytes());
+        p[32] = 5 << 4;
+        p[33] = 0x18;
+        p.extend((0..payload).map(|i| i as u8));
+        offload::set_ip_checksum(&mut p);
+        p
+    }
+
+    /// With offload: a super-packet read from a port comes out as its frames; frames
+    /// written together go back as one super-packet, and a gap splits them.
+    #[test]
+    fn offload_cuts_super_packets_and_coalesces_what_continues() {
+        let (mut ports, theirs) = ports(2, true, 0);
+        let gso = VnetHdr {
+            flags: offload::F_NEEDS_CSUM,
+            gso_type: offload::GSO_TCPV4,
+            hdr_len: 40,
+            gso_size: 1000,
+            csum_start: 20,
+            csum_offset: 16,
+        };
+        let mut msg = gso.bytes().to_vec();
+        msg.extend(tcp(100, 3500));
+        theirs[0].send(&msg).unwrap();
+        let mut frames = Vec::new();
+        while let Some(f) = ports.recv(0).unwrap() {
+            frames.push(f);
+        }
+        assert_eq!(
+            frames.iter().map(Vec::len).collect::<Vec<_>>(),
+            [1040, 1040, 1040, 540]
+        );
+        // Frames 0, 1, 3 (frame 2 lost): 0+1 go as one super-packet, 3 alone.
+        let due = StdInstant::now();
+        let mut out: Vec<Outgoing> = [0, 1, 3]
+            .iter()
+            .map(|&i| Outgoing {
+                port: 1,
+                data: frames[i].clone(),
+                due,
+            })
+            .collect();
+        ports.send(&mut out);
+        assert_eq!(wait_done(&mut ports, 3).len(), 3);
+        let mut b = vec![0u8; 70_000];
+        let n = theirs[1].recv(&mut b).unwrap();
+        let v = VnetHdr::parse(&b[..n]).unwrap();
+        assert_eq!((v.gso_type, v.gso_size), (offload::GSO_TCPV4, 1000));
+        let sp = &b[VNET_HDR_LEN..n];
+        assert_eq!(sp.len(), 40 + 2000);
+        assert_eq!(
+            sp[40..],
+            frames[0][40..]
+                .iter()
+                .chain(&frames[1][40..])
+                .copied()
+                .collect::<Vec<_>>()[..]
+        );
+        let n = theirs[1].recv(&mut b).unwrap();
+        let v = VnetHdr::parse(&b[..n]).unwrap();
+        assert_eq!(v.gso_type, offload::GSO_NONE);
+        assert_eq!(v.flags, offload::F_NEEDS_CSUM);
+        assert_eq!(&b[VNET_HDR_LEN..n], &frames[3][..]);
+        assert!(theirs[1].recv(&mut b).is_err(), "nothing more");
+        drop(ports.into_tuns());
     }
 }

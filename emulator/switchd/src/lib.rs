@@ -11,6 +11,7 @@ pub mod dataplane;
 pub mod histogram;
 pub mod metrics;
 pub mod netns;
+pub mod offload;
 pub mod pcapng;
 pub mod scenario;
 pub mod state;
@@ -157,7 +158,9 @@ pub fn run_fabric(
         state::kill_gpu_processes(st, Duration::from_secs(2));
         state::remove_objects(st)
     };
-    let tuns = match netns::create_all(&st, topo.fabric.mtu) {
+    // TUN offload (super-packets each way; see `offload`), unless CLOSBOX_OFFLOAD=0.
+    let offload = std::env::var("CLOSBOX_OFFLOAD").map_or(true, |v| v != "0");
+    let tuns = match netns::create_all(&st, topo.fabric.mtu, offload) {
         Ok(t) => t,
         Err(e) => {
             if let Err(e2) = teardown(&st) {
@@ -173,6 +176,7 @@ pub fn run_fabric(
         TunPorts::new(
             tuns,
             Arc::clone(&wake),
+            offload,
             std::env::var("CLOSBOX_TUN_WRITERS")
                 .ok()
                 .and_then(|v| v.parse().ok())

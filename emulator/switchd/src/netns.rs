@@ -48,7 +48,7 @@ fn mount_point(path: &Path) -> anyhow::Result<()> {
 }
 
 /// Builds one GPU in the calling thread, which it leaves in the GPU's namespaces.
-fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
+fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Result<OwnedFd> {
     let netns = g.netns_path();
     let uts = g.uts_path(&state.fabric);
     mount_point(&netns)?;
@@ -60,7 +60,8 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32) -> anyhow::Result<OwnedFd> {
         .with_context(|| format!("pinning {}", uts.display()))?;
     sys::sethostname(&g.name).context("sethostname")?;
     sys::if_configure("lo", None, None, None).context("bringing lo up")?;
-    let tun = sys::tun_create(&state.tun).context("creating TUN (is /dev/net/tun there?)")?;
+    let tun =
+        sys::tun_create(&state.tun, offload).context("creating TUN (is /dev/net/tun there?)")?;
     // The GPUs' TCP, as the topology file asks (these sysctls are per namespace).
     // A new namespace starts with the host's default; the kernel lets a namespace pick
     // only algorithms the host lists in tcp_allowed_congestion_control.
@@ -121,7 +122,7 @@ fn write_hosts(state: &State) -> anyhow::Result<()> {
 
 /// Creates every GPU of `state` (which must already be saved); returns the TUN fds in GPU
 /// order. On error, what was created stays recorded in the state for removal.
-pub fn create_all(state: &State, mtu: u32) -> anyhow::Result<Vec<OwnedFd>> {
+pub fn create_all(state: &State, mtu: u32, offload: bool) -> anyhow::Result<Vec<OwnedFd>> {
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
     let uts = state.fabric.dir().join("uts");
@@ -138,10 +139,11 @@ pub fn create_all(state: &State, mtu: u32) -> anyhow::Result<Vec<OwnedFd>> {
                     for i in start..(start + chunk).min(state.gpus.len()) {
                         let g = &state.gpus[i];
                         // A fresh thread per GPU: unshare moves the thread for good.
-                        let fd =
-                            thread::scope(|inner| inner.spawn(|| build_gpu(state, g, mtu)).join())
-                                .map_err(|_| anyhow::anyhow!("GPU setup thread panicked"))?
-                                .with_context(|| format!("setting up {}", g.name))?;
+                        let fd = thread::scope(|inner| {
+                            inner.spawn(|| build_gpu(state, g, mtu, offload)).join()
+                        })
+                        .map_err(|_| anyhow::anyhow!("GPU setup thread panicked"))?
+                        .with_context(|| format!("setting up {}", g.name))?;
                         tracing::debug!("{}: namespace {} ready", g.name, g.netns);
                         out.push((i, fd));
                     }
