@@ -54,7 +54,8 @@ pub struct TimeScaleHint {
     pub configured: f64,
     /// Every GPU sending at its fastest link's rate at once (bits/s of fabric time).
     pub offered_bps: u64,
-    /// What the box moves at this mtu (bits/s of wall time).
+    /// What the box moves at this mtu (bits/s of wall time): `BOX_BITS_PER_S`, or fewer
+    /// when frames are small (`BOX_FRAMES_PER_S`).
     pub box_bps: u64,
     /// The time_scale from which the box carries `offered_bps`.
     pub for_load: f64,
@@ -62,9 +63,15 @@ pub struct TimeScaleHint {
     pub shortest_path_ns: u64,
 }
 
-/// Packets a second the data plane sustains on the dev VM (measured 105,000 at mtu 9000 and
-/// 225,000 at mtu 1500 for one TCP flow; rounded down).
-pub const BOX_PACKETS_PER_S: u64 = 100_000;
+/// Frames a second the data plane carries on the dev VM (2 cores) with TUN offload while
+/// the GPUs' own processes share the cores: 8 unmodified torch gloo ranks at mtu 1500
+/// moved ~400,000 (and fell behind); one iperf3 flow alone moves ~1,000,000 at mtu 1500.
+pub const BOX_FRAMES_PER_S: u64 = 400_000;
+
+/// Bits a second of super-packets the data plane carries on the dev VM, whatever the
+/// mtu: 8 GPUs' iperf3 flows at mtu 9000 moved 14.9–15.6 Gbit/s; rounded down for the
+/// GPUs' own work.
+pub const BOX_BITS_PER_S: u64 = 10_000_000_000;
 
 impl TimeScaleHint {
     pub fn of(topo: &Topology) -> TimeScaleHint {
@@ -93,7 +100,7 @@ impl TimeScaleHint {
         let shortest = direct.min(via_switch);
         let shortest = if shortest == u64::MAX { 0 } else { shortest };
         let offered: u64 = fastest.iter().fold(0u64, |a, b| a.saturating_add(*b));
-        let box_bps = BOX_PACKETS_PER_S * topo.fabric.mtu as u64 * 8;
+        let box_bps = BOX_BITS_PER_S.min(BOX_FRAMES_PER_S * topo.fabric.mtu as u64 * 8);
         TimeScaleHint {
             configured: topo.fabric.time_scale.get(),
             offered_bps: offered,
