@@ -763,7 +763,14 @@ fn mpirun_line(
                 "--map-by".into(),
                 "node".into(),
             ];
-            let mut mca = |k: &str, v: &str| line.extend(["--mca".into(), k.into(), v.into()]);
+            // The user's --mca settings replace closbox's for the same key (Open MPI
+            // refuses a key given twice).
+            let user: Vec<&str> = a.mca.chunks(2).map(|kv| kv[0].as_str()).collect();
+            let mut mca = |k: &str, v: &str| {
+                if !user.contains(&k) {
+                    line.extend(["--mca".into(), k.into(), v.into()])
+                }
+            };
             // closbox starts each remote daemon in its GPU (and ends it with mpirun).
             mca(
                 "plm_rsh_agent",
@@ -815,11 +822,24 @@ fn mpirun_line(
             // Debian's MPICH is ch4:ucx: UCX over TCP on the fabric interface only (its
             // shared-memory transports would reach the other GPUs' memory directly), and
             // no rank counted local to another.
-            genv(&mut line, "UCX_TLS", "tcp,self");
-            genv(&mut line, "UCX_NET_DEVICES", &st.tun);
-            genv(&mut line, "MPIR_CVAR_NOLOCAL", "1");
-            // Yield the core at every poll of a busy wait (the default: every 1000).
-            genv(&mut line, "MPIR_CVAR_POLLS_BEFORE_YIELD", "1");
+            // The user's -x settings replace closbox's for the same variable.
+            let user: Vec<&str> = a
+                .export
+                .iter()
+                .map(|x| x.split_once('=').map_or(x.as_str(), |(k, _)| k))
+                .collect();
+            let defaults = [
+                ("UCX_TLS", "tcp,self"),
+                ("UCX_NET_DEVICES", st.tun.as_str()),
+                ("MPIR_CVAR_NOLOCAL", "1"),
+                // Yield the core at every poll of a busy wait (the default: every 1000).
+                ("MPIR_CVAR_POLLS_BEFORE_YIELD", "1"),
+            ];
+            for (k, v) in defaults {
+                if !user.contains(&k) {
+                    genv(&mut line, k, v);
+                }
+            }
             for x in a.export {
                 match x.split_once('=') {
                     Some((k, v)) => genv(&mut line, k, v),

@@ -131,6 +131,41 @@ fn netpipe_through_open_mpi_and_mpich() {
         // NetPIPE reports on stderr.
         o + &e
     };
+    // A user's setting replaces closbox's own for the same key (Open MPI refuses a key
+    // given twice, hydra would take the last).
+    for (imp, flag, kv, key) in [
+        (
+            "openmpi",
+            "--mca",
+            ["mpi_yield_when_idle", "0"],
+            "mpi_yield_when_idle",
+        ),
+        (
+            "mpich",
+            "-x",
+            ["MPIR_CVAR_POLLS_BEFORE_YIELD=0", ""],
+            "MPIR_CVAR_POLLS_BEFORE_YIELD",
+        ),
+    ] {
+        let mut a = vec![
+            "mpirun",
+            "--fabric",
+            "lnp",
+            "--impl",
+            imp,
+            "--dry-run",
+            flag,
+            kv[0],
+        ];
+        if !kv[1].is_empty() {
+            a.push(kv[1]);
+        }
+        a.extend(["--", "true"]);
+        let out = closbox(&a);
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{o}{e}");
+        assert_eq!(o.matches(key).count(), 1, "{o}");
+    }
     for (imp, prog) in [("openmpi", "NPopenmpi"), ("mpich", "NPmpich2")] {
         let integrity = mpirun(
             imp,
