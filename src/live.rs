@@ -55,17 +55,50 @@ fn join(names: &[FabricName]) -> String {
         .join(", ")
 }
 
+/// `up --time-scale`.
+#[derive(Clone, Copy, Debug)]
+pub enum TimeScaleArg {
+    Auto,
+    Fixed(closbox_fabric::TimeScale),
+}
+
+impl std::fmt::Display for TimeScaleArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TimeScaleArg::Auto => f.write_str("auto"),
+            TimeScaleArg::Fixed(k) => write!(f, "{}", k.get()),
+        }
+    }
+}
+
+/// "time_scale 2000 (auto: …why…)".
+fn time_scale_note(st: &State) -> String {
+    match &st.time_scale_note {
+        Some(why) => format!("time_scale {} (auto: {why})", st.time_scale),
+        None => format!("time_scale {}", st.time_scale),
+    }
+}
+
 pub fn up(
     file: &Path,
     detach: bool,
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
+    time_scale: Option<TimeScaleArg>,
 ) -> anyhow::Result<()> {
-    let topo = closbox_fabric::load(file)?;
+    let mut topo = closbox_fabric::load(file)?;
+    match time_scale {
+        Some(TimeScaleArg::Auto) => topo.fabric.time_scale_auto = true,
+        Some(TimeScaleArg::Fixed(k)) => {
+            topo.fabric.time_scale = k;
+            topo.fabric.time_scale_auto = false;
+        }
+        None => {}
+    }
     closbox_switchd::require_root("closbox up")?;
     if detach {
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
-        return up_detached(file, &name, metrics);
+        return up_detached(file, &name, metrics, time_scale);
     }
     closbox_switchd::run_fabric(&topo, file, log_to, metrics, |st, took| {
         let how = if log_to.is_some() {
@@ -78,10 +111,11 @@ pub fn up(
             format!("Ctrl-C or `closbox down {}` to stop", st.fabric)
         };
         println!(
-            "fabric {} up: {} GPUs in {:.2} s (namespaces {} … {}); {how}",
+            "fabric {} up: {} GPUs in {:.2} s, {} (namespaces {} … {}); {how}",
             st.fabric,
             st.gpus.len(),
             took.as_secs_f64(),
+            time_scale_note(st),
             st.gpus.first().map_or("", |g| &g.netns),
             st.gpus.last().map_or("", |g| &g.netns),
         );
@@ -95,6 +129,7 @@ fn up_detached(
     file: &Path,
     name: &FabricName,
     metrics: Option<std::net::SocketAddr>,
+    time_scale: Option<TimeScaleArg>,
 ) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
@@ -116,6 +151,9 @@ fn up_detached(
         cmd.arg("up").arg(file).arg("--log-to").arg(&log_path);
         if let Some(addr) = metrics {
             cmd.arg("--metrics").arg(addr.to_string());
+        }
+        if let Some(k) = time_scale {
+            cmd.arg("--time-scale").arg(k.to_string());
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -140,9 +178,10 @@ fn up_detached(
         if let Ok(Some(st)) = State::load(name) {
             if st.phase == Phase::Ready && st.daemon_pid == child.id() {
                 println!(
-                    "fabric {name} up: {} GPUs in {:.2} s (daemon pid {}, log {}); `closbox down {name}` to stop",
+                    "fabric {name} up: {} GPUs in {:.2} s, {} (daemon pid {}, log {}); `closbox down {name}` to stop",
                     st.gpus.len(),
                     started.elapsed().as_secs_f64(),
+                    time_scale_note(&st),
                     child.id(),
                     log_path.display()
                 );

@@ -50,6 +50,10 @@ enum Command {
         /// 127.0.0.1:9464).
         #[arg(long, value_name = "ADDR", value_parser = loopback_addr)]
         metrics: Option<std::net::SocketAddr>,
+        /// Override the file's time_scale: a number from 1 to 1000000, or "auto" (measure
+        /// this box at up and choose).
+        #[arg(long, value_name = "auto|K", value_parser = time_scale_arg)]
+        time_scale: Option<live::TimeScaleArg>,
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
@@ -561,6 +565,17 @@ pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(Usage(msg.into()))
 }
 
+fn time_scale_arg(s: &str) -> Result<live::TimeScaleArg, String> {
+    if s == "auto" {
+        return Ok(live::TimeScaleArg::Auto);
+    }
+    s.parse::<f64>()
+        .ok()
+        .and_then(closbox_fabric::TimeScale::new)
+        .map(live::TimeScaleArg::Fixed)
+        .ok_or_else(|| format!("{s:?}: a time scale from 1 to 1000000, or \"auto\""))
+}
+
 fn loopback_addr(s: &str) -> Result<std::net::SocketAddr, String> {
     let a: std::net::SocketAddr = s
         .parse()
@@ -694,7 +709,9 @@ fn main() -> ExitCode {
             detach,
             log_to,
             metrics,
-        } => live::up(&file, detach, log_to.as_deref(), metrics).map(|()| ExitCode::SUCCESS),
+            time_scale,
+        } => live::up(&file, detach, log_to.as_deref(), metrics, time_scale)
+            .map(|()| ExitCode::SUCCESS),
         Command::Down { fabric, all } => {
             live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
         }

@@ -141,7 +141,14 @@ pub fn render_plan(p: &Plan) -> String {
     let _ = writeln!(s, "  intra-node  {}", hops(&p.hops_intra_node));
     let _ = writeln!(s, "  inter-node  {}", hops(&p.hops_inter_node));
     let t = &p.time_scale;
-    let k = t.configured;
+    if t.auto {
+        let _ = writeln!(
+            s,
+            "time_scale           auto: `up` measures this box through the fabric's own data path and chooses (see the README); the estimate below is for time_scale {}",
+            t.for_load
+        );
+    }
+    let k = if t.auto { t.for_load } else { t.configured };
     let load = if k >= t.for_load {
         format!("the box keeps up (it does from time_scale {})", t.for_load)
     } else {

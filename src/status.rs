@@ -131,6 +131,9 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         st.time_scale,
         st.config.display()
     );
+    if let Some(why) = &st.time_scale_note {
+        let _ = writeln!(o, "  time_scale chosen at up (auto): {why}");
+    }
     let s = match answer {
         Answer::Error { error, .. } => {
             let _ = writeln!(o, "  daemon    ERROR: {error}");

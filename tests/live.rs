@@ -647,3 +647,45 @@ fn mpi_all_reduce_runs_unmodified() {
     assert!(o.contains("--host gpu0,gpu1,gpu2,gpu3 -np 4"), "{o}");
     f.down();
 }
+
+/// `up --time-scale auto` measures the box through the fabric's own data path and
+/// chooses: links far faster than the box need dilation, 1 Gbit/s links (nearly) none;
+/// the choice and its reason are in `status`. `--time-scale K` overrides the file.
+#[test]
+fn time_scale_auto_is_measured_at_up() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let mut chosen = Vec::new();
+    for rate in ["100Gbit", "1Gbit"] {
+        let f = TestFabric::up_with(
+            "lt-auto",
+            &common::leaf_spine_4(rate, "1us"),
+            &["--time-scale", "auto"],
+        );
+        let k = f.status()["time_scale"].as_f64().unwrap();
+        let out = closbox(&["status", "lt-auto"]);
+        let (o, _) = text(&out);
+        f.down();
+        assert!(
+            o.contains("time_scale chosen at up (auto): the box carried"),
+            "{o}"
+        );
+        eprintln!("{rate} links: time_scale auto chose {k}");
+        chosen.push(k);
+    }
+    // 4 GPUs × 100 Gbit/s is beyond this box at real time; 4 × 1 Gbit/s is not.
+    assert!(chosen[0] >= 5.0 && chosen[0] <= 1000.0, "{chosen:?}");
+    assert!(chosen[1] <= 10.0, "{chosen:?}");
+    assert!(chosen[0] > chosen[1], "{chosen:?}");
+    let f = TestFabric::up_with(
+        "lt-auto",
+        &common::leaf_spine_4("1Gbit", "1us"),
+        &["--time-scale", "250"],
+    );
+    assert_eq!(f.status()["time_scale"].as_f64(), Some(250.0));
+    f.down();
+    let bad = closbox(&["up", "configs/default.toml", "--time-scale", "fast"]);
+    assert_eq!(bad.status.code(), Some(2), "{:?}", text(&bad));
+}

@@ -50,8 +50,10 @@ pub struct Plan {
 /// GPU-to-GPU latency on the wall clock against the box's timing precision.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct TimeScaleHint {
-    /// In the file.
+    /// In the file (1 when it says "auto").
     pub configured: f64,
+    /// The file says "auto": `up` measures the box and chooses.
+    pub auto: bool,
     /// Every GPU sending at its fastest link's rate at once (bits/s of fabric time).
     pub offered_bps: u64,
     /// What the box moves at this mtu (bits/s of wall time): `BOX_BITS_PER_S`, or fewer
@@ -103,6 +105,7 @@ impl TimeScaleHint {
         let box_bps = BOX_BITS_PER_S.min(BOX_FRAMES_PER_S * topo.fabric.mtu as u64 * 8);
         TimeScaleHint {
             configured: topo.fabric.time_scale.get(),
+            auto: topo.fabric.time_scale_auto,
             offered_bps: offered,
             box_bps,
             for_load: round_up_125((offered as f64 / box_bps as f64).clamp(1.0, 1e6)),

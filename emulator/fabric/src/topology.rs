@@ -226,6 +226,9 @@ pub struct FabricParams {
     pub seed: u64,
     /// 1 = real time; k > 1 = the fabric runs k times slower than wall time.
     pub time_scale: crate::units::TimeScale,
+    /// `time_scale = "auto"`: `up` measures the box and sets `time_scale` (until then
+    /// it reads 1).
+    pub time_scale_auto: bool,
     pub pool: Ipv4Net,
     /// Largest IP packet a GPU sends, in bytes; larger packets are split into frames.
     pub mtu: u32,

@@ -5,6 +5,7 @@
 //! All OS access goes through `sys` (the only module with `unsafe`); the model
 //! (`closbox_fabric`) stays free of I/O and clocks.
 
+pub mod calibrate;
 pub mod chaos;
 pub mod control;
 pub mod dataplane;
@@ -26,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use closbox_fabric::Topology;
+use closbox_fabric::{TimeScale, Topology};
 
 use crate::dataplane::{Ctl, DataPlane, TunPorts};
 use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, TUN_NAME};
@@ -77,6 +78,7 @@ pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
         tcp_congestion: topo.fabric.host_tcp.congestion.clone(),
         tcp_ecn: topo.fabric.host_tcp.ecn,
         tcp_slow_start_after_idle: topo.fabric.host_tcp.slow_start_after_idle,
+        time_scale_note: None,
         gpus: topo
             .hosts
             .iter()
@@ -169,23 +171,44 @@ pub fn run_fabric(
             return Err(e.context(format!("bringing fabric {name} up")));
         }
     };
+    let writers = std::env::var("CLOSBOX_TUN_WRITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            TunPorts::writers_for(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        });
+    // time_scale = "auto": measured now, through this fabric's own data path.
+    let calibrated;
+    let (topo, tuns) = if topo.fabric.time_scale_auto {
+        let (choice, tuns) = match calibrate::choose(topo, &st, tuns, offload, writers) {
+            Ok(r) => r,
+            Err(e) => {
+                if let Err(e2) = teardown(&st) {
+                    tracing::error!("cleaning up after a failed calibration: {e2:#}");
+                }
+                return Err(e.context(format!("choosing fabric {name}'s time_scale")));
+            }
+        };
+        tracing::info!(
+            "fabric {name}: time_scale auto → {}: {}",
+            choice.time_scale,
+            choice.why
+        );
+        let mut t = topo.clone();
+        t.fabric.time_scale = TimeScale::new(choice.time_scale).context("chosen time scale")?;
+        st.time_scale = t.fabric.time_scale;
+        st.time_scale_note = Some(choice.why);
+        st.save()?;
+        calibrated = t;
+        (&calibrated, tuns)
+    } else {
+        (topo, tuns)
+    };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
     let dp = DataPlane::new(
         topo,
-        TunPorts::new(
-            tuns,
-            Arc::clone(&wake),
-            offload,
-            std::env::var("CLOSBOX_TUN_WRITERS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| {
-                    TunPorts::writers_for(
-                        std::thread::available_parallelism().map_or(1, |n| n.get()),
-                    )
-                }),
-        )?,
+        TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
         ctl_rx,
     );
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;

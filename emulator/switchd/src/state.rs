@@ -154,6 +154,9 @@ pub struct State {
     pub tcp_ecn: bool,
     #[serde(default)]
     pub tcp_slow_start_after_idle: bool,
+    /// With `time_scale = "auto"`: why `up` chose `time_scale` (its calibration).
+    #[serde(default)]
+    pub time_scale_note: Option<String>,
     pub gpus: Vec<GpuState>,
 }
 

@@ -243,15 +243,17 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
     let f = &raw.fabric;
     let name = f.name.get_ref();
     crate::names::check_fabric_name(name).map_err(|e| cx.err(&f.name, e))?;
-    let time_scale = match &f.time_scale {
-        Some(t) if !(t.get_ref().is_finite() && *t.get_ref() >= 1.0 && *t.get_ref() <= 1e6) => {
-            return Err(cx.err(
-                t,
-                "`time_scale` must be between 1 (real time) and 1000000 (the fabric runs that many times slower than wall time)",
-            ))
+    let bad_scale = "`time_scale` must be between 1 (real time) and 1000000 (the fabric runs that many times slower than wall time), or \"auto\" (chosen at `up` by measuring this box)";
+    let (time_scale, time_scale_auto) = match f.time_scale.as_ref().map(|t| (t, t.get_ref())) {
+        Some((t, raw::RawTimeScale::Number(k))) => {
+            if !(k.is_finite() && *k >= 1.0 && *k <= 1e6) {
+                return Err(cx.err(t, bad_scale));
+            }
+            (TimeScale::new(*k).expect("checked above"), false)
         }
-        Some(t) => TimeScale::new(*t.get_ref()).expect("checked above"),
-        None => TimeScale::REAL_TIME,
+        Some((_, raw::RawTimeScale::Word(w))) if w == "auto" => (TimeScale::REAL_TIME, true),
+        Some((t, raw::RawTimeScale::Word(_))) => return Err(cx.err(t, bad_scale)),
+        None => (TimeScale::REAL_TIME, false),
     };
     let pool = match &f.address_pool {
         Some(p) => p.get_ref().parse::<Ipv4Net>().map_err(|e| cx.err(p, e))?,
@@ -305,6 +307,7 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
         name: name.clone(),
         seed: f.seed,
         time_scale,
+        time_scale_auto,
         pool,
         mtu,
         l2_overhead,
@@ -391,6 +394,25 @@ gpus_per_leaf = 4
     }
 
     #[test]
+    fn time_scale_is_a_number_or_auto() {
+        let t = parse(
+            &LS.replace("name = \"ls\"", "name = \"ls\"\ntime_scale = \"auto\""),
+            "t.toml",
+        )
+        .unwrap();
+        assert!(t.fabric.time_scale_auto);
+        assert_eq!(t.fabric.time_scale.get(), 1.0, "1 until up measures");
+        let t = parse(
+            &LS.replace("name = \"ls\"", "name = \"ls\"\ntime_scale = 250"),
+            "t.toml",
+        )
+        .unwrap();
+        assert!(!t.fabric.time_scale_auto);
+        assert_eq!(t.fabric.time_scale.get(), 250.0);
+        assert!(!parse(LS, "t.toml").unwrap().fabric.time_scale_auto);
+    }
+
+    #[test]
     fn wrong_types_and_ranges_never_panic() {
         for (text, needle) in [
             ("[fabric]\nname = \"Bad Name\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "fabric name"),
@@ -399,6 +421,8 @@ gpus_per_leaf = 4
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"mesh\"\n", "unknown topology kind"),
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\n", "needs `spines`"),
             ("[fabric]\nname = \"x\"\ntime_scale = 0.5\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "time_scale"),
+            ("[fabric]\nname = \"x\"\ntime_scale = \"fast\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: `time_scale` must be"),
+            ("[fabric]\nname = \"x\"\ntime_scale = true\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.1/15\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "host bits"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.0/30\"\n[topology]\nkind = \"full-mesh\"\ngpus = 3\n", "do not fit"),
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[links.nic]\nloss = 1.5\n", "[0, 1)"),

@@ -31,13 +31,21 @@ pub(super) struct RawFabric {
     pub(super) name: Spanned<String>,
     #[serde(default)]
     pub(super) seed: u64,
-    pub(super) time_scale: Option<Spanned<f64>>,
+    pub(super) time_scale: Option<Spanned<RawTimeScale>>,
     pub(super) address_pool: Option<Spanned<String>>,
     pub(super) mtu: Option<Spanned<i64>>,
     pub(super) l2_overhead: Option<Spanned<Bytes>>,
     pub(super) packet_memory: Option<Spanned<Bytes>>,
     pub(super) failure_detection: Option<Spanned<Duration>>,
     pub(super) route_convergence: Option<Spanned<Duration>>,
+}
+
+/// `time_scale = 4000` or `time_scale = "auto"`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawTimeScale {
+    Number(f64),
+    Word(String),
 }
 
 #[derive(Deserialize)]
