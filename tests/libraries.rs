@@ -111,6 +111,7 @@ fn netpipe_through_open_mpi_and_mpich() {
         return;
     }
     let f = TestFabric::up("lnp", &shipped_body("leaf-spine-16.toml", ""));
+    // `args`: closbox mpirun's own options, "--", then the program.
     let mpirun = |imp: &str, args: &[&str]| {
         let mut a = vec![
             "mpirun",
@@ -122,8 +123,10 @@ fn netpipe_through_open_mpi_and_mpich() {
             "0,15",
             "--timeout",
             "120",
-            "--",
         ];
+        if !args.contains(&"--") {
+            a.push("--");
+        }
         a.extend_from_slice(args);
         let out = closbox(&a);
         let (o, e) = text(&out);
@@ -209,6 +212,35 @@ fn netpipe_through_open_mpi_and_mpich() {
             ],
         ));
         let (lat_us, mbps) = (lat[0].2, bw[0].1);
+        if imp == "openmpi" {
+            // Ranks that busy-poll (no yielding) must not share a core: closbox then does
+            // not let mpirun bind every "node"'s rank to core 0 (4 ms a message).
+            let spin = netpipe_lines(&mpirun(
+                imp,
+                &[
+                    "--mca",
+                    "mpi_yield_when_idle",
+                    "0",
+                    "--",
+                    prog,
+                    "-l",
+                    "8",
+                    "-u",
+                    "8",
+                    "-p",
+                    "0",
+                    "-n",
+                    "300",
+                    "-o",
+                    "/dev/null",
+                ],
+            ));
+            eprintln!(
+                "openmpi, busy-polling ranks: 8 B one way {:.1} µs",
+                spin[0].2
+            );
+            assert!(spin[0].2 < LS16_PATH_US + 500.0, "{} µs", spin[0].2);
+        }
         eprintln!(
             "{imp}: 8 B one way {lat_us:.1} µs (path {LS16_PATH_US} µs), 4 MiB {mbps:.0} Mbit/s"
         );
