@@ -126,6 +126,17 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         let _ = s.wait();
     }
     std::thread::sleep(Duration::from_millis(500));
+    // The port's counters just before the capture ends and just after: a late packet
+    // (a retransmitted FIN, say) may cross the port in between, and then in the file or
+    // not. Quiet, the two agree and the check below is exact.
+    let port_counts = |f: &TestFabric| {
+        let p = f.port("sw0->gpu0");
+        (
+            p["tx_packets"].as_u64().unwrap(),
+            p["drops_buffer"].as_u64().unwrap() + p["drops_loss"].as_u64().unwrap(),
+        )
+    };
+    let before = port_counts(&f);
     // Ctrl-C's signal: the capture ends with its statistics.
     Command::new("kill")
         .args(["-INT", &cap.id().to_string()])
@@ -136,6 +147,7 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     use std::io::Read;
     cap.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{err}");
+    let after = port_counts(&f);
 
     Command::new("kill")
         .args(["-INT", &rec.id().to_string()])
@@ -185,11 +197,7 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     let out = closbox(&["flows", "--fabric", "lt-cap", "--top", "7"]);
     eprintln!("{}", text(&out).0);
 
-    let p = f.port("sw0->gpu0");
-    let (tx, dropped) = (
-        p["tx_packets"].as_u64().unwrap(),
-        p["drops_buffer"].as_u64().unwrap() + p["drops_loss"].as_u64().unwrap(),
-    );
+    let (tx, dropped) = after;
     let path = file.to_str().unwrap();
     // tshark: every packet, the dropped ones with their reason in a comment.
     let all = read_with(
@@ -224,11 +232,16 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         })
         .map_or(0, |n| n.parse().unwrap());
     assert!(stats.contains("Number of interfaces in file: 1"), "{stats}");
-    assert!(dropped > 0, "an incast into a 256 KiB buffer drops: {p}");
-    // Every packet the port sent or dropped is in the file, or counted as not kept.
-    assert_eq!(in_file + not_kept, tx + dropped, "{err}");
+    assert!(dropped > 0, "an incast into a 256 KiB buffer drops");
+    // Every packet the port sent or dropped while the capture ran is in the file, or
+    // counted as not kept.
+    let (lo, hi) = (before.0 + before.1, after.0 + after.1);
+    assert!(
+        (lo..=hi).contains(&(in_file + not_kept)),
+        "{in_file} + {not_kept} not in {lo}..={hi}: {err}"
+    );
     if not_kept == 0 {
-        assert_eq!(commented, dropped);
+        assert!((before.1..=after.1).contains(&commented), "{commented}");
     } else {
         assert!(commented <= dropped);
     }
