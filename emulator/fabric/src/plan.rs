@@ -75,19 +75,30 @@ pub const BOX_FRAMES_PER_S: u64 = 400_000;
 /// GPUs' own work.
 pub const BOX_BITS_PER_S: u64 = 10_000_000_000;
 
+/// Each GPU's fastest link (its NIC, or its scale-up link), bits/s: what it can offer.
+pub fn fastest_host_links(topo: &Topology) -> Vec<u64> {
+    let mut fastest = vec![0u64; topo.hosts.len()];
+    for l in &topo.links {
+        for v in [l.a, l.b] {
+            if let Vertex::Host(x) = v {
+                let f = &mut fastest[x.0 as usize];
+                *f = (*f).max(l.params.rate.bps());
+            }
+        }
+    }
+    fastest
+}
+
 impl TimeScaleHint {
     pub fn of(topo: &Topology) -> TimeScaleHint {
-        let h = topo.hosts.len();
-        let mut fastest = vec![0u64; h];
+        let fastest = fastest_host_links(topo);
         let mut min_host_link = u64::MAX;
         let mut min_latency = u64::MAX;
         let mut direct = u64::MAX;
         for l in &topo.links {
             let ends = [l.a, l.b];
             for (i, e) in ends.iter().enumerate() {
-                if let Vertex::Host(x) = e {
-                    let f = &mut fastest[x.0 as usize];
-                    *f = (*f).max(l.params.rate.bps());
+                if let Vertex::Host(_) = e {
                     match ends[1 - i] {
                         Vertex::Switch(s) => {
                             min_host_link = min_host_link.min(l.params.delay.as_nanos());

@@ -28,7 +28,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use closbox_fabric::plan::round_up_125;
-use closbox_fabric::topology::Vertex;
 use closbox_fabric::{TimeScale, Topology};
 
 use crate::dataplane::{Ctl, DataPlane, TunPorts};
@@ -72,20 +71,6 @@ fn next_125(k: f64) -> f64 {
     round_up_125(k * 1.0001)
 }
 
-/// Each GPU's fastest link (its NIC), bits/s.
-fn nic_rates(topo: &Topology) -> Vec<u64> {
-    let mut fastest = vec![0u64; topo.hosts.len()];
-    for l in &topo.links {
-        for v in [l.a, l.b] {
-            if let Vertex::Host(h) = v {
-                let f = &mut fastest[h.0 as usize];
-                *f = (*f).max(l.params.rate.bps());
-            }
-        }
-    }
-    fastest
-}
-
 /// Runs the trials on the fabric's TUNs (returned, for the real data plane) and chooses.
 pub fn choose(
     topo: &Topology,
@@ -107,7 +92,7 @@ pub fn choose(
         ));
     }
     let m = n.min(MAX_STREAMS);
-    let rates = nic_rates(topo);
+    let rates = closbox_fabric::plan::fastest_host_links(topo);
     // Frames carry mtu − 52 bytes of TCP payload (IP, TCP and timestamps) for mtu + the
     // framing overhead on the wire.
     let mtu = topo.fabric.mtu as f64;

@@ -111,13 +111,12 @@ fn fold(mut sum: u32) -> u16 {
     sum as u16
 }
 
-/// Recomputes an IPv4 header's checksum (`ip` starts with the header).
+/// Recomputes an IPv4 header's checksum (`ip` starts with a whole header).
 pub fn set_ip_checksum(ip: &mut [u8]) {
-    let ihl = (ip[0] & 0x0f) as usize * 4;
-    ip[10] = 0;
-    ip[11] = 0;
-    let sum: u32 = ip[..ihl].chunks(2).map(|c| be16(c, 0) as u32).sum();
-    ip[10..12].copy_from_slice(&(!fold(sum)).to_be_bytes());
+    let sum = pnet_packet::ipv4::Ipv4Packet::new(ip)
+        .map(|h| pnet_packet::ipv4::checksum(&h))
+        .expect("an IPv4 header");
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
 }
 
 /// The folded pseudo-header sum of an IPv4 packet's transport part of `len` bytes (what
@@ -321,23 +320,12 @@ pub fn fill_checksum(p: &mut [u8]) {
     if p[9] == UDP && be16(p, ihl + 6) == 0 {
         return; // no checksum
     }
-    let proto = p[9];
-    p[ihl + off] = 0;
-    p[ihl + off + 1] = 0;
-    let mut sum = pseudo(p, proto, total - ihl) as u64;
-    let body = &p[ihl..];
-    let mut chunks = body.chunks_exact(2);
-    for c in &mut chunks {
-        sum += be16(c, 0) as u64;
-    }
-    if let [b] = chunks.remainder() {
-        sum += (*b as u64) << 8;
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    let mut c = !(sum as u16);
-    if proto == UDP && c == 0 {
+    let addr = |i: usize| std::net::Ipv4Addr::new(p[i], p[i + 1], p[i + 2], p[i + 3]);
+    let (src, dst) = (addr(12), addr(16));
+    let proto = pnet_packet::ip::IpNextHeaderProtocol(p[9]);
+    // pnet skips the checksum word itself (`off / 2` in 16-bit words).
+    let mut c = pnet_packet::util::ipv4_checksum(&p[ihl..], off / 2, &[], &src, &dst, proto);
+    if p[9] == UDP && c == 0 {
         c = 0xffff;
     }
     p[ihl + off..ihl + off + 2].copy_from_slice(&c.to_be_bytes());
