@@ -216,6 +216,29 @@ impl Group {
         Ok(())
     }
 
+    /// Sends what the socket accepts without blocking (none of it if it is full): the
+    /// number of bytes sent.
+    fn send_ready(&self, peer: usize, ch: usize, buf: &[u8]) -> anyhow::Result<usize> {
+        use rustix::net::SendFlags;
+        let stream = self.stream(peer, ch);
+        let mut off = 0;
+        while off < buf.len() {
+            match rustix::net::send(
+                stream,
+                &buf[off..],
+                SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+            ) {
+                Ok(0) => break,
+                Ok(r) => off += r,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(self.lost(peer, "sending to", e.into())),
+            }
+        }
+        self.sent[peer].fetch_add(off as u64, Ordering::Relaxed);
+        Ok(off)
+    }
+
     /// Bytes this rank has sent to each peer so far.
     pub fn bytes_sent(&self) -> Vec<u64> {
         self.sent
@@ -241,6 +264,11 @@ impl Group {
         piece: usize,
         mut on_piece: impl FnMut(usize, &[u8]),
     ) -> anyhow::Result<()> {
+        // What the socket takes at once is sent here: a short message (most steps of a
+        // latency-bound collective) then needs no sender thread, whose creation would cost
+        // more wall time than the message (the box's wall time, in fabric time ÷ k).
+        let now = self.send_ready(to, ch, out)?;
+        let out = &out[now..];
         std::thread::scope(|s| {
             let sender = (!out.is_empty()).then(|| s.spawn(|| self.send(to, ch, out)));
             let mut got = Ok(());
