@@ -173,7 +173,32 @@ pub struct RunHealth {
     events: Vec<String>,
     /// Synthetic loads running during the run.
     loads: Vec<String>,
+    /// The lateness histogram once every rank had connected (at the run's start if that
+    /// is unknown), and at its end: windows inside the run are taken between them.
+    buckets_connected: Vec<(u64, u64)>,
+    buckets_after: Vec<(u64, u64)>,
 }
+
+/// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
+type Buckets = Vec<(u64, u64)>;
+
+/// Results the box's lateness could have changed, and by how much.
+pub struct Late {
+    /// What was affected ("allreduce 64 KiB, 128 KiB" or "operations as short as …").
+    what: String,
+    /// The worst case: lateness could add `added_us` to an operation of `op_us` (fabric).
+    added_us: f64,
+    op_us: f64,
+    steps: usize,
+    /// Messages in flight at once in a step (the GPUs).
+    parallel: usize,
+    /// The smallest time scale that would have held them all.
+    holding: f64,
+}
+
+/// Writes a window's lateness p99 is judged on at least (fewer: the window is widened to
+/// its neighbours').
+const WINDOW_SAMPLES: u64 = 100;
 
 /// Most events a footer lists.
 const FOOTER_EVENTS: usize = 20;
@@ -244,36 +269,127 @@ impl RunHealth {
                 .collect(),
             events,
             loads,
+            buckets_connected: before.lateness_buckets.clone(),
+            buckets_after: after.lateness_buckets.clone(),
         }
     }
 
-    /// Fabric time lateness could add to one operation whose messages pass `steps` times
-    /// through the fabric one after another (each late by up to the p99): µs.
-    fn added_us(&self, steps: usize) -> f64 {
-        self.time_scale
-            .fabric_of(steps as f64 * self.lateness.p99_us)
+    /// Fabric time a step lateness of `step_us` (wall) could add to one operation of
+    /// `steps` sequential steps: µs.
+    fn added_us(&self, step_us: f64, steps: usize) -> f64 {
+        self.time_scale.fabric_of(steps as f64 * step_us)
     }
 
-    /// The box's lateness could have changed a result: it may add more than 5 % to the
-    /// shortest measured time (`shortest_us`, fabric time) of operations of `steps`
-    /// sequential messages, or the kernel dropped packets the daemon read too late.
-    pub fn behind(&self, shortest_us: f64, steps: usize) -> bool {
-        self.tun_drops > 0
-            || (self.lateness.samples >= 100 && self.added_us(steps) > LATENESS_SHARE * shortest_us)
-    }
-
-    /// The smallest time scale (1-2-5 steps) at which this run's wall lateness would have
-    /// stayed under `LATENESS_SHARE` of its shortest operation: lateness is a wall-time
-    /// cost of the box, so in fabric time it scales as 1/time_scale. (At a higher scale the
-    /// box also has fewer packets per wall second, so its lateness tends to fall: this is
-    /// enough, not a minimum.)
-    fn holding_time_scale(&self, shortest_us: f64, steps: usize) -> f64 {
+    /// The smallest time scale (1-2-5 steps) at which a step lateness of `step_us` would have
+    /// stayed under `LATENESS_SHARE` of an operation of `op_us` with `steps` messages:
+    /// lateness is a wall-time cost of the box, so in fabric time it scales as
+    /// 1/time_scale. (At a higher scale the box also has fewer packets per wall second,
+    /// so its lateness tends to fall: this is enough, not a minimum.)
+    fn holding_time_scale(&self, step_us: f64, op_us: f64, steps: usize) -> f64 {
         let k = self.time_scale.get();
-        let needed = k * self.added_us(steps) / (LATENESS_SHARE * shortest_us);
+        let needed = k * self.added_us(step_us, steps) / (LATENESS_SHARE * op_us);
         closbox_fabric::plan::round_up_125(needed.max(k * 1.0001))
     }
 
-    fn footer(&self, shortest_us: f64, steps: usize) -> String {
+    /// The lateness (wall µs) a step of `parallel` concurrent messages waits for: the
+    /// latest of them, whose expected value is about the `parallel / (parallel + 1)`
+    /// quantile of single writes (the p50 for one message, the p89 for 8, the p99 for 99).
+    fn step_lateness_us(h: &Histogram, parallel: usize) -> f64 {
+        let q = parallel.max(1) as f64 / (parallel.max(1) + 1) as f64;
+        h.quantile(q) as f64 / 1e3
+    }
+
+    /// Whether lateness in `h` may add more than `LATENESS_SHARE` to an operation of
+    /// `op_us` (fabric time) with `steps` sequential steps of `parallel` messages; the
+    /// step lateness if so.
+    fn late_for(&self, h: &Histogram, op_us: f64, steps: usize, parallel: usize) -> Option<f64> {
+        let step = Self::step_lateness_us(h, parallel);
+        (h.count() >= WINDOW_SAMPLES && self.added_us(step, steps) > LATENESS_SHARE * op_us)
+            .then_some(step)
+    }
+
+    /// The whole run judged against its shortest operation (`shortest_us`, fabric time,
+    /// of `steps` sequential steps of `parallel` messages).
+    pub fn late_whole(&self, shortest_us: f64, steps: usize, parallel: usize) -> Option<Late> {
+        let h = Histogram::since(&self.buckets_connected, &self.buckets_after);
+        self.late_for(&h, shortest_us, steps, parallel)
+            .map(|step| Late {
+                what: format!("operations as short as {shortest_us:.2} µs"),
+                added_us: self.added_us(step, steps),
+                op_us: shortest_us,
+                steps,
+                parallel,
+                holding: self.holding_time_scale(step, shortest_us, steps),
+            })
+    }
+
+    /// Each result judged against the lateness while it was measured: `snaps[i]` is the
+    /// lateness histogram when result i arrived (the window of result i runs from the
+    /// one before). A window with fewer than `WINDOW_SAMPLES` writes is widened to its
+    /// neighbours'. Returns which results lateness could have changed (by index) and the
+    /// finding.
+    pub fn late_rows(
+        &self,
+        rows: &[(String, f64)],
+        snaps: &[Vec<(u64, u64)>],
+        steps: usize,
+        parallel: usize,
+    ) -> (Vec<bool>, Option<Late>) {
+        let n = rows.len().min(snaps.len());
+        let at = |i: usize| -> &[(u64, u64)] {
+            if i == 0 {
+                &self.buckets_connected
+            } else {
+                &snaps[i - 1]
+            }
+        };
+        let end = |i: usize| -> &[(u64, u64)] {
+            if i + 1 >= n {
+                // The last window runs to the run's end.
+                &self.buckets_after
+            } else {
+                &snaps[i]
+            }
+        };
+        let mut flags = vec![false; rows.len()];
+        let mut worst: Option<(f64, f64, f64)> = None; // added, op, holding
+        let mut affected = Vec::new();
+        for i in 0..n {
+            let (mut lo, mut hi) = (i, i);
+            let mut h = Histogram::since(at(lo), end(hi));
+            while h.count() < WINDOW_SAMPLES && (lo > 0 || hi + 1 < n) {
+                lo = lo.saturating_sub(1);
+                hi = (hi + 1).min(n - 1);
+                h = Histogram::since(at(lo), end(hi));
+            }
+            let op_us = rows[i].1;
+            if let Some(step) = self.late_for(&h, op_us, steps, parallel) {
+                flags[i] = true;
+                affected.push(rows[i].0.clone());
+                let added = self.added_us(step, steps);
+                let needed = self.holding_time_scale(step, op_us, steps);
+                if worst.is_none_or(|(_, _, h)| needed > h) {
+                    worst = Some((added, op_us, needed));
+                }
+            }
+        }
+        let late = worst.map(|(added_us, op_us, holding)| Late {
+            what: format!(
+                "{} of {} results: {}",
+                affected.len(),
+                rows.len(),
+                affected.join(", ")
+            ),
+            added_us,
+            op_us,
+            steps,
+            parallel,
+            holding,
+        });
+        (flags, late)
+    }
+
+    fn footer(&self, late: Option<&Late>) -> String {
         let mut s = format!(
             "# fabric during the run: {} packets, {} dropped by the fabric (buffers, loss); box: write lateness p50 {:.1} µs p99 {:.1} µs wall (p99 = {:.3} µs of fabric time), {} TUN drops\n",
             thousands(self.packets),
@@ -316,27 +432,28 @@ impl RunHealth {
         for l in &self.loads {
             let _ = writeln!(s, "# synthetic load during the run: {l}");
         }
-        if self.behind(shortest_us, steps) {
-            let (why, advice) = if self.tun_drops > 0 {
-                (
-                    "the kernel dropped packets the daemon read too late".to_owned(),
-                    "raise time_scale (the GPUs offered more than the box moves) or use fewer GPUs"
-                        .to_owned(),
-                )
-            } else {
+        let why_advice = if self.tun_drops > 0 {
+            Some((
+                "the kernel dropped packets the daemon read too late".to_owned(),
+                "raise time_scale (the GPUs offered more than the box moves) or use fewer GPUs"
+                    .to_owned(),
+            ))
+        } else {
+            late.map(|l| {
                 (
                     format!(
-                        "lateness may add up to {:.2} µs ({steps} sequential messages × p99) to operations as short as {:.2} µs",
-                        self.added_us(steps),
-                        shortest_us
+                        "{}: lateness may add up to {:.2} µs ({} sequential steps × the latest of {} messages' lateness while they ran) to operations of {:.2} µs",
+                        l.what, l.added_us, l.steps, l.parallel, l.op_us
                     ),
                     format!(
-                        "time_scale {} would have held this run's lateness under {:.0} % (it is wall time: it shrinks in fabric time as time_scale grows), or use fewer GPUs or larger sizes",
-                        self.holding_time_scale(shortest_us, steps),
+                        "time_scale {} would have held them under {:.0} % (it is wall time: it shrinks in fabric time as time_scale grows), or use fewer GPUs or larger sizes",
+                        l.holding,
                         LATENESS_SHARE * 100.0
                     ),
                 )
-            };
+            })
+        };
+        if let Some((why, advice)) = why_advice {
             let _ = writeln!(
                 s,
                 "# WARNING: this box fell behind the fabric's schedule enough to change results ({why}); {advice}"
@@ -378,10 +495,21 @@ fn run_agents(
     let collected = Arc::clone(&endpoints);
     let for_rows = Arc::clone(&endpoints);
     let on_output = Arc::new(Mutex::new(move |o: Output| on_output(o, &for_rows)));
+    // The lateness histogram once every rank has connected (its start-up is not part of
+    // any result).
+    let connected: Arc<Mutex<Option<Buckets>>> = Arc::default();
+    let (connected_in, fabric, ranks) = (Arc::clone(&connected), st.fabric.clone(), sel.len());
     let sink: live::Sink =
         Arc::new(
             move |rank, is_err, line: &str| match (is_err, Output::parse(line)) {
-                (false, Some(Output::Endpoints(e))) => collected.lock().expect("endpoints").push(e),
+                (false, Some(Output::Endpoints(e))) => {
+                    let mut all = collected.lock().expect("endpoints");
+                    all.push(e);
+                    if all.len() == ranks {
+                        *connected_in.lock().expect("connected") =
+                            RunHealth::snapshot(&fabric).map(|s| s.lateness_buckets);
+                    }
+                }
                 (false, Some(o)) if rank == 0 => (on_output.lock().expect("sink lock"))(o),
                 (false, Some(_)) => {}
                 _ if is_err || rank == 0 => eprintln!("[{rank}] {line}"),
@@ -403,11 +531,16 @@ fn run_agents(
     }
     let after = RunHealth::snapshot(&st.fabric);
     let endpoints = std::mem::take(&mut *endpoints.lock().expect("endpoints lock"));
+    let connected = connected.lock().expect("connected").take();
     Ok(Ran {
         endpoints,
-        health: before
-            .zip(after)
-            .map(|(b, a)| RunHealth::between(&st.fabric, &b, &a)),
+        health: before.zip(after).map(|(b, a)| {
+            let mut h = RunHealth::between(&st.fabric, &b, &a);
+            if let Some(c) = connected {
+                h.buckets_connected = c;
+            }
+            h
+        }),
     })
 }
 
@@ -483,6 +616,12 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         }),
     }));
     let streaming = Arc::clone(&sweep);
+    // The lateness histogram as each result arrives: each result is judged on the box's
+    // lateness while it was measured (a sweep's bulk sizes load the box more than its
+    // small ones, whose timing lateness affects most).
+    let snaps: Arc<Mutex<Vec<Buckets>>> = Arc::default();
+    let snapping = Arc::clone(&snaps);
+    let fabric = st.fabric.clone();
     let ran = run_agents(
         &st,
         &sel,
@@ -491,10 +630,15 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         args,
         move |out, endpoints| {
             if let Output::Row(row) = out {
+                let buckets = RunHealth::snapshot(&fabric)
+                    .map(|s| s.lateness_buckets)
+                    .unwrap_or_default();
+                snapping.lock().expect("snapshots").push(buckets);
                 streaming.lock().expect("sweep").add(row, endpoints);
             }
         },
     )?;
+    let snaps = std::mem::take(&mut *snaps.lock().expect("snapshots"));
     let mut sweep = Arc::try_unwrap(sweep)
         .map_err(|_| anyhow::anyhow!("sweep still shared"))?
         .into_inner()
@@ -516,11 +660,20 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let (rows, predicted) = (sweep.rows, sweep.predicted);
     // Ring all-reduce passes 2(n − 1) messages one after another: the most of any op.
     let steps = 2 * sel.len().saturating_sub(1).max(1);
-    let shortest = rows.iter().map(|r| r.time_us).fold(f64::MAX, f64::min);
-    let behind = ran
-        .health
-        .as_ref()
-        .is_some_and(|h| h.behind(shortest, steps));
+    let named: Vec<(String, f64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                format!("{} {}", r.op.name(), render::human(r.size)),
+                r.time_us,
+            )
+        })
+        .collect();
+    let (late_flags, late) = match &ran.health {
+        Some(h) => h.late_rows(&named, &snaps, steps, sel.len()),
+        None => (vec![false; rows.len()], None),
+    };
+    let tun_drops = ran.health.as_ref().is_some_and(|h| h.tun_drops > 0);
     if let Some(path) = &a.plot {
         let mut names: Vec<String> = Vec::new();
         for r in &rows {
@@ -570,7 +723,11 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                     "random_paths"
                 }
                 .into();
-                v["box_behind"] = behind.into();
+                v
+            })
+            .zip(&late_flags)
+            .map(|(mut v, late)| {
+                v["box_behind"] = (tun_drops || *late).into();
                 v
             })
             .collect();
@@ -579,9 +736,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     if let Some(h) = &ran.health {
         // Comments after a table; on stderr where stdout is JSON or CSV.
         if a.json || a.csv {
-            eprint!("{}", h.footer(shortest, steps));
+            eprint!("{}", h.footer(late.as_ref()));
         } else {
-            print!("{}", h.footer(shortest, steps));
+            print!("{}", h.footer(late.as_ref()));
         }
     }
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
@@ -726,10 +883,11 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|r| r.step_ms * 1e3)
         .fold(f64::MAX, f64::min);
-    let behind = ran
+    let late = ran
         .health
         .as_ref()
-        .is_some_and(|h| h.behind(shortest, steps));
+        .and_then(|h| h.late_whole(shortest, steps, sel.len()));
+    let behind = late.is_some() || ran.health.as_ref().is_some_and(|h| h.tun_drops > 0);
     let comm: Vec<f64> = buckets
         .iter()
         .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
@@ -751,7 +909,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
             .collect();
         println!("{}", serde_json::to_string_pretty(&out)?);
         if let Some(h) = &ran.health {
-            eprint!("{}", h.footer(shortest, steps));
+            eprint!("{}", h.footer(late.as_ref()));
         }
         return Ok(());
     }
@@ -795,7 +953,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         on.efficiency * 100.0
     );
     if let Some(h) = &ran.health {
-        print!("{}", h.footer(shortest, steps));
+        print!("{}", h.footer(late.as_ref()));
     }
     Ok(())
 }
@@ -839,40 +997,112 @@ pub fn check_plot_path(p: &Path) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    fn health(k: f64, p99_us: f64, tun_drops: u64) -> RunHealth {
+    /// A run at scale `k` whose every write was `late_us` late (wall).
+    fn health(k: f64, late_us: f64, tun_drops: u64) -> RunHealth {
+        let mut h = Histogram::new();
+        for _ in 0..10_000 {
+            h.record((late_us * 1e3) as u64);
+        }
         RunHealth {
             packets: 10_000,
             fabric_drops: 0,
             tun_drops,
-            lateness: Lateness {
-                samples: 10_000,
-                p50_us: 1.0,
-                p99_us,
-                max_us: p99_us,
-            },
+            lateness: Lateness::of(&h),
             time_scale: TimeScale::new(k).unwrap(),
             other_drops: Vec::new(),
             changes: 0,
             changed_links: Vec::new(),
             events: Vec::new(),
             loads: Vec::new(),
+            buckets_connected: Vec::new(),
+            buckets_after: h.buckets(),
         }
     }
 
     #[test]
     fn a_late_run_names_the_time_scale_that_would_have_held_it() {
-        // 14 messages × 778 µs of wall lateness at k = 100 is 109 µs of fabric time on a
+        // 14 steps × 778 µs of wall lateness at k = 100 is 109 µs of fabric time on a
         // 180 µs operation: 5 % of it needs k ≥ 1210, hence 2000 (1-2-5 steps).
         let h = health(100.0, 778.2, 0);
-        assert!(h.behind(180.3, 14));
-        assert_eq!(h.holding_time_scale(180.3, 14), 2000.0);
-        let f = h.footer(180.3, 14);
+        let late = h.late_whole(180.3, 14, 8).expect("late");
+        assert_eq!(late.holding, 2000.0);
+        let f = h.footer(Some(&late));
         assert!(f.contains("time_scale 2000 would have held"), "{f}");
         // At 2000 the same wall lateness is within 5 %.
-        assert!(!health(2000.0, 778.2, 0).behind(180.3, 14));
+        assert!(health(2000.0, 778.2, 0).late_whole(180.3, 14, 8).is_none());
         // Kernel drops: no figure to offer, only the direction.
-        let f = health(100.0, 1.0, 3).footer(180.3, 14);
+        let f = health(100.0, 1.0, 3).footer(None);
         assert!(f.contains("raise time_scale (the GPUs offered more"), "{f}");
         assert!(!f.contains("would have held"), "{f}");
+        assert!(!health(100.0, 1.0, 0).footer(None).contains("WARNING"));
+    }
+
+    #[test]
+    fn a_step_waits_for_the_latest_of_its_messages_not_for_the_worst_write() {
+        // 95 % of writes on time, 5 % (one burst) 2 ms late, k = 1000, a 20 µs operation
+        // of 14 steps: a step of one message expects the median (on time); a step of 8
+        // the p89 (on time); a step of 99 messages the p99 (2 ms: 28 µs added, late).
+        let mut hist = Histogram::new();
+        for i in 0..10_000 {
+            hist.record(if i % 20 == 0 { 2_000_000 } else { 1_000 });
+        }
+        let mut h = health(1000.0, 1.0, 0);
+        h.buckets_after = hist.buckets();
+        assert!(h.late_whole(20.0, 14, 1).is_none());
+        assert!(h.late_whole(20.0, 14, 8).is_none());
+        let late = h.late_whole(20.0, 14, 99).expect("late");
+        assert!((late.added_us - 28.0).abs() < 0.5, "{}", late.added_us);
+    }
+
+    /// Cumulative lateness histograms after each of `windows` (each: samples of one value).
+    fn snapshots(windows: &[(u64, u64)]) -> Vec<Vec<(u64, u64)>> {
+        let mut h = Histogram::new();
+        windows
+            .iter()
+            .map(|&(ns, n)| {
+                for _ in 0..n {
+                    h.record(ns);
+                }
+                h.buckets()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_result_is_judged_on_the_lateness_while_it_ran() {
+        // k = 1000, 14 steps: 5 % of a 20 µs operation is 1 µs of fabric time, so the
+        // step lateness may reach 71 µs of wall time. The small sizes ran while lateness
+        // was 20 µs, the bulk ones at 2 ms (but they last 10 ms).
+        let snaps = snapshots(&[(20_000, 500), (20_000, 500), (2_000_000, 500)]);
+        let mut h = health(1000.0, 2000.0, 0);
+        h.buckets_after = snaps[2].clone();
+        let rows = vec![
+            ("allreduce 64KiB".to_owned(), 20.0),
+            ("allreduce 128KiB".to_owned(), 22.0),
+            ("allreduce 32MiB".to_owned(), 10_000.0),
+        ];
+        let (flags, late) = h.late_rows(&rows, &snaps, 14, 8);
+        assert_eq!(flags, [false, false, false]);
+        assert!(late.is_none());
+        // Judged on the whole run, the small ones would have been flagged.
+        assert!(h.late_whole(20.0, 14, 8).is_some());
+        // The same small sizes while lateness was 200 µs: flagged, by name.
+        let snaps = snapshots(&[(200_000, 500), (20_000, 500), (2_000_000, 500)]);
+        h.buckets_after = snaps[2].clone();
+        let (flags, late) = h.late_rows(&rows, &snaps, 14, 8);
+        assert_eq!(flags, [true, false, false]);
+        let late = late.expect("late");
+        assert!(
+            late.what.contains("1 of 3 results: allreduce 64KiB"),
+            "{}",
+            late.what
+        );
+        // 14 × 200 µs / 1000 = 2.8 µs on 20 µs: 5 % needs k ≥ 2800, hence 5000.
+        assert_eq!(late.holding, 5000.0);
+        // A window with too few writes borrows its neighbours'.
+        let snaps = snapshots(&[(200_000, 4), (20_000, 500), (2_000_000, 500)]);
+        h.buckets_after = snaps[2].clone();
+        let (flags, _) = h.late_rows(&rows, &snaps, 14, 8);
+        assert_eq!(flags, [false, false, false]);
     }
 }
