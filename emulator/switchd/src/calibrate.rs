@@ -36,6 +36,9 @@ use crate::sys::{self, EventFd};
 
 /// Share of the streams' line rate a trial must carry.
 const CARRIED: f64 = 0.85;
+/// The share of an exchange's fabric time the box's measured wall-time part may add: the
+/// share `bench` allows lateness to add to an operation.
+const STEP_SHARE: f64 = 0.05;
 /// Senders at most.
 const MAX_STREAMS: usize = 16;
 /// Trials at most (1-2-5 steps: 1 → 1000 in 9).
@@ -43,6 +46,9 @@ const MAX_TRIALS: usize = 10;
 /// A trial: ramp-up, then the measured window.
 const RAMP: Duration = Duration::from_millis(150);
 const WINDOW: Duration = Duration::from_millis(300);
+/// Exchanges per GPU wanted for a mean, and the longest an exchange trial measures.
+const EXCHANGES_PER_PAIR: usize = 20;
+const EXCHANGE_WINDOW_MAX: Duration = Duration::from_secs(2);
 /// First port of the calibration streams (inside the GPUs, before any user job runs).
 const PORT: u16 = 47_000;
 
@@ -147,13 +153,7 @@ pub fn choose(
                 "the box carried {m} streams loading it as all {n} GPUs at line rate would from time_scale {k} (trials: {}); {headroom}",
                 tried.join("; ")
             );
-            return Ok((
-                Choice {
-                    time_scale: chosen.min(TimeScale::MAX),
-                    why,
-                },
-                tuns,
-            ));
+            return timing(topo, &netns, tuns, offload, writers, m, chosen, why);
         }
         if k >= TimeScale::MAX {
             break;
@@ -173,7 +173,215 @@ pub fn choose(
     ))
 }
 
-/// One trial at `scaled`: a data plane on the TUNs, m streams for `RAMP + WINDOW`.
+/// The timing criterion, after the throughput one chose `k`: what the box adds to a
+/// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
+/// once, as in a collective's step) are timed at `k` and at ten times `k`: the wall time
+/// of an exchange is `scale × F + O`, F the fabric's own time for it and O what the box
+/// adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared cores,
+/// the data plane's lateness), so two scales give both. O shrinks in fabric time as the
+/// scale grows: the choice is the smallest 1-2-5 scale at which O is at most `STEP_SHARE`
+/// of F, if that is above `k`.
+#[allow(clippy::too_many_arguments)]
+fn timing(
+    topo: &Topology,
+    netns: &[Arc<OwnedFd>],
+    tuns: Vec<OwnedFd>,
+    offload: bool,
+    writers: usize,
+    m: usize,
+    k: f64,
+    why: String,
+) -> anyhow::Result<(Choice, Vec<OwnedFd>)> {
+    let k = k.min(TimeScale::MAX);
+    let size = (topo.fabric.mtu as usize).saturating_sub(52).max(1);
+    let ka = k;
+    let kb = (k * 10.0).min(TimeScale::MAX);
+    if m < 2 || kb <= ka {
+        return Ok((Choice { time_scale: k, why }, tuns));
+    }
+    let ((ta, pa), tuns) = exchanges(topo, netns, tuns, offload, writers, ka, m, size)?;
+    let ((tb, pb), tuns) = exchanges(topo, netns, tuns, offload, writers, kb, m, size)?;
+    let f = (tb - ta) / (kb - ka);
+    let o = ta - ka * f;
+    tracing::info!(
+        "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
+        m / 2,
+        ta * 1e6,
+        tb * 1e6,
+        f * 1e6,
+        o * 1e6
+    );
+    let measured = format!(
+        "exchanges of {size} B between {} GPU pairs took {:.3} µs of fabric time plus {:.0} µs of wall time the box adds",
+        m / 2,
+        f * 1e6,
+        o * 1e6
+    );
+    if f <= 0.0 {
+        // The exchanges did not grow with the scale: the measurement drowned in noise.
+        return Ok((
+            Choice {
+                time_scale: k,
+                why: format!("{why}; timing not measurable ({measured})"),
+            },
+            tuns,
+        ));
+    }
+    let needed = o / (STEP_SHARE * f);
+    if needed <= k {
+        return Ok((
+            Choice {
+                time_scale: k,
+                why: format!(
+                    "{why}; {measured}: under {:.0} % of a step from {k}",
+                    STEP_SHARE * 100.0
+                ),
+            },
+            tuns,
+        ));
+    }
+    let chosen = round_up_125(needed).min(TimeScale::MAX);
+    Ok((
+        Choice {
+            time_scale: chosen,
+            why: format!(
+                "{why}; but {measured}: time_scale {chosen} keeps the box's part under {:.0} % of a step",
+                STEP_SHARE * 100.0
+            ),
+        },
+        tuns,
+    ))
+}
+
+/// A data plane at a trial scale, on its own thread, until `stop`.
+struct Plane {
+    ctl: mpsc::Sender<Ctl>,
+    wake: Arc<EventFd>,
+    thread: std::thread::JoinHandle<Vec<OwnedFd>>,
+}
+
+impl Plane {
+    fn start(
+        topo: &Topology,
+        tuns: Vec<OwnedFd>,
+        offload: bool,
+        writers: usize,
+        scaled: f64,
+    ) -> anyhow::Result<Plane> {
+        let mut t = topo.clone();
+        t.fabric.time_scale = TimeScale::new(scaled).context("trial time scale")?;
+        let wake = Arc::new(EventFd::new()?);
+        let (ctl, ctl_rx) = mpsc::channel();
+        let dp = DataPlane::new(
+            &t,
+            TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
+            ctl_rx,
+        );
+        let thread = std::thread::Builder::new()
+            .name("calibration".into())
+            .spawn(move || dp.run().into_tuns())?;
+        Ok(Plane { ctl, wake, thread })
+    }
+
+    fn status(&self) -> Option<crate::dataplane::Status> {
+        let (tx, rx) = mpsc::channel();
+        let _ = self.ctl.send(Ctl::Status(tx));
+        self.wake.notify();
+        rx.recv_timeout(Duration::from_secs(2)).ok()
+    }
+
+    fn stop(self) -> anyhow::Result<Vec<OwnedFd>> {
+        let _ = self.ctl.send(Ctl::Stop);
+        self.wake.notify();
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("calibration data plane panicked"))
+    }
+}
+
+/// p99 write lateness (µs) between two status snapshots.
+fn p99_between(a: Option<crate::dataplane::Status>, b: Option<crate::dataplane::Status>) -> f64 {
+    match (a, b) {
+        (Some(a), Some(b)) => {
+            let h = crate::histogram::Histogram::since(&a.lateness_buckets, &b.lateness_buckets);
+            h.quantile(0.99) as f64 / 1e3
+        }
+        _ => f64::INFINITY,
+    }
+}
+
+/// The GPU stream or exchange `i` of a trial talks to.
+fn partner(i: usize, n: usize) -> usize {
+    if i ^ 1 < n {
+        i ^ 1
+    } else {
+        (i + 1) % n
+    }
+}
+
+/// Runs `body(conn)` in GPU `i`'s namespace, connected by TCP to a listener in GPU
+/// `partner(i)`'s namespace that runs `peer(conn)`; returns once the listener is ready.
+#[allow(clippy::too_many_arguments)]
+fn connect_pair(
+    topo: &Topology,
+    netns: &[Arc<OwnedFd>],
+    i: usize,
+    port: u16,
+    stop: &Arc<AtomicBool>,
+    threads: &mut Vec<std::thread::JoinHandle<()>>,
+    body: impl FnOnce(TcpStream) + Send + 'static,
+    peer: impl FnOnce(TcpStream) + Send + 'static,
+) -> anyhow::Result<()> {
+    let dst = partner(i, topo.hosts.len());
+    let addr = SocketAddrV4::new(topo.hosts[dst].addr, port);
+    let (ready_tx, ready_rx) = mpsc::channel::<std::io::Result<()>>();
+    let (ns, stop_r) = (Arc::clone(&netns[dst]), Arc::clone(stop));
+    threads.push(std::thread::spawn(move || {
+        let listener = sys::enter_netns(ns.as_fd()).and_then(|()| {
+            TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, addr.port()))
+        });
+        let listener = match listener {
+            Ok(l) => {
+                let _ = ready_tx.send(Ok(()));
+                l
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = listener.set_nonblocking(true);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let conn = loop {
+            match listener.accept() {
+                Ok((c, _)) => break c,
+                Err(_) if Instant::now() < deadline && !stop_r.load(Ordering::Relaxed) => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(_) => return,
+            }
+        };
+        let _ = conn.set_nonblocking(false);
+        peer(conn);
+    }));
+    ready_rx
+        .recv()
+        .context("calibration receiver")?
+        .context("calibration receiver: listening in a GPU")?;
+    let ns = Arc::clone(&netns[i]);
+    threads.push(std::thread::spawn(move || {
+        if sys::enter_netns(ns.as_fd()).is_err() {
+            return;
+        }
+        if let Ok(conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)) {
+            body(conn);
+        }
+    }));
+    Ok(())
+}
+
+/// One throughput trial at `scaled`: a data plane on the TUNs, m streams for
+/// `RAMP + WINDOW`.
 #[allow(clippy::too_many_arguments)]
 fn trial(
     topo: &Topology,
@@ -187,124 +395,180 @@ fn trial(
     payload_share: f64,
 ) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
     let n = topo.hosts.len();
-    let mut t = topo.clone();
-    t.fabric.time_scale = TimeScale::new(scaled).context("trial time scale")?;
-    let wake = Arc::new(EventFd::new()?);
-    let (ctl_tx, ctl_rx) = mpsc::channel();
-    let dp = DataPlane::new(
-        &t,
-        TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
-        ctl_rx,
-    );
-    let plane = std::thread::Builder::new()
-        .name("calibration".into())
-        .spawn(move || dp.run().into_tuns())?;
-
+    let plane = Plane::start(topo, tuns, offload, writers, scaled)?;
     let stop = Arc::new(AtomicBool::new(false));
     let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let mut threads = Vec::new();
     let mut expected = 0.0;
+    let mut setup = Ok(());
     for i in 0..m {
-        let dst = if i ^ 1 < n { i ^ 1 } else { (i + 1) % n };
-        let addr = SocketAddrV4::new(topo.hosts[dst].addr, PORT + i as u16);
+        let dst = partner(i, n);
         expected += rates[i].min(rates[dst]) as f64 * payload_share / scaled / 8.0;
-        let (ready_tx, ready_rx) = mpsc::channel::<std::io::Result<()>>();
-        // The receiver, in the destination GPU.
-        let (ns, stop_r, got) = (
-            Arc::clone(&netns[dst]),
+        let (stop_r, got, stop_s) = (
             Arc::clone(&stop),
             Arc::clone(&received[i]),
+            Arc::clone(&stop),
         );
-        threads.push(std::thread::spawn(move || {
-            let listener = sys::enter_netns(ns.as_fd()).and_then(|()| {
-                TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, addr.port()))
-            });
-            let listener = match listener {
-                Ok(l) => {
-                    let _ = ready_tx.send(Ok(()));
-                    l
+        setup = connect_pair(
+            topo,
+            netns,
+            i,
+            PORT + i as u16,
+            &stop,
+            &mut threads,
+            move |mut conn| {
+                let _ = conn.set_write_timeout(Some(Duration::from_millis(50)));
+                let buf = vec![0x5au8; 1 << 16];
+                while !stop_s.load(Ordering::Relaxed) {
+                    let _ = conn.write(&buf);
                 }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            let _ = listener.set_nonblocking(true);
-            let deadline = Instant::now() + Duration::from_secs(2);
-            let mut conn = loop {
-                match listener.accept() {
-                    Ok((c, _)) => break c,
-                    Err(_) if Instant::now() < deadline && !stop_r.load(Ordering::Relaxed) => {
-                        std::thread::sleep(Duration::from_millis(1))
+            },
+            move |mut conn| {
+                let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
+                let mut buf = vec![0u8; 1 << 16];
+                while !stop_r.load(Ordering::Relaxed) {
+                    match conn.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(r) => {
+                            got.fetch_add(r as u64, Ordering::Relaxed);
+                        }
+                        Err(_) => {}
                     }
-                    Err(_) => return,
                 }
-            };
-            let _ = conn.set_nonblocking(false);
-            let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
-            let mut buf = vec![0u8; 1 << 16];
-            while !stop_r.load(Ordering::Relaxed) {
-                match conn.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(r) => {
-                        got.fetch_add(r as u64, Ordering::Relaxed);
-                    }
-                    Err(_) => {}
-                }
-            }
-        }));
-        ready_rx
-            .recv()
-            .context("calibration receiver")?
-            .context("calibration receiver: listening in a GPU")?;
-        // The sender, in GPU i.
-        let (ns, stop_s) = (Arc::clone(&netns[i]), Arc::clone(&stop));
-        threads.push(std::thread::spawn(move || {
-            if sys::enter_netns(ns.as_fd()).is_err() {
-                return;
-            }
-            let Ok(mut conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1))
-            else {
-                return;
-            };
-            let _ = conn.set_write_timeout(Some(Duration::from_millis(50)));
-            let buf = vec![0x5au8; 1 << 16];
-            while !stop_s.load(Ordering::Relaxed) {
-                let _ = conn.write(&buf);
-            }
-        }));
+            },
+        );
+        if setup.is_err() {
+            break;
+        }
     }
-    std::thread::sleep(RAMP);
-    let before: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
-    let (status_tx, status_rx) = mpsc::channel();
-    let _ = ctl_tx.send(Ctl::Status(status_tx));
-    wake.notify();
-    let at_ramp = status_rx.recv_timeout(Duration::from_secs(2)).ok();
-    let started = Instant::now();
-    std::thread::sleep(WINDOW);
-    let after: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
-    let window = started.elapsed().as_secs_f64();
-    let (status_tx, status_rx) = mpsc::channel();
-    let _ = ctl_tx.send(Ctl::Status(status_tx));
-    wake.notify();
-    let at_end = status_rx.recv_timeout(Duration::from_secs(2)).ok();
+    let mut measured = (0, 0.0, None, None);
+    if setup.is_ok() {
+        std::thread::sleep(RAMP);
+        let before: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+        let at_ramp = plane.status();
+        let started = Instant::now();
+        std::thread::sleep(WINDOW);
+        let after: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+        measured = (
+            after - before,
+            started.elapsed().as_secs_f64(),
+            at_ramp,
+            plane.status(),
+        );
+    }
     stop.store(true, Ordering::Relaxed);
     for th in threads {
         let _ = th.join();
     }
-    let _ = ctl_tx.send(Ctl::Stop);
-    wake.notify();
-    let tuns = plane
-        .join()
-        .map_err(|_| anyhow::anyhow!("calibration data plane panicked"))?;
-    // Lateness over the measured window: the difference of the two histograms.
-    let p99_us = match (at_ramp, at_end) {
-        (Some(a), Some(b)) => {
-            let h = crate::histogram::Histogram::since(&a.lateness_buckets, &b.lateness_buckets);
-            h.quantile(0.99) as f64 / 1e3
-        }
-        _ => f64::INFINITY,
-    };
-    let carried = (after - before) as f64 / window / expected;
+    let tuns = plane.stop()?;
+    setup?;
+    let (bytes, window, at_ramp, at_end) = measured;
+    let p99_us = p99_between(at_ramp, at_end);
+    let carried = bytes as f64 / window / expected;
     Ok((Trial { carried, p99_us }, tuns))
+}
+
+/// One exchange trial at `scaled`: m GPUs in pairs, both of a pair sending `size` bytes
+/// to the other at once and waiting for the other's (a step of a collective), over and
+/// over. Returns the mean wall time of an exchange (s: a side's time alone depends on its
+/// phase against the other's) and the write lateness p99 (µs).
+#[allow(clippy::too_many_arguments)]
+fn exchanges(
+    topo: &Topology,
+    netns: &[Arc<OwnedFd>],
+    tuns: Vec<OwnedFd>,
+    offload: bool,
+    writers: usize,
+    scaled: f64,
+    m: usize,
+    size: usize,
+) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
+    let plane = Plane::start(topo, tuns, offload, writers, scaled)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let counting = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    let mut setup = Ok(());
+    // Pairs only (a GPU in one exchange at a time); an odd last GPU sits out.
+    for i in (0..m - m % 2).step_by(2) {
+        let side = || {
+            let (stop, counting, done) =
+                (Arc::clone(&stop), Arc::clone(&counting), Arc::clone(&done));
+            move |mut conn: TcpStream| {
+                let _ = conn.set_nodelay(true);
+                let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
+                let out = vec![0xa5u8; size];
+                let mut buf = vec![0u8; size];
+                'exchanges: while !stop.load(Ordering::Relaxed) {
+                    if conn.write_all(&out).is_err() {
+                        break;
+                    }
+                    let mut got = 0;
+                    while got < size {
+                        match conn.read(&mut buf[got..]) {
+                            Ok(0) => break 'exchanges,
+                            Ok(r) => got += r,
+                            Err(e)
+                                if e.kind() == std::io::ErrorKind::WouldBlock
+                                    || e.kind() == std::io::ErrorKind::TimedOut =>
+                            {
+                                if stop.load(Ordering::Relaxed) {
+                                    break 'exchanges;
+                                }
+                            }
+                            Err(_) => break 'exchanges,
+                        }
+                    }
+                    if counting.load(Ordering::Relaxed) {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                // Unblock the peer's read and write.
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
+        };
+        setup = connect_pair(
+            topo,
+            netns,
+            i,
+            PORT + 100 + i as u16,
+            &stop,
+            &mut threads,
+            side(),
+            side(),
+        );
+        if setup.is_err() {
+            break;
+        }
+    }
+    let mut lateness = (None, None);
+    let mut window = Duration::ZERO;
+    if setup.is_ok() {
+        std::thread::sleep(RAMP);
+        lateness.0 = plane.status();
+        counting.store(true, Ordering::Relaxed);
+        // Enough exchanges for a mean even when each takes milliseconds of wall time.
+        let started = Instant::now();
+        let enough = (EXCHANGES_PER_PAIR * m) as u64;
+        while started.elapsed() < EXCHANGE_WINDOW_MAX {
+            std::thread::sleep(Duration::from_millis(20));
+            if started.elapsed() >= WINDOW && done.load(Ordering::Relaxed) >= enough {
+                break;
+            }
+        }
+        counting.store(false, Ordering::Relaxed);
+        window = started.elapsed();
+        lateness.1 = plane.status();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for th in threads {
+        let _ = th.join();
+    }
+    let tuns = plane.stop()?;
+    setup?;
+    let count = done.load(Ordering::Relaxed);
+    anyhow::ensure!(count > 0, "no exchange completed at time_scale {scaled}");
+    // Every GPU of a pair in lock step: the wall time of one step.
+    let step = window.as_secs_f64() * (m - m % 2) as f64 / count as f64;
+    Ok(((step, p99_between(lateness.0, lateness.1)), tuns))
 }
