@@ -6,7 +6,7 @@
 //! averaged over iterations, the slowest rank's, converted to fabric time
 //! (wall ÷ time_scale).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use closbox_fabric::TimeScale;
 use serde::{Deserialize, Serialize};
@@ -343,19 +343,33 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 redop: spec.redop,
                 root,
             };
-            for _ in 0..spec.warmup {
+            // Every rank starts at one instant of the box's monotonic clock (one kernel,
+            // shared by all namespaces), agreed in a barrier: a barrier alone lets ranks
+            // leave up to a hop apart, and the first to leave would time that skew too.
+            // The start is set far enough ahead that every rank is out of the barrier by
+            // then (twice the longest barrier seen, measured in the warm-up).
+            let mut ahead = Duration::ZERO;
+            for _ in 0..spec.warmup.max(1) {
+                let t = Instant::now();
+                comm.g.barrier()?;
+                ahead = ahead.max(2 * t.elapsed());
                 buf.copy_from_slice(&input_buf);
-                run_op(comm, call, &mut buf, &mut scratch)?;
+                if spec.warmup > 0 {
+                    run_op(comm, call, &mut buf, &mut scratch)?;
+                }
             }
             let mut total = 0.0f64;
             for _ in 0..spec.iters {
                 buf.copy_from_slice(&input_buf);
-                // Everyone starts together, so that no rank's time hides a part of the
-                // operation that happened before it looked (data already buffered).
-                comm.g.barrier()?;
-                let t = Instant::now();
+                let entered = Instant::now();
+                let proposed = clock::now_ns() + (ahead + START_MARGIN).as_nanos() as u64;
+                let start = comm.g.barrier_max(proposed)?;
+                ahead = ahead.max(2 * entered.elapsed());
+                // Late (out of the barrier after the agreed start): time from now, as a
+                // plain barrier would.
+                let from = clock::wait_until_ns(start);
                 run_op(comm, call, &mut buf, &mut scratch)?;
-                total += t.elapsed().as_secs_f64();
+                total += clock::now_ns().saturating_sub(from) as f64 / 1e9;
             }
             let tolerance = if spec.redop == ReduceOp::Avg {
                 1e-2
@@ -404,6 +418,39 @@ fn agree(comm: &Comm, secs: f64, wrong: u64) -> anyhow::Result<(f64, u64)> {
     let us = f32::from_le_bytes(a[..4].try_into().expect("4 bytes"));
     let w = f32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
     Ok((us as f64 / 1e6, w as u64))
+}
+
+/// Wall time added to every agreed start beyond twice the longest barrier (the ranks'
+/// own scheduling on a shared box).
+const START_MARGIN: Duration = Duration::from_micros(500);
+
+/// The box's monotonic clock as nanoseconds: one clock for every namespace, so ranks in
+/// different GPUs can agree on an instant.
+mod clock {
+    use std::time::Duration;
+
+    pub fn now_ns() -> u64 {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    }
+
+    /// Waits until `at` (sleeping, then yielding for the last stretch, which a sleep
+    /// would overshoot); returns the instant timing starts from: `at`, or now if it had
+    /// already passed.
+    pub fn wait_until_ns(at: u64) -> u64 {
+        const SPIN: u64 = 300_000;
+        let now = now_ns();
+        if now > at {
+            return now;
+        }
+        if at - now > SPIN {
+            std::thread::sleep(Duration::from_nanos(at - now - SPIN));
+        }
+        while now_ns() < at {
+            std::thread::yield_now();
+        }
+        at
+    }
 }
 
 #[cfg(test)]

@@ -312,6 +312,23 @@ impl Group {
         }
         Ok(())
     }
+
+    /// A dissemination barrier that also agrees on a value: each rank brings `mine`, and
+    /// every rank leaves with the largest of all (each round's message carries the largest
+    /// seen so far; after ⌈log2 n⌉ rounds every rank's value includes every rank's).
+    pub fn barrier_max(&self, mine: u64) -> anyhow::Result<u64> {
+        let n = self.size;
+        let mut best = mine;
+        let mut dist = 1;
+        while dist < n {
+            let (to, from) = ((self.rank + dist) % n, (self.rank + n - dist) % n);
+            let mut b = [0u8; 8];
+            self.exchange(0, (to, &best.to_le_bytes()), (from, &mut b), 8, |_, _| {})?;
+            best = best.max(u64::from_le_bytes(b));
+            dist *= 2;
+        }
+        Ok(best)
+    }
 }
 
 fn bind_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpListener> {
