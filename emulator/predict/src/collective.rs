@@ -45,8 +45,13 @@ pub struct Predictor {
     nodes: Vec<usize>,
     /// Effective bytes/s of each port.
     cap: Vec<f64>,
-    /// Seconds a port adds to a packet's latency (propagation, next switch, one frame).
-    hop_latency: Vec<f64>,
+    /// Seconds a port adds to a packet's latency besides serializing it (propagation,
+    /// the next switch).
+    hop_delay: Vec<f64>,
+    /// TCP payload of a full frame, and the bytes a frame adds to its payload on the wire
+    /// (IP and TCP headers with timestamps, framing).
+    frame_payload: f64,
+    frame_extra: f64,
     /// TCP connections per pair of ranks: each is hashed onto one path.
     channels: usize,
     /// The path of each connection (from rank, to rank, channel) when known: the one the
@@ -93,18 +98,14 @@ impl Predictor {
         let routes = Routes::over_live_links(topo, |l| !down.contains(&l));
         let f = &topo.fabric;
         let eff = (f.mtu as f64 - 52.0) / (f.mtu as f64 + f.l2_overhead as f64);
-        let frame_bits = (f.mtu as f64 + f.l2_overhead as f64) * 8.0;
-        let (cap, hop_latency) = routes
+        let (cap, hop_delay) = routes
             .ports
             .iter()
             .map(|p| {
                 let link = topo.links[p.link as usize].params;
                 let rate = link.rate.bps() as f64;
                 let next = vertex_latency(topo, p.to).as_secs_f64();
-                (
-                    rate / 8.0 * eff,
-                    link.delay.as_secs_f64() + next + frame_bits / rate,
-                )
+                (rate / 8.0 * eff, link.delay.as_secs_f64() + next)
             })
             .unzip();
         let nodes = ranks
@@ -121,12 +122,23 @@ impl Predictor {
             ranks,
             nodes,
             cap,
-            hop_latency,
+            hop_delay,
+            frame_payload: f.mtu as f64 - 52.0,
+            frame_extra: 52.0 + f.l2_overhead as f64,
             channels: channels.max(1),
             known: None,
             down,
             rate,
         }
+    }
+
+    /// Seconds port `p` adds to the latency of a message of `bytes` on one connection:
+    /// propagation, the next switch, and its first frame's serialization (store and
+    /// forward: a frame leaves a hop only once it has all arrived) — a full frame, or the
+    /// whole message when it is shorter.
+    fn hop_latency(&self, p: usize, bytes: f64) -> f64 {
+        let first = bytes.min(self.frame_payload).max(0.0) + self.frame_extra;
+        self.hop_delay[p] + first * 8.0 / self.rate[p]
     }
 
     /// Background traffic of `bps` on the wire through `port` (a synthetic load): the
@@ -243,7 +255,7 @@ impl Predictor {
             };
             for (p, share) in shares {
                 load[p.0 as usize] += bytes * share;
-                lat_sum += share * self.hop_latency[p.0 as usize];
+                lat_sum += share * self.hop_latency(p.0 as usize, bytes / self.channels as f64);
             }
             k += 1;
         }
@@ -298,7 +310,7 @@ impl Predictor {
                     let mut lat = 0.0;
                     for p in path {
                         load[p.0 as usize] += bytes / self.channels as f64;
-                        lat += self.hop_latency[p.0 as usize];
+                        lat += self.hop_latency(p.0 as usize, bytes / self.channels as f64);
                     }
                     latency = latency.max(lat);
                 }
@@ -351,15 +363,20 @@ impl Predictor {
             }
             Op::Broadcast | Op::Reduce => {
                 // A pipelined chain: every hop carries everything, all at once, plus the
-                // time for the first piece to reach the end.
+                // time for the first piece to reach the end: each hop's piece time, of
+                // which the phase of all hops already paid the longest. Each channel is
+                // a chain of its own (its part of the buffer, in pieces), and the channels
+                // drift apart: a hop forwards one channel's piece while the next one's
+                // still arrives, so a hop's fill is one channel's piece on the link.
                 let order = schedule::chain(n, root);
                 let hops: Vec<Flow> = order.windows(2).map(|w| (w[0], w[1], s)).collect();
-                let fill: f64 = hops
+                let piece = PIECE.min(s / self.channels as f64);
+                let pieces: Vec<f64> = hops
                     .iter()
-                    .skip(1)
-                    .map(|&(a, b, _)| self.phase(&[(a, b, PIECE.min(s))]))
-                    .sum();
-                self.phase(&hops) + fill
+                    .map(|&(a, b, _)| self.phase(&[(a, b, piece)]))
+                    .collect();
+                let longest = pieces.iter().copied().fold(0.0, f64::max);
+                self.phase(&hops) + pieces.iter().sum::<f64>() - longest
             }
             Op::AllToAll => {
                 let block = (size / n) as f64;
@@ -417,7 +434,10 @@ impl Predictor {
                         transfers.push(Transfer {
                             path: path.iter().map(|p| p.0).collect(),
                             bytes: bytes / chans as f64,
-                            latency: path.iter().map(|p| self.hop_latency[p.0 as usize]).sum(),
+                            latency: path
+                                .iter()
+                                .map(|p| self.hop_latency(p.0 as usize, bytes / chans as f64))
+                                .sum(),
                             after: after.into_iter().flatten().collect(),
                         });
                     }
@@ -448,10 +468,12 @@ impl Predictor {
                 }
             }
         }
-        let depth = schedule::tree_depth(n);
+        // A piece crosses `levels − 1` links from a leaf to the root: the phase above
+        // pays one of them, the pipeline's fill the others.
+        let links = schedule::tree_depth(n).saturating_sub(1);
         let down: Vec<Flow> = up.iter().map(|&(a, b, x)| (b, a, x)).collect();
         let piece = PIECE.min(s / 2.0);
-        let fill = (depth.saturating_sub(1)) as f64 * self.phase(&[(up[0].0, up[0].1, piece)]);
+        let fill = (links.saturating_sub(1)) as f64 * self.phase(&[(up[0].0, up[0].1, piece)]);
         self.phase(&up) + self.phase(&down) + 2.0 * fill
     }
 
@@ -534,6 +556,28 @@ mod tests {
         let want = 14.0 * ((s / 8.0) / cap) + 2.0 * frame;
         let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
         assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    }
+
+    #[test]
+    fn a_tiny_tree_all_reduce_pays_its_trees_depth_in_links_both_ways() {
+        // 8 ranks: a binary heap of 4 levels, 3 links from the deepest leaf to the root;
+        // up then down: 6 GPU-to-GPU paths of 2 × 100 µs (serialization negligible).
+        let t = topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"100Gbit\"\ndelay = \"100us\"\n[switches.leaf]\nlatency = \"0ns\"\n");
+        let p = Predictor::new(&t, (0..8).collect(), 1);
+        let got = p.predict(Op::AllReduce, Algo::Tree, 8, 0);
+        let want = 6.0 * 200e-6;
+        assert!((got / want - 1.0).abs() < 0.01, "{got} vs {want}");
+    }
+
+    #[test]
+    fn a_tiny_broadcast_pays_every_hop_of_its_chain_once() {
+        // 2 leaves × 2 GPUs: the chain gpu0 → gpu1 (one leaf: 2 links) → gpu2 (across a
+        // spine: 4 links) → gpu3 (2 links), 8 links of 100 µs in all.
+        let t = topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n[links.nic]\nrate = \"100Gbit\"\ndelay = \"100us\"\n[links.leaf-spine]\nrate = \"100Gbit\"\ndelay = \"100us\"\n[switches.leaf]\nlatency = \"0ns\"\n[switches.spine]\nlatency = \"0ns\"\n");
+        let p = Predictor::new(&t, (0..4).collect(), 1);
+        let got = p.predict(Op::Broadcast, Algo::Auto, 8, 0);
+        let want = 8.0 * 100e-6;
+        assert!((got / want - 1.0).abs() < 0.01, "{got} vs {want}");
     }
 
     #[test]
