@@ -1,7 +1,7 @@
 # closbox: a GPU-cluster network fabric on one Linux box.
 CARGO ?= cargo
 
-.PHONY: all build demo test test-deps bench bench-live lint fmt clean
+.PHONY: all build demo test test-deps bench bench-live faithful lint fmt clean
 
 all: build
 
@@ -30,6 +30,11 @@ test-deps:
 # Model throughput (criterion): packet-hops per second on one core.
 bench:
 	$(CARGO) bench -p closbox-fabric --bench model
+
+# Root: every shipped fabric (configs/*.toml, as shipped) benchmarked against the model:
+# within 10 % and not behind, or the config says why not.
+faithful: build
+	scripts/faithful
 
 # Root: closbox against a kernel veth pair and a bare offload TUN relay, same run.
 bench-live:
