@@ -112,6 +112,13 @@ pub fn choose(
                 .with_context(|| format!("opening {}", g.netns_path().display()))
         })
         .collect::<anyhow::Result<_>>()?;
+    let trials = Trials {
+        topo,
+        netns,
+        offload,
+        writers,
+        m,
+    };
     let mut tuns = tuns;
     // Start a decade under the plan's throughput estimate (it is a rough figure for this
     // box class), never under 1.
@@ -119,17 +126,7 @@ pub fn choose(
     let mut tried = Vec::new();
     for _ in 0..MAX_TRIALS {
         let scaled = (k * m as f64 / n as f64).max(1.0);
-        let (trial, back) = trial(
-            topo,
-            &netns,
-            tuns,
-            offload,
-            writers,
-            scaled,
-            m,
-            &rates,
-            payload_share,
-        )?;
+        let (trial, back) = trials.throughput(tuns, scaled, &rates, payload_share)?;
         tuns = back;
         tracing::info!(
             "time_scale auto: trial at {k} ({m} streams at {scaled}): carried {:.0} % of line rate, write lateness p99 {:.0} µs",
@@ -153,7 +150,7 @@ pub fn choose(
                 "the box carried {m} streams loading it as all {n} GPUs at line rate would from time_scale {k} (trials: {}); {headroom}",
                 tried.join("; ")
             );
-            return timing(topo, &netns, tuns, offload, writers, m, chosen, why);
+            return trials.timing(tuns, chosen, why);
         }
         if k >= TimeScale::MAX {
             break;
@@ -168,86 +165,6 @@ pub fn choose(
         Choice {
             time_scale: k.min(TimeScale::MAX),
             why,
-        },
-        tuns,
-    ))
-}
-
-/// The timing criterion, after the throughput one chose `k`: what the box adds to a
-/// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
-/// once, as in a collective's step) are timed at `k` and at ten times `k`: the wall time
-/// of an exchange is `scale × F + O`, F the fabric's own time for it and O what the box
-/// adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared cores,
-/// the data plane's lateness), so two scales give both. O shrinks in fabric time as the
-/// scale grows: the choice is the smallest 1-2-5 scale at which O is at most `STEP_SHARE`
-/// of F, if that is above `k`.
-#[allow(clippy::too_many_arguments)]
-fn timing(
-    topo: &Topology,
-    netns: &[Arc<OwnedFd>],
-    tuns: Vec<OwnedFd>,
-    offload: bool,
-    writers: usize,
-    m: usize,
-    k: f64,
-    why: String,
-) -> anyhow::Result<(Choice, Vec<OwnedFd>)> {
-    let k = k.min(TimeScale::MAX);
-    let size = (topo.fabric.mtu as usize).saturating_sub(52).max(1);
-    let ka = k;
-    let kb = (k * 10.0).min(TimeScale::MAX);
-    if m < 2 || kb <= ka {
-        return Ok((Choice { time_scale: k, why }, tuns));
-    }
-    let ((ta, pa), tuns) = exchanges(topo, netns, tuns, offload, writers, ka, m, size)?;
-    let ((tb, pb), tuns) = exchanges(topo, netns, tuns, offload, writers, kb, m, size)?;
-    let f = (tb - ta) / (kb - ka);
-    let o = ta - ka * f;
-    tracing::info!(
-        "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
-        m / 2,
-        ta * 1e6,
-        tb * 1e6,
-        f * 1e6,
-        o * 1e6
-    );
-    let measured = format!(
-        "exchanges of {size} B between {} GPU pairs took {:.3} µs of fabric time plus {:.0} µs of wall time the box adds",
-        m / 2,
-        f * 1e6,
-        o * 1e6
-    );
-    if f <= 0.0 {
-        // The exchanges did not grow with the scale: the measurement drowned in noise.
-        return Ok((
-            Choice {
-                time_scale: k,
-                why: format!("{why}; timing not measurable ({measured})"),
-            },
-            tuns,
-        ));
-    }
-    let needed = o / (STEP_SHARE * f);
-    if needed <= k {
-        return Ok((
-            Choice {
-                time_scale: k,
-                why: format!(
-                    "{why}; {measured}: under {:.0} % of a step from {k}",
-                    STEP_SHARE * 100.0
-                ),
-            },
-            tuns,
-        ));
-    }
-    let chosen = round_up_125(needed).min(TimeScale::MAX);
-    Ok((
-        Choice {
-            time_scale: chosen,
-            why: format!(
-                "{why}; but {measured}: time_scale {chosen} keeps the box's part under {:.0} % of a step",
-                STEP_SHARE * 100.0
-            ),
         },
         tuns,
     ))
@@ -319,256 +236,331 @@ fn partner(i: usize, n: usize) -> usize {
     }
 }
 
-/// Runs `body(conn)` in GPU `i`'s namespace, connected by TCP to a listener in GPU
-/// `partner(i)`'s namespace that runs `peer(conn)`; returns once the listener is ready.
-#[allow(clippy::too_many_arguments)]
-fn connect_pair(
-    topo: &Topology,
-    netns: &[Arc<OwnedFd>],
-    i: usize,
-    port: u16,
-    stop: &Arc<AtomicBool>,
-    threads: &mut Vec<std::thread::JoinHandle<()>>,
-    body: impl FnOnce(TcpStream) + Send + 'static,
-    peer: impl FnOnce(TcpStream) + Send + 'static,
-) -> anyhow::Result<()> {
-    let dst = partner(i, topo.hosts.len());
-    let addr = SocketAddrV4::new(topo.hosts[dst].addr, port);
-    let (ready_tx, ready_rx) = mpsc::channel::<std::io::Result<()>>();
-    let (ns, stop_r) = (Arc::clone(&netns[dst]), Arc::clone(stop));
-    threads.push(std::thread::spawn(move || {
-        let listener = sys::enter_netns(ns.as_fd()).and_then(|()| {
-            TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, addr.port()))
-        });
-        let listener = match listener {
-            Ok(l) => {
-                let _ = ready_tx.send(Ok(()));
-                l
-            }
-            Err(e) => {
-                let _ = ready_tx.send(Err(e));
+/// The trials' fixed part: the fabric, its GPUs' namespaces, how the data plane does I/O,
+/// and how many GPUs take part.
+struct Trials<'a> {
+    topo: &'a Topology,
+    netns: Vec<Arc<OwnedFd>>,
+    offload: bool,
+    writers: usize,
+    m: usize,
+}
+
+impl Trials<'_> {
+    /// The timing criterion, after the throughput one chose `k`: what the box adds to a
+    /// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
+    /// once, as in a collective's step) are timed at `k` and at ten times `k`: the wall time
+    /// of an exchange is `scale × F + O`, F the fabric's own time for it and O what the box
+    /// adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared cores,
+    /// the data plane's lateness), so two scales give both. O shrinks in fabric time as the
+    /// scale grows: the choice is the smallest 1-2-5 scale at which O is at most `STEP_SHARE`
+    /// of F, if that is above `k`.
+    fn timing(
+        &self,
+        tuns: Vec<OwnedFd>,
+        k: f64,
+        why: String,
+    ) -> anyhow::Result<(Choice, Vec<OwnedFd>)> {
+        let (topo, m) = (self.topo, self.m);
+        let k = k.min(TimeScale::MAX);
+        let size = (topo.fabric.mtu as usize).saturating_sub(52).max(1);
+        let ka = k;
+        let kb = (k * 10.0).min(TimeScale::MAX);
+        if m < 2 || kb <= ka {
+            return Ok((Choice { time_scale: k, why }, tuns));
+        }
+        let ((ta, pa), tuns) = self.exchanges(tuns, ka, size)?;
+        let ((tb, pb), tuns) = self.exchanges(tuns, kb, size)?;
+        let f = (tb - ta) / (kb - ka);
+        let o = ta - ka * f;
+        tracing::info!(
+            "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
+            m / 2,
+            ta * 1e6,
+            tb * 1e6,
+            f * 1e6,
+            o * 1e6
+        );
+        let measured = format!(
+            "exchanges of {size} B between {} GPU pairs took {:.3} µs of fabric time plus {:.0} µs of wall time the box adds",
+            m / 2,
+            f * 1e6,
+            o * 1e6
+        );
+        if f <= 0.0 {
+            // The exchanges did not grow with the scale: the measurement drowned in noise.
+            return Ok((
+                Choice {
+                    time_scale: k,
+                    why: format!("{why}; timing not measurable ({measured})"),
+                },
+                tuns,
+            ));
+        }
+        let needed = o / (STEP_SHARE * f);
+        if needed <= k {
+            return Ok((
+                Choice {
+                    time_scale: k,
+                    why: format!(
+                        "{why}; {measured}: under {:.0} % of a step from {k}",
+                        STEP_SHARE * 100.0
+                    ),
+                },
+                tuns,
+            ));
+        }
+        let chosen = round_up_125(needed).min(TimeScale::MAX);
+        Ok((
+            Choice {
+                time_scale: chosen,
+                why: format!(
+                    "{why}; but {measured}: time_scale {chosen} keeps the box's part under {:.0} % of a step",
+                    STEP_SHARE * 100.0
+                ),
+            },
+            tuns,
+        ))
+    }
+
+    /// Runs `body(conn)` in GPU `i`'s namespace, connected by TCP to a listener in GPU
+    /// `partner(i)`'s namespace that runs `peer(conn)`; returns once the listener is ready.
+    fn connect_pair(
+        &self,
+        i: usize,
+        port: u16,
+        stop: &Arc<AtomicBool>,
+        threads: &mut Vec<std::thread::JoinHandle<()>>,
+        body: impl FnOnce(TcpStream) + Send + 'static,
+        peer: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let (topo, netns) = (self.topo, &self.netns);
+        let dst = partner(i, topo.hosts.len());
+        let addr = SocketAddrV4::new(topo.hosts[dst].addr, port);
+        let (ready_tx, ready_rx) = mpsc::channel::<std::io::Result<()>>();
+        let (ns, stop_r) = (Arc::clone(&netns[dst]), Arc::clone(stop));
+        threads.push(std::thread::spawn(move || {
+            let listener = sys::enter_netns(ns.as_fd()).and_then(|()| {
+                TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, addr.port()))
+            });
+            let listener = match listener {
+                Ok(l) => {
+                    let _ = ready_tx.send(Ok(()));
+                    l
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = listener.set_nonblocking(true);
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let conn = loop {
+                match listener.accept() {
+                    Ok((c, _)) => break c,
+                    Err(_) if Instant::now() < deadline && !stop_r.load(Ordering::Relaxed) => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(_) => return,
+                }
+            };
+            let _ = conn.set_nonblocking(false);
+            peer(conn);
+        }));
+        ready_rx
+            .recv()
+            .context("calibration receiver")?
+            .context("calibration receiver: listening in a GPU")?;
+        let ns = Arc::clone(&netns[i]);
+        threads.push(std::thread::spawn(move || {
+            if sys::enter_netns(ns.as_fd()).is_err() {
                 return;
             }
-        };
-        let _ = listener.set_nonblocking(true);
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let conn = loop {
-            match listener.accept() {
-                Ok((c, _)) => break c,
-                Err(_) if Instant::now() < deadline && !stop_r.load(Ordering::Relaxed) => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(_) => return,
+            if let Ok(conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)) {
+                body(conn);
             }
-        };
-        let _ = conn.set_nonblocking(false);
-        peer(conn);
-    }));
-    ready_rx
-        .recv()
-        .context("calibration receiver")?
-        .context("calibration receiver: listening in a GPU")?;
-    let ns = Arc::clone(&netns[i]);
-    threads.push(std::thread::spawn(move || {
-        if sys::enter_netns(ns.as_fd()).is_err() {
-            return;
-        }
-        if let Ok(conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)) {
-            body(conn);
-        }
-    }));
-    Ok(())
-}
+        }));
+        Ok(())
+    }
 
-/// One throughput trial at `scaled`: a data plane on the TUNs, m streams for
-/// `RAMP + WINDOW`.
-#[allow(clippy::too_many_arguments)]
-fn trial(
-    topo: &Topology,
-    netns: &[Arc<OwnedFd>],
-    tuns: Vec<OwnedFd>,
-    offload: bool,
-    writers: usize,
-    scaled: f64,
-    m: usize,
-    rates: &[u64],
-    payload_share: f64,
-) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
-    let n = topo.hosts.len();
-    let plane = Plane::start(topo, tuns, offload, writers, scaled)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
-    let mut threads = Vec::new();
-    let mut expected = 0.0;
-    let mut setup = Ok(());
-    for i in 0..m {
-        let dst = partner(i, n);
-        expected += rates[i].min(rates[dst]) as f64 * payload_share / scaled / 8.0;
-        let (stop_r, got, stop_s) = (
-            Arc::clone(&stop),
-            Arc::clone(&received[i]),
-            Arc::clone(&stop),
-        );
-        setup = connect_pair(
-            topo,
-            netns,
-            i,
-            PORT + i as u16,
-            &stop,
-            &mut threads,
-            move |mut conn| {
-                let _ = conn.set_write_timeout(Some(Duration::from_millis(50)));
-                let buf = vec![0x5au8; 1 << 16];
-                while !stop_s.load(Ordering::Relaxed) {
-                    let _ = conn.write(&buf);
-                }
-            },
-            move |mut conn| {
-                let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
-                let mut buf = vec![0u8; 1 << 16];
-                while !stop_r.load(Ordering::Relaxed) {
-                    match conn.read(&mut buf) {
-                        Ok(0) => break,
-                        Ok(r) => {
-                            got.fetch_add(r as u64, Ordering::Relaxed);
-                        }
-                        Err(_) => {}
+    /// One throughput trial at `scaled`: a data plane on the TUNs, m streams for
+    /// `RAMP + WINDOW`.
+    fn throughput(
+        &self,
+        tuns: Vec<OwnedFd>,
+        scaled: f64,
+        rates: &[u64],
+        payload_share: f64,
+    ) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
+        let (topo, m) = (self.topo, self.m);
+        let n = topo.hosts.len();
+        let plane = Plane::start(topo, tuns, self.offload, self.writers, scaled)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let mut threads = Vec::new();
+        let mut expected = 0.0;
+        let mut setup = Ok(());
+        for i in 0..m {
+            let dst = partner(i, n);
+            expected += rates[i].min(rates[dst]) as f64 * payload_share / scaled / 8.0;
+            let (stop_r, got, stop_s) = (
+                Arc::clone(&stop),
+                Arc::clone(&received[i]),
+                Arc::clone(&stop),
+            );
+            setup = self.connect_pair(
+                i,
+                PORT + i as u16,
+                &stop,
+                &mut threads,
+                move |mut conn| {
+                    let _ = conn.set_write_timeout(Some(Duration::from_millis(50)));
+                    let buf = vec![0x5au8; 1 << 16];
+                    while !stop_s.load(Ordering::Relaxed) {
+                        let _ = conn.write(&buf);
                     }
-                }
-            },
-        );
-        if setup.is_err() {
-            break;
-        }
-    }
-    let mut measured = (0, 0.0, None, None);
-    if setup.is_ok() {
-        std::thread::sleep(RAMP);
-        let before: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
-        let at_ramp = plane.status();
-        let started = Instant::now();
-        std::thread::sleep(WINDOW);
-        let after: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
-        measured = (
-            after - before,
-            started.elapsed().as_secs_f64(),
-            at_ramp,
-            plane.status(),
-        );
-    }
-    stop.store(true, Ordering::Relaxed);
-    for th in threads {
-        let _ = th.join();
-    }
-    let tuns = plane.stop()?;
-    setup?;
-    let (bytes, window, at_ramp, at_end) = measured;
-    let p99_us = p99_between(at_ramp, at_end);
-    let carried = bytes as f64 / window / expected;
-    Ok((Trial { carried, p99_us }, tuns))
-}
-
-/// One exchange trial at `scaled`: m GPUs in pairs, both of a pair sending `size` bytes
-/// to the other at once and waiting for the other's (a step of a collective), over and
-/// over. Returns the mean wall time of an exchange (s: a side's time alone depends on its
-/// phase against the other's) and the write lateness p99 (µs).
-#[allow(clippy::too_many_arguments)]
-fn exchanges(
-    topo: &Topology,
-    netns: &[Arc<OwnedFd>],
-    tuns: Vec<OwnedFd>,
-    offload: bool,
-    writers: usize,
-    scaled: f64,
-    m: usize,
-    size: usize,
-) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
-    let plane = Plane::start(topo, tuns, offload, writers, scaled)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let counting = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut threads = Vec::new();
-    let mut setup = Ok(());
-    // Pairs only (a GPU in one exchange at a time); an odd last GPU sits out.
-    for i in (0..m - m % 2).step_by(2) {
-        let side = || {
-            let (stop, counting, done) =
-                (Arc::clone(&stop), Arc::clone(&counting), Arc::clone(&done));
-            move |mut conn: TcpStream| {
-                let _ = conn.set_nodelay(true);
-                let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
-                let out = vec![0xa5u8; size];
-                let mut buf = vec![0u8; size];
-                'exchanges: while !stop.load(Ordering::Relaxed) {
-                    if conn.write_all(&out).is_err() {
-                        break;
-                    }
-                    let mut got = 0;
-                    while got < size {
-                        match conn.read(&mut buf[got..]) {
-                            Ok(0) => break 'exchanges,
-                            Ok(r) => got += r,
-                            Err(e)
-                                if e.kind() == std::io::ErrorKind::WouldBlock
-                                    || e.kind() == std::io::ErrorKind::TimedOut =>
-                            {
-                                if stop.load(Ordering::Relaxed) {
-                                    break 'exchanges;
-                                }
+                },
+                move |mut conn| {
+                    let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
+                    let mut buf = vec![0u8; 1 << 16];
+                    while !stop_r.load(Ordering::Relaxed) {
+                        match conn.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(r) => {
+                                got.fetch_add(r as u64, Ordering::Relaxed);
                             }
-                            Err(_) => break 'exchanges,
+                            Err(_) => {}
                         }
                     }
-                    if counting.load(Ordering::Relaxed) {
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                // Unblock the peer's read and write.
-                let _ = conn.shutdown(std::net::Shutdown::Both);
-            }
-        };
-        setup = connect_pair(
-            topo,
-            netns,
-            i,
-            PORT + 100 + i as u16,
-            &stop,
-            &mut threads,
-            side(),
-            side(),
-        );
-        if setup.is_err() {
-            break;
-        }
-    }
-    let mut lateness = (None, None);
-    let mut window = Duration::ZERO;
-    if setup.is_ok() {
-        std::thread::sleep(RAMP);
-        lateness.0 = plane.status();
-        counting.store(true, Ordering::Relaxed);
-        // Enough exchanges for a mean even when each takes milliseconds of wall time.
-        let started = Instant::now();
-        let enough = (EXCHANGES_PER_PAIR * m) as u64;
-        while started.elapsed() < EXCHANGE_WINDOW_MAX {
-            std::thread::sleep(Duration::from_millis(20));
-            if started.elapsed() >= WINDOW && done.load(Ordering::Relaxed) >= enough {
+                },
+            );
+            if setup.is_err() {
                 break;
             }
         }
-        counting.store(false, Ordering::Relaxed);
-        window = started.elapsed();
-        lateness.1 = plane.status();
+        let mut measured = (0, 0.0, None, None);
+        if setup.is_ok() {
+            std::thread::sleep(RAMP);
+            let before: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+            let at_ramp = plane.status();
+            let started = Instant::now();
+            std::thread::sleep(WINDOW);
+            let after: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+            measured = (
+                after - before,
+                started.elapsed().as_secs_f64(),
+                at_ramp,
+                plane.status(),
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+        for th in threads {
+            let _ = th.join();
+        }
+        let tuns = plane.stop()?;
+        setup?;
+        let (bytes, window, at_ramp, at_end) = measured;
+        let p99_us = p99_between(at_ramp, at_end);
+        let carried = bytes as f64 / window / expected;
+        Ok((Trial { carried, p99_us }, tuns))
     }
-    stop.store(true, Ordering::Relaxed);
-    for th in threads {
-        let _ = th.join();
+
+    /// One exchange trial at `scaled`: m GPUs in pairs, both of a pair sending `size` bytes
+    /// to the other at once and waiting for the other's (a step of a collective), over and
+    /// over. Returns the mean wall time of an exchange (s: a side's time alone depends on its
+    /// phase against the other's) and the write lateness p99 (µs).
+    fn exchanges(
+        &self,
+        tuns: Vec<OwnedFd>,
+        scaled: f64,
+        size: usize,
+    ) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
+        let m = self.m;
+        let plane = Plane::start(self.topo, tuns, self.offload, self.writers, scaled)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let counting = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        let mut setup = Ok(());
+        // Pairs only (a GPU in one exchange at a time); an odd last GPU sits out.
+        for i in (0..m - m % 2).step_by(2) {
+            let side = || {
+                let (stop, counting, done) =
+                    (Arc::clone(&stop), Arc::clone(&counting), Arc::clone(&done));
+                move |mut conn: TcpStream| {
+                    let _ = conn.set_nodelay(true);
+                    let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
+                    let out = vec![0xa5u8; size];
+                    let mut buf = vec![0u8; size];
+                    'exchanges: while !stop.load(Ordering::Relaxed) {
+                        if conn.write_all(&out).is_err() {
+                            break;
+                        }
+                        let mut got = 0;
+                        while got < size {
+                            match conn.read(&mut buf[got..]) {
+                                Ok(0) => break 'exchanges,
+                                Ok(r) => got += r,
+                                Err(e)
+                                    if e.kind() == std::io::ErrorKind::WouldBlock
+                                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                                {
+                                    if stop.load(Ordering::Relaxed) {
+                                        break 'exchanges;
+                                    }
+                                }
+                                Err(_) => break 'exchanges,
+                            }
+                        }
+                        if counting.load(Ordering::Relaxed) {
+                            done.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    // Unblock the peer's read and write.
+                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                }
+            };
+            setup = self.connect_pair(
+                i,
+                PORT + 100 + i as u16,
+                &stop,
+                &mut threads,
+                side(),
+                side(),
+            );
+            if setup.is_err() {
+                break;
+            }
+        }
+        let mut lateness = (None, None);
+        let mut window = Duration::ZERO;
+        if setup.is_ok() {
+            std::thread::sleep(RAMP);
+            lateness.0 = plane.status();
+            counting.store(true, Ordering::Relaxed);
+            // Enough exchanges for a mean even when each takes milliseconds of wall time.
+            let started = Instant::now();
+            let enough = (EXCHANGES_PER_PAIR * m) as u64;
+            while started.elapsed() < EXCHANGE_WINDOW_MAX {
+                std::thread::sleep(Duration::from_millis(20));
+                if started.elapsed() >= WINDOW && done.load(Ordering::Relaxed) >= enough {
+                    break;
+                }
+            }
+            counting.store(false, Ordering::Relaxed);
+            window = started.elapsed();
+            lateness.1 = plane.status();
+        }
+        stop.store(true, Ordering::Relaxed);
+        for th in threads {
+            let _ = th.join();
+        }
+        let tuns = plane.stop()?;
+        setup?;
+        let count = done.load(Ordering::Relaxed);
+        anyhow::ensure!(count > 0, "no exchange completed at time_scale {scaled}");
+        // Every GPU of a pair in lock step: the wall time of one step.
+        let step = window.as_secs_f64() * (m - m % 2) as f64 / count as f64;
+        Ok(((step, p99_between(lateness.0, lateness.1)), tuns))
     }
-    let tuns = plane.stop()?;
-    setup?;
-    let count = done.load(Ordering::Relaxed);
-    anyhow::ensure!(count > 0, "no exchange completed at time_scale {scaled}");
-    // Every GPU of a pair in lock step: the wall time of one step.
-    let step = window.as_secs_f64() * (m - m % 2) as f64 / count as f64;
-    Ok(((step, p99_between(lateness.0, lateness.1)), tuns))
 }
