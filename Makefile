@@ -1,23 +1,35 @@
 # closbox: a GPU-cluster network fabric on one Linux box.
 CARGO ?= cargo
 
-.PHONY: all build demo test test-deps bench bench-live faithful lint fmt clean
+.PHONY: all build demo demo-default test test-deps bench bench-live faithful lint fmt clean
 
 all: build
 
 build:
 	$(CARGO) build --release --workspace
 
-# The main job on the default fabric (see README): up, an AllReduce sweep, a training-step
-# comparison with and without overlap, down. Needs root.
+# The main job: a guided tour (scripts/tour) of what GPU fabrics do, each step measured on
+# a shipped fabric beside the model's prediction: plan at 200,000 GPUs, scale-up vs
+# scale-out, oversubscription, incast, ECMP collisions, overlap, a spine failing. Results
+# and plots in tour/index.md. Needs root; ~3 min. `make demo-STEP` runs one step
+# (demo-plan, demo-scale-up, demo-oversubscription, demo-incast, demo-ecmp, demo-overlap,
+# demo-chaos).
 CLOSBOX = ./target/release/closbox
 demo: build
+	scripts/tour
+
+# The AllReduce sweep and training steps of the default fabric alone (the demo before
+# the tour): up, sweep with a plot, train, status, down.
+demo-default: build
 	$(CLOSBOX) plan configs/default.toml
 	$(CLOSBOX) up configs/default.toml --detach
 	$(CLOSBOX) bench allreduce --fabric default --sizes 64K:32M --iters 2 --plot allreduce.svg || { $(CLOSBOX) down default; exit 1; }
 	$(CLOSBOX) train --fabric default --model 64M --bucket 8M --compute-ms 2 --steps 2 || { $(CLOSBOX) down default; exit 1; }
 	-$(CLOSBOX) status default
 	$(CLOSBOX) down default
+
+demo-%: build
+	scripts/tour $*
 
 # Every test: unit, virtual-clock model tests, CLI tests and, as root, live fabrics running
 # real programs. Installs those programs first if they are missing (scripts/test-deps).
