@@ -179,62 +179,31 @@ fn netpipe_through_open_mpi_and_mpich() {
             passed >= 30 && !integrity.contains("failed"),
             "{imp}: {passed} sizes checked\n{integrity}"
         );
-        let lat = netpipe_lines(&mpirun(
-            imp,
-            &[
+        // One message size, `reps` round trips, no perturbation: NetPIPE's arguments.
+        let one_size = |size: &'static str, reps: &'static str| {
+            [
                 prog,
                 "-l",
-                "8",
+                size,
                 "-u",
-                "8",
+                size,
                 "-p",
                 "0",
                 "-n",
-                "300",
+                reps,
                 "-o",
                 "/dev/null",
-            ],
-        ));
-        let bw = netpipe_lines(&mpirun(
-            imp,
-            &[
-                prog,
-                "-l",
-                "4194304",
-                "-u",
-                "4194304",
-                "-p",
-                "0",
-                "-n",
-                "4",
-                "-o",
-                "/dev/null",
-            ],
-        ));
+            ]
+        };
+        let lat = netpipe_lines(&mpirun(imp, &one_size("8", "300")));
+        let bw = netpipe_lines(&mpirun(imp, &one_size("4194304", "4")));
         let (lat_us, mbps) = (lat[0].2, bw[0].1);
         if imp == "openmpi" {
             // Ranks that busy-poll (no yielding) must not share a core: closbox then does
             // not let mpirun bind every "node"'s rank to core 0 (4 ms a message).
-            let spin = netpipe_lines(&mpirun(
-                imp,
-                &[
-                    "--mca",
-                    "mpi_yield_when_idle",
-                    "0",
-                    "--",
-                    prog,
-                    "-l",
-                    "8",
-                    "-u",
-                    "8",
-                    "-p",
-                    "0",
-                    "-n",
-                    "300",
-                    "-o",
-                    "/dev/null",
-                ],
-            ));
+            let mut busy = vec!["--mca", "mpi_yield_when_idle", "0", "--"];
+            busy.extend(one_size("8", "300"));
+            let spin = netpipe_lines(&mpirun(imp, &busy));
             eprintln!(
                 "openmpi, busy-polling ranks: 8 B one way {:.1} µs",
                 spin[0].2
