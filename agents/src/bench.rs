@@ -2,9 +2,9 @@
 //! runs, check every element, and report time, algorithm and bus bandwidth.
 //!
 //! Each run starts from a pristine copy of the input (out-of-place semantics, as
-//! nccl-tests), copied outside the timed region, after a barrier. Times are per operation,
-//! averaged over iterations, the slowest rank's, converted to fabric time
-//! (wall ÷ time_scale).
+//! nccl-tests), copied outside the timed region; all ranks start it at one instant agreed
+//! in a barrier. Times are per operation, averaged over iterations, the slowest rank's,
+//! converted to fabric time (wall ÷ time_scale).
 
 use std::time::{Duration, Instant};
 
