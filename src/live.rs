@@ -778,17 +778,66 @@ pub struct MpirunArgs<'a> {
     pub cmd: &'a [String],
 }
 
+/// Whether the user told the ranks to busy-poll (never yield the core while they wait).
+fn ranks_spin(a: &MpirunArgs, imp: MpiImpl) -> bool {
+    match imp {
+        MpiImpl::Openmpi => a
+            .mca
+            .chunks(2)
+            .any(|kv| kv[0] == "mpi_yield_when_idle" && kv.get(1).is_some_and(|v| v == "0")),
+        // MPICH: 0 polls before a yield disables yielding.
+        MpiImpl::Mpich => a
+            .export
+            .iter()
+            .any(|x| x.replace(' ', "") == "MPIR_CVAR_POLLS_BEFORE_YIELD=0"),
+    }
+}
+
+/// The CPU of each of `ranks` ranks that busy-poll: round robin over the CPUs this process
+/// may use. Each GPU looks like a node of its own to the launchers, which would bind every
+/// rank to "its" first core (Open MPI: core 0 for all) or leave them to the scheduler;
+/// busy-polling ranks on one core take turns of a scheduler slice (3–5 ms a message,
+/// measured), and the scheduler may put two there when the fabric's high-priority thread
+/// makes the other core look loaded (seen once in CI: 5 ms a message unbound).
+fn spinning_cpus(ranks: usize) -> anyhow::Result<Vec<usize>> {
+    let cpus = closbox_switchd::sys::allowed_cpus().context("reading this process's CPUs")?;
+    if cpus.is_empty() {
+        bail!("this process may run on no CPU");
+    }
+    if ranks > cpus.len() {
+        eprintln!(
+            "closbox mpirun: warning: {ranks} busy-polling ranks on {} CPUs: ranks that share a \
+             CPU wait a scheduler slice (milliseconds) for each other; let them yield \
+             (closbox's default) unless each has a core",
+            cpus.len()
+        );
+    }
+    Ok((0..ranks).map(|r| cpus[r % cpus.len()]).collect())
+}
+
 /// The launcher line for a job on `st`'s GPUs `sel` (rank i on the i-th), run in the first
-/// selected GPU.
+/// selected GPU. `pins`: the CPU of each rank (busy-polling ranks), applied by `closbox rsh`
+/// to the ranks it starts and by the caller to the launcher (whose own rank it starts).
 fn mpirun_line(
     st: &State,
     sel: &[usize],
     a: &MpirunArgs,
     imp: MpiImpl,
     launcher: String,
+    pins: Option<&[usize]>,
 ) -> anyhow::Result<Vec<String>> {
     let exe = std::env::current_exe().context("locating the closbox binary")?;
     let hosts: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
+    // `closbox rsh --fabric F [--cpu-map gpu0=0,gpu15=1]`, without the executable.
+    let mut rsh = format!("rsh --fabric {}", st.fabric);
+    if let Some(p) = pins {
+        let map: Vec<String> = hosts
+            .iter()
+            .zip(p)
+            .map(|(h, c)| format!("{h}={c}"))
+            .collect();
+        rsh += &format!(" --cpu-map {}", map.join(","));
+    }
     match imp {
         MpiImpl::Openmpi => {
             let mut line: Vec<String> = vec![
@@ -811,10 +860,7 @@ fn mpirun_line(
                 }
             };
             // closbox starts each remote daemon in its GPU (and ends it with mpirun).
-            mca(
-                "plm_rsh_agent",
-                &format!("{} rsh --fabric {}", exe.display(), st.fabric),
-            );
+            mca("plm_rsh_agent", &format!("{} {rsh}", exe.display()));
             // TCP over the GPUs' fabric interface; no shared memory or RDMA paths around it.
             mca("pml", "ob1");
             mca("btl", "tcp,self");
@@ -825,14 +871,9 @@ fn mpirun_line(
             // Each GPU looks like a node of its own to mpirun, which binds every rank to
             // "its" first core: the same core 0 for all of them. Yielding ranks take turns
             // on it quickly (measured: as fast as unbound, and steadier: unbound yielding
-            // ranks met 5 ms stalls in 2 of 8 NetPIPE runs); ranks told to busy-poll
-            // (mpi_yield_when_idle 0) would take turns of a scheduler slice, 4 ms a
-            // message, so they are not bound.
-            let spinning = a
-                .mca
-                .chunks(2)
-                .any(|kv| kv[0] == "mpi_yield_when_idle" && kv[1] == "0");
-            if spinning {
+            // ranks met 5 ms stalls in 2 of 8 NetPIPE runs); busy-polling ranks keep the
+            // CPUs closbox pinned them to (`spinning_cpus`).
+            if pins.is_some() {
                 mca("hwloc_base_binding_policy", "none");
             }
             for kv in a.mca.chunks(2) {
@@ -853,7 +894,7 @@ fn mpirun_line(
             // has no spaces).
             let mut line: Vec<String> = vec![
                 "env".into(),
-                format!("HYDRA_LAUNCHER_EXTRA_ARGS=rsh --fabric {}", st.fabric),
+                format!("HYDRA_LAUNCHER_EXTRA_ARGS={rsh}"),
                 launcher,
                 "-launcher".into(),
                 "rsh".into(),
@@ -920,7 +961,12 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         },
         Err(e) => return Err(e),
     };
-    let line = mpirun_line(&st, &sel, &a, imp, launcher)?;
+    let pins = if ranks_spin(&a, imp) {
+        Some(spinning_cpus(sel.len())?)
+    } else {
+        None
+    };
+    let line = mpirun_line(&st, &sel, &a, imp, launcher, pins.as_deref())?;
     if a.fabric_clock {
         enable_fabric_clock(&st)?;
     }
@@ -937,13 +983,21 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
                 }
             })
             .collect();
+        // The launcher and the first rank run on the first rank's CPU.
+        let pin = pins
+            .as_ref()
+            .map_or(String::new(), |p| format!("taskset -c {} ", p[0]));
         println!(
-            "closbox exec --fabric {} {} -- {}",
+            "{pin}closbox exec --fabric {} {} -- {}",
             st.fabric,
             st.gpus[sel[0]].name,
             quoted.join(" ")
         );
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(p) = &pins {
+        // The launcher starts the first rank itself; it and its rank run on that CPU.
+        closbox_switchd::sys::pin_to_cpu(p[0]).context("pinning the launcher")?;
     }
     run(RunArgs {
         st: &st,

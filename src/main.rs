@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use closbox_switchd::control::ChangeRequest;
 use closbox_switchd::state::FabricName;
@@ -378,6 +379,9 @@ enum Command {
     Rsh {
         #[arg(long, short)]
         fabric: Option<FabricName>,
+        /// HOST=CPU,...: run the command of a listed host on that CPU (busy-polling ranks).
+        #[arg(long)]
+        cpu_map: Option<String>,
         host: String,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
@@ -909,17 +913,12 @@ fn main() -> ExitCode {
             fabric_clock,
             cmd: &cmd,
         }),
-        Command::Rsh { fabric, host, cmd } => {
-            // The remote command arrives as words of one shell line (as ssh would run it).
-            let line = format!("exec {}", cmd.join(" "));
-            live::exec(
-                fabric.as_ref(),
-                &host,
-                &["sh".to_owned(), "-c".to_owned(), line],
-                true,
-                false,
-            )
-        }
+        Command::Rsh {
+            fabric,
+            cpu_map,
+            host,
+            cmd,
+        } => rsh(fabric.as_ref(), cpu_map.as_deref(), &host, &cmd),
         Command::Chaos {
             file,
             dry_run,
@@ -1042,4 +1041,59 @@ fn run_plan(args: PlanArgs) -> anyhow::Result<()> {
     };
     println!("{out}");
     Ok(())
+}
+
+/// `host`'s CPU in a `--cpu-map` (`gpu0=0,gpu15=1`); an error if it is malformed or lacks
+/// the host.
+fn cpu_of(map: &str, host: &str) -> anyhow::Result<usize> {
+    for pair in map.split(',') {
+        let (h, c) = pair
+            .split_once('=')
+            .with_context(|| format!("--cpu-map: {pair:?} is not HOST=CPU"))?;
+        if h == host {
+            return c
+                .parse()
+                .with_context(|| format!("--cpu-map: {c:?} is not a CPU number"));
+        }
+    }
+    anyhow::bail!("--cpu-map {map:?} has no CPU for {host}")
+}
+
+/// `closbox rsh`: `cmd` (words of one shell line, as ssh would run it) in GPU `host`,
+/// ended with its launcher; on its CPU if `cpu_map` lists one for `host`.
+fn rsh(
+    fabric: Option<&FabricName>,
+    cpu_map: Option<&str>,
+    host: &str,
+    cmd: &[String],
+) -> anyhow::Result<ExitCode> {
+    if let Some(cpu) = cpu_map.map(|m| cpu_of(m, host)).transpose()? {
+        closbox_switchd::sys::pin_to_cpu(cpu)
+            .with_context(|| format!("pinning {host}'s command to CPU {cpu}"))?;
+    }
+    let line = format!("exec {}", cmd.join(" "));
+    live::exec(
+        fabric,
+        host,
+        &["sh".to_owned(), "-c".to_owned(), line],
+        true,
+        false,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_of;
+
+    #[test]
+    fn cpu_map_gives_the_hosts_cpu_or_names_the_problem() {
+        assert_eq!(cpu_of("gpu0=0,gpu15=1", "gpu15").unwrap(), 1);
+        assert_eq!(cpu_of("gpu0=0,gpu15=1", "gpu0").unwrap(), 0);
+        let e = cpu_of("gpu0=0", "gpu1").unwrap_err().to_string();
+        assert!(e.contains("no CPU for gpu1"), "{e}");
+        let e = cpu_of("gpu0:0", "gpu0").unwrap_err().to_string();
+        assert!(e.contains("is not HOST=CPU"), "{e}");
+        let e = cpu_of("gpu0=x", "gpu0").unwrap_err().to_string();
+        assert!(e.contains("\"x\" is not a CPU number"), "{e}");
+    }
 }

@@ -168,6 +168,11 @@ fn netpipe_through_open_mpi_and_mpich() {
         let (o, e) = text(&out);
         assert!(out.status.success(), "{o}{e}");
         assert_eq!(o.matches(key).count(), 1, "{o}");
+        // Both settings make the ranks busy-poll: each is pinned to a CPU of its own.
+        assert!(
+            o.starts_with("taskset -c ") && o.contains("--cpu-map gpu0=0,gpu15=1"),
+            "{o}"
+        );
     }
     for (imp, prog) in [("openmpi", "NPopenmpi"), ("mpich", "NPmpich2")] {
         let integrity = mpirun(

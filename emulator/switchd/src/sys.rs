@@ -315,6 +315,21 @@ pub fn set_thread_nice(nice: i32) -> io::Result<()> {
     process::setpriority_process(Some(thread::gettid()), nice).map_err(io::Error::from)
 }
 
+/// The CPUs the calling thread may run on, in order.
+pub fn allowed_cpus() -> io::Result<Vec<usize>> {
+    let set = thread::sched_getaffinity(None)?;
+    Ok((0..thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect())
+}
+
+/// Binds the calling thread (and what it spawns from now on) to one CPU.
+pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    let mut set = thread::CpuSet::new();
+    set.set(cpu);
+    thread::sched_setaffinity(None, &set).map_err(io::Error::from)
+}
+
 fn signal(sig: libc::c_int) -> io::Result<Signal> {
     Signal::from_named_raw(sig).ok_or_else(|| io::Error::other(format!("signal {sig}")))
 }
