@@ -25,7 +25,7 @@ use crate::load::{Generator, LoadCounters, LoadSpec};
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
 use crate::routing::{scale_out_bfs, vertex_latency, PortId, Routes, VertexIdx};
-use crate::topology::{Ecn, HostId, LinkParams, QueueParams, Routing, Topology};
+use crate::topology::{Ecn, FlowControl, HostId, LinkParams, QueueParams, Routing, Topology};
 use crate::units::{Bandwidth, Bytes, Duration, Instant};
 
 /// Why the fabric dropped a packet.
@@ -118,6 +118,13 @@ pub struct PortCounters {
     pub load_tx_packets: u64,
     pub load_tx_bytes: u64,
     pub load_drops: u64,
+    /// Lossless fabrics: times this port was stopped by its downstream neighbour (a PFC
+    /// pause, or credits run out), and for how long in all (fabric time).
+    pub pause_events: u64,
+    pub paused: Duration,
+    /// Lossless fabrics: the most bytes the next switch held at once that came through
+    /// this port (its ingress occupancy).
+    pub max_ingress_bytes: u64,
 }
 
 /// Result of offering a packet to the fabric.
@@ -303,6 +310,14 @@ impl Flows {
 
 /// `InFlight::load` of a GPU's packet.
 const NO_LOAD: u32 = u32::MAX;
+/// `InFlight::ingress` of a packet at a GPU.
+const NO_PORT: u32 = u32::MAX;
+/// Event keys (below `1 << 30`: a port's next arrival, then the loads' next packets;
+/// with these flags: a lossless port's departure, pause, resume).
+const DEPART_EVENT: u32 = 1 << 30;
+const PAUSE_EVENT: u32 = 2 << 30;
+const RESUME_EVENT: u32 = 3 << 30;
+const EVENT_KIND: u32 = 3 << 30;
 /// Backlog entry flags.
 const LOST: u8 = 1;
 const SYNTHETIC: u8 = 2;
@@ -345,6 +360,18 @@ struct Port {
     backlog_bytes: u64,
     counters: PortCounters,
     rng: Rng,
+    /// Lossless fabrics: admitted packets that have not started (their bytes are in
+    /// `backlog_bytes`); they start one by one as the port frees and is not paused.
+    waiting: VecDeque<u32>,
+    /// Stopped by the downstream neighbour, since when.
+    paused: Option<Instant>,
+    /// A departure event (the port frees) is scheduled.
+    depart_pending: bool,
+    /// Bytes held at the vertex this port leads to that came through it, not yet started
+    /// on their way out (a switch's ingress occupancy), and whether it asked this port to
+    /// stop.
+    ingress_bytes: u64,
+    xoff_sent: bool,
 }
 
 struct InFlight {
@@ -360,6 +387,9 @@ struct InFlight {
     /// Index of the load that made it (then `data` is empty and `dst` its target
     /// vertex), or `NO_LOAD`.
     load: u32,
+    /// Lossless fabrics: the port it arrived through at the switch holding it, whose
+    /// ingress occupancy it counts in; `NO_PORT` at a GPU.
+    ingress: u32,
 }
 
 struct VertexState {
@@ -419,6 +449,8 @@ pub struct Fabric {
     taps: Option<Box<Taps>>,
     /// Per-flow counters, when enabled.
     flows: Option<Box<Flows>>,
+    /// Lossy, or lossless (PFC, credits).
+    flow_control: FlowControl,
 }
 
 impl std::fmt::Debug for Fabric {
@@ -456,8 +488,17 @@ impl Fabric {
                 backlog_bytes: 0,
                 counters: PortCounters::default(),
                 rng: Rng::new(seed, 1 << 40 | i as u64),
+                waiting: VecDeque::new(),
+                paused: None,
+                depart_pending: false,
+                ingress_bytes: 0,
+                xoff_sent: false,
             })
             .collect();
+        assert!(
+            routes.ports.len() < (1 << 29),
+            "port numbers fit below the event flags"
+        );
         let vertices = (0..h as usize + topo.switches.len())
             .map(|v| VertexState {
                 routing: if v < h as usize {
@@ -502,6 +543,7 @@ impl Fabric {
             seed,
             taps: None,
             flows: None,
+            flow_control: topo.fabric.flow_control,
             topo: topo.clone(),
         }
     }
@@ -682,6 +724,7 @@ impl Fabric {
             ecn: headers.ecn,
             flow,
             load: NO_LOAD,
+            ingress: NO_PORT,
         };
         self.next_packet += 1;
         let slot = self.hold(pkt);
@@ -723,6 +766,11 @@ impl Fabric {
                 if t > now {
                     break;
                 }
+                if port & EVENT_KIND != 0 {
+                    PeekMut::pop(top);
+                    self.port_event(t, PortId(port & !EVENT_KIND), port & EVENT_KIND);
+                    continue;
+                }
                 if port as usize >= self.ports.len() {
                     PeekMut::pop(top);
                     self.emit(t, port as usize - self.ports.len());
@@ -744,6 +792,13 @@ impl Fabric {
             };
             self.in_transit -= 1;
             self.converge_by(t);
+            if v >= self.hosts && self.flow_control != FlowControl::Lossy {
+                // Held at this switch, it counts against the ingress it came through.
+                self.slots[slot as usize]
+                    .as_mut()
+                    .expect("live slot")
+                    .ingress = port.0;
+            }
             let pkt = self.slots[slot as usize].as_ref().expect("live slot");
             let load = pkt.load;
             if load == NO_LOAD && Taps::wants(&self.taps, port, None) {
@@ -1041,6 +1096,7 @@ impl Fabric {
             ecn: packet::ECN_ECT0,
             flow: 0,
             load: i as u32,
+            ingress: NO_PORT,
         };
         self.next_packet += 1;
         let slot = self.hold(pkt);
@@ -1130,8 +1186,25 @@ impl Fabric {
         port.backlog_bytes = 0;
         port.busy_until = now;
         port.carry = 0;
+        if let Some(since) = port.paused.take() {
+            port.counters.paused += now.saturating_since(since);
+        }
+        let waiting: Vec<u32> = port.waiting.drain(..).collect();
         self.in_transit -= lost.len() as u64;
-        for slot in lost {
+        for &slot in &waiting {
+            // Lossless: what waited here leaves the switch's ingress as it is lost.
+            let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+            let (len, load) = (pkt.len, pkt.load);
+            let ingress = std::mem::replace(&mut pkt.ingress, NO_PORT);
+            if ingress != NO_PORT {
+                self.free_ingress(now, PortId(ingress), len);
+            }
+            if load != NO_LOAD {
+                // Counted below as the transit ones are.
+                self.load_in_transit += 1;
+            }
+        }
+        for slot in lost.into_iter().chain(waiting) {
             let pkt = self.release(slot);
             let load = pkt.load;
             let counters = &mut self.ports[p.0 as usize].counters;
@@ -1295,59 +1368,225 @@ impl Fabric {
         }
     }
 
-    /// Admits the packet in `slot` to egress port `port_id` at `now`: tail drop, ECN,
-    /// serialization, and its arrival at the next vertex.
+    /// Admits the packet in `slot` to egress port `port_id` at `now`: tail drop (or, in a
+    /// lossless fabric, ingress accounting and pauses), ECN, serialization, and its
+    /// arrival at the next vertex.
     fn enqueue(&mut self, now: Instant, port_id: PortId, slot: u32) -> Result<(), DropReason> {
+        let lossless = self.flow_control.pause().copied();
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+        let (len, load, ingress) = (pkt.len, pkt.load, pkt.ingress);
         let port = &mut self.ports[port_id.0 as usize];
         settle(port, now);
-        let (len, wire_bits, ecn, id, load) = (pkt.len, pkt.wire_bits, pkt.ecn, pkt.id, pkt.load);
-        let synthetic = load != NO_LOAD;
-        if !synthetic {
+        if load == NO_LOAD {
             port.counters.rx_packets += 1;
             port.counters.rx_bytes += len as u64;
         }
-        if port.backlog_bytes + len as u64 > port.queue.buffer.get() {
-            if synthetic {
-                port.counters.load_drops += 1;
-                self.loads[load as usize]
-                    .counters
-                    .drops
-                    .add(DropReason::BufferFull);
-            } else {
-                port.counters.drops.add(DropReason::BufferFull);
-                Flows::drop(&mut self.flows, pkt.flow);
-                if Taps::wants(&self.taps, port_id, Some(DropReason::BufferFull)) {
-                    let taps = self.taps.as_mut().expect("tapped");
-                    taps.record(port_id, now, &pkt.data, len, Some(DropReason::BufferFull));
-                }
+        let full = match lossless {
+            // A lossless switch holds what its ingress admitted: only more than the
+            // headroom allows (too little configured for the link) is dropped.
+            Some(pause) if ingress != NO_PORT => {
+                let q = &self.ports[ingress as usize];
+                q.ingress_bytes + len as u64 > pause.xoff.get() + self.headroom(PortId(ingress))
             }
-            if let Some(t) = &mut self.trace {
-                t.push(TraceEntry {
-                    port: port_id,
-                    packet: id,
-                    start: now,
-                    finish: now,
-                    dropped: Some(DropReason::BufferFull),
-                });
-            }
-            self.release(slot);
-            return Err(DropReason::BufferFull);
+            // A GPU's NIC queue (or a lossy queue) tail-drops at its buffer.
+            _ => port.backlog_bytes + len as u64 > port.queue.buffer.get(),
+        };
+        if full {
+            return Err(self.drop_full(now, port_id, slot));
         }
-        // Only ECT packets are marked; CE ones stay CE and are not counted again.
-        if ecn != ECN_NOT_ECT && ecn != ECN_CE && should_mark(port) {
-            let pkt = self.slots[slot as usize].as_mut().expect("live slot");
-            pkt.ecn = ECN_CE;
-            if synthetic {
-                self.loads[load as usize].counters.ecn_marked += 1;
-            } else {
-                packet::mark_ce(&mut pkt.data);
-                port.counters.ecn_marked += 1;
-                if let Some(e) = self.flows.as_mut().and_then(|f| f.map.get_mut(&pkt.flow)) {
-                    e.1.ecn_marked += 1;
+        self.mark(port_id, slot);
+        let port = &mut self.ports[port_id.0 as usize];
+        port.backlog_bytes += len as u64;
+        port.counters.max_queue_bytes = port.counters.max_queue_bytes.max(port.backlog_bytes);
+        let Some(pause) = lossless else {
+            self.transmit(now, port_id, slot);
+            return Ok(());
+        };
+        port.waiting.push_back(slot);
+        if ingress != NO_PORT {
+            let q = &mut self.ports[ingress as usize];
+            q.ingress_bytes += len as u64;
+            q.counters.max_ingress_bytes = q.counters.max_ingress_bytes.max(q.ingress_bytes);
+            if q.ingress_bytes >= pause.xoff.get() && !q.xoff_sent {
+                q.xoff_sent = true;
+                match self.flow_control {
+                    // The pause frame reaches the upstream port a link delay later.
+                    FlowControl::Pfc(_) => {
+                        let at = now + q.link.delay;
+                        self.events.push(Reverse(pack(at, PAUSE_EVENT | ingress)));
+                    }
+                    // The sender counts its credits: it stops at once.
+                    _ => self.pause(now, PortId(ingress)),
                 }
             }
         }
+        self.try_start(now, port_id);
+        Ok(())
+    }
+
+    /// Bytes a lossless switch must hold beyond `xoff` for what port `p` still sends after
+    /// the switch asked it to stop: its pause (or its last credit) takes a link delay to
+    /// arrive and the resume one more; the frame on the wire and the one it had started
+    /// finish; the switch's own latency. Frames are up to 64 KiB (TUN offload hands the
+    /// fabric super-packets).
+    pub fn headroom(&self, p: PortId) -> u64 {
+        let port = &self.ports[p.0 as usize];
+        let window = port.link.delay + port.link.delay + port.next_latency;
+        let on_wire = port.link.rate.bps() as u128 * window.as_nanos() as u128 / 8_000_000_000;
+        on_wire as u64 + 3 * (MAX_PACKET + self.l2_overhead as u64)
+    }
+
+    /// Counts a packet that did not fit at `port_id` and lets it go.
+    fn drop_full(&mut self, now: Instant, port_id: PortId, slot: u32) -> DropReason {
+        let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+        let (len, id, load) = (pkt.len, pkt.id, pkt.load);
+        let port = &mut self.ports[port_id.0 as usize];
+        if load != NO_LOAD {
+            port.counters.load_drops += 1;
+            self.loads[load as usize]
+                .counters
+                .drops
+                .add(DropReason::BufferFull);
+        } else {
+            port.counters.drops.add(DropReason::BufferFull);
+            Flows::drop(&mut self.flows, pkt.flow);
+            if Taps::wants(&self.taps, port_id, Some(DropReason::BufferFull)) {
+                let taps = self.taps.as_mut().expect("tapped");
+                taps.record(port_id, now, &pkt.data, len, Some(DropReason::BufferFull));
+            }
+        }
+        if let Some(t) = &mut self.trace {
+            t.push(TraceEntry {
+                port: port_id,
+                packet: id,
+                start: now,
+                finish: now,
+                dropped: Some(DropReason::BufferFull),
+            });
+        }
+        self.release(slot);
+        DropReason::BufferFull
+    }
+
+    /// ECN: marks the ECT packet in `slot` CE if `port_id`'s queue says so (CE packets
+    /// stay CE and are not counted again).
+    fn mark(&mut self, port_id: PortId, slot: u32) {
+        let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+        let port = &mut self.ports[port_id.0 as usize];
+        if pkt.ecn == ECN_NOT_ECT || pkt.ecn == ECN_CE || !should_mark(port) {
+            return;
+        }
+        pkt.ecn = ECN_CE;
+        if pkt.load != NO_LOAD {
+            self.loads[pkt.load as usize].counters.ecn_marked += 1;
+        } else {
+            packet::mark_ce(&mut pkt.data);
+            port.counters.ecn_marked += 1;
+            if let Some(e) = self.flows.as_mut().and_then(|f| f.map.get_mut(&pkt.flow)) {
+                e.1.ecn_marked += 1;
+            }
+        }
+    }
+
+    /// Lossless: starts port `p`'s next waiting packet at `now` if it is free and not
+    /// paused, or schedules the instant it frees.
+    fn try_start(&mut self, now: Instant, p: PortId) {
+        let port = &mut self.ports[p.0 as usize];
+        if port.paused.is_some() || port.depart_pending {
+            return;
+        }
+        let Some(&slot) = port.waiting.front() else {
+            return;
+        };
+        if port.busy_until > now {
+            port.depart_pending = true;
+            let at = port.busy_until;
+            self.events.push(Reverse(pack(at, DEPART_EVENT | p.0)));
+            return;
+        }
+        port.waiting.pop_front();
+        let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+        let (len, ingress) = (pkt.len, std::mem::replace(&mut pkt.ingress, NO_PORT));
+        if ingress != NO_PORT {
+            self.free_ingress(now, PortId(ingress), len);
+        }
+        self.transmit(now, p, slot);
+        let port = &mut self.ports[p.0 as usize];
+        if !port.waiting.is_empty() {
+            port.depart_pending = true;
+            let at = port.busy_until;
+            self.events.push(Reverse(pack(at, DEPART_EVENT | p.0)));
+        }
+    }
+
+    /// Lossless: `len` bytes that came through port `q` left the switch's ingress; below
+    /// `xon` the switch lets `q` send again (the resume, or the credits, arrive a link
+    /// delay later).
+    fn free_ingress(&mut self, now: Instant, q: PortId, len: u32) {
+        let xon = self.flow_control.pause().map_or(0, |p| p.xon.get());
+        let port = &mut self.ports[q.0 as usize];
+        port.ingress_bytes -= len as u64;
+        if port.xoff_sent && port.ingress_bytes <= xon {
+            port.xoff_sent = false;
+            let at = now + port.link.delay;
+            self.events.push(Reverse(pack(at, RESUME_EVENT | q.0)));
+        }
+    }
+
+    /// Port `p` is stopped by its neighbour from `now` on (it finishes the packet it is
+    /// sending).
+    fn pause(&mut self, now: Instant, p: PortId) {
+        let port = &mut self.ports[p.0 as usize];
+        if port.paused.is_none() {
+            port.paused = Some(now);
+            port.counters.pause_events += 1;
+        }
+    }
+
+    /// A lossless port's event at `t`: it frees, or a pause or resume arrives.
+    fn port_event(&mut self, t: Instant, p: PortId, kind: u32) {
+        match kind {
+            DEPART_EVENT => {
+                self.ports[p.0 as usize].depart_pending = false;
+                self.try_start(t, p);
+            }
+            PAUSE_EVENT => {
+                if self.down_since[self.routes.port(p).link as usize].is_none() {
+                    self.pause(t, p);
+                }
+            }
+            _ => {
+                let port = &mut self.ports[p.0 as usize];
+                if let Some(since) = port.paused.take() {
+                    port.counters.paused += t.saturating_since(since);
+                }
+                self.try_start(t, p);
+            }
+        }
+    }
+
+    /// Ports paused now, with since when: a port paused for long while its neighbour's
+    /// queue does not drain is a deadlock (a cyclic buffer dependency).
+    pub fn paused_ports(&self) -> Vec<(PortId, Instant)> {
+        self.ports
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.paused.map(|s| (PortId(i as u32), s)))
+            .collect()
+    }
+
+    /// Lossy, or lossless (PFC, credits).
+    pub fn flow_control(&self) -> &FlowControl {
+        &self.flow_control
+    }
+
+    /// Serializes the packet in `slot` on `port_id` (from when the port frees) and
+    /// schedules its arrival at the next vertex, or loses it on the wire.
+    fn transmit(&mut self, now: Instant, port_id: PortId, slot: u32) {
+        let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+        let (len, wire_bits, id, load) = (pkt.len, pkt.wire_bits, pkt.id, pkt.load);
+        let synthetic = load != NO_LOAD;
+        let port = &mut self.ports[port_id.0 as usize];
         // Back to back: the serialization remainder carries over, so long runs are exact.
         let start = port.busy_until.max(now);
         let carry = if port.busy_until >= now {
@@ -1363,8 +1602,6 @@ impl Fabric {
         let lost = port.link.loss > 0.0 && port.rng.next_f64() < port.link.loss;
         let flags = if lost { LOST } else { 0 } | if synthetic { SYNTHETIC } else { 0 };
         port.backlog.push_back((finish, len, flags));
-        port.backlog_bytes += len as u64;
-        port.counters.max_queue_bytes = port.counters.max_queue_bytes.max(port.backlog_bytes);
         if let Some(t) = &mut self.trace {
             t.push(TraceEntry {
                 port: port_id,
@@ -1403,7 +1640,6 @@ impl Fabric {
             port.transit.push_back((arrive, slot));
             self.in_transit += 1;
         }
-        Ok(())
     }
 
     fn release(&mut self, slot: u32) -> InFlight {
@@ -1430,6 +1666,9 @@ impl Fabric {
                 let mut c = p.counters;
                 let ahead = p.busy_until.saturating_since(now).as_nanos();
                 c.busy = Duration::from_nanos(c.busy.as_nanos().saturating_sub(ahead));
+                if let Some(since) = p.paused {
+                    c.paused += now.saturating_since(since);
+                }
                 c
             })
             .collect()
@@ -1475,7 +1714,17 @@ impl Fabric {
                 .iter()
                 .flat_map(|p| p.backlog.iter())
                 .filter(|e| e.2 & SYNTHETIC == 0)
-                .count() as u64,
+                .count() as u64
+                + self
+                    .ports
+                    .iter()
+                    .flat_map(|p| p.waiting.iter())
+                    .filter(|&&s| {
+                        self.slots[s as usize]
+                            .as_ref()
+                            .is_some_and(|p| p.load == NO_LOAD)
+                    })
+                    .count() as u64,
             // Finished on a port, not yet arrived (propagation, switch latency).
             in_flight: self.in_transit
                 - self.load_in_transit
@@ -1513,6 +1762,10 @@ pub struct Totals {
 /// (with the slack of growable queues) and the allocator's header. Measured against the
 /// daemon's peak RSS under a flood of minimum-size packets (see the README).
 pub const PACKET_OVERHEAD: u64 = 256;
+
+/// Largest packet the fabric is handed (an IPv4 packet; with TUN offload, a super-packet
+/// of many frames).
+const MAX_PACKET: u64 = 65_535;
 
 /// The memory charged for holding a packet.
 #[inline]

@@ -217,6 +217,51 @@ impl Shape {
     }
 }
 
+/// Link-level flow control: whether a congested switch holds its upstream neighbour back
+/// (lossless) or drops at its buffer (lossy).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FlowControl {
+    /// Every egress queue tail-drops at its buffer (Ethernet without PFC).
+    Lossy,
+    /// Ethernet Priority Flow Control: a switch counts the bytes it holds per ingress
+    /// port; at `xoff` it sends a pause that stops the upstream port one link delay
+    /// later, at `xon` a resume (after the link delay too). Each ingress has headroom for
+    /// what arrives meanwhile, so nothing is dropped for buffer reasons.
+    Pfc(PauseParams),
+    /// InfiniBand credit-based flow control: the sender knows the receiver's free buffer
+    /// (its credits) and stops at once when the ingress holds `xoff`; credits come back
+    /// one link delay after the receiver frees them (resume at `xon`).
+    Credit(PauseParams),
+}
+
+/// Thresholds of a lossless fabric, per ingress port of a switch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PauseParams {
+    /// Held bytes at which the upstream port is stopped.
+    pub xoff: Bytes,
+    /// Held bytes at or below which it may send again.
+    pub xon: Bytes,
+    /// A port paused longer than this is reported as a suspected deadlock.
+    pub deadlock_after: Duration,
+}
+
+impl FlowControl {
+    pub fn name(&self) -> &'static str {
+        match self {
+            FlowControl::Lossy => "none",
+            FlowControl::Pfc(_) => "pfc",
+            FlowControl::Credit(_) => "credit",
+        }
+    }
+
+    pub fn pause(&self) -> Option<&PauseParams> {
+        match self {
+            FlowControl::Lossy => None,
+            FlowControl::Pfc(p) | FlowControl::Credit(p) => Some(p),
+        }
+    }
+}
+
 /// Fabric-wide settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FabricParams {
@@ -249,6 +294,10 @@ pub struct FabricParams {
     /// How long the rest of the fabric keeps routing over a failed (or restored) link
     /// before its routes converge.
     pub convergence: Duration,
+    /// Lossy, or lossless by PFC or credits.
+    pub flow_control: FlowControl,
+    /// The `preset` the file named, if any.
+    pub preset: Option<&'static str>,
 }
 
 /// Kernel TCP settings applied inside every GPU namespace (they are per namespace).

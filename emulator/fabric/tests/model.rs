@@ -1227,3 +1227,225 @@ fn flows_count_what_each_5_tuple_sent_lost_and_had_marked() {
     assert!(drops <= down.drops.total() && drops + 1 >= down.drops.total());
     assert!(marks <= down.ecn_marked && marks + 1 >= down.ecn_marked);
 }
+
+// ---- Lossless fabrics (PFC, credits) ----
+
+/// gpu0 —10 Gbit/s, 1 µs— s —1 Gbit/s— gpu1: gpu0 sends 40 packets of 1000 B at once;
+/// the switch's ingress from gpu0 fills and holds gpu0 back.
+fn fast_into_slow(flow_control: &str) -> Topology {
+    topo(&format!(
+        "flow_control = \"{flow_control}\"\nxoff = \"4000B\"\nxon = \"2000B\"\n[topology]\nkind = \"custom\"\n[switches.leaf]\nlatency = \"0ns\"\n[[switch]]\nname = \"s\"\ntier = \"leaf\"\n[[host]]\nname = \"gpu0\"\n[[host]]\nname = \"gpu1\"\n[[link]]\na = \"gpu0\"\nb = \"s\"\nrate = \"10Gbit\"\ndelay = \"1us\"\n[[link]]\na = \"gpu1\"\nb = \"s\"\nrate = \"1Gbit\"\ndelay = \"1us\"\n"
+    ))
+}
+
+/// Starts of the packets `p` sent, in order (from the trace).
+fn starts(f: &Fabric, p: PortId) -> Vec<u64> {
+    f.trace()
+        .iter()
+        .filter(|e| e.port == p)
+        .map(|e| e.start.as_nanos())
+        .collect()
+}
+
+/// The pause stops the upstream port one link delay after the ingress reached `xoff`
+/// (PFC), or at once (credits); it finishes the packet it had started; it resumes one
+/// link delay after the switch drained the ingress to `xon`; nothing is dropped; every
+/// packet arrives.
+#[test]
+fn pause_stops_the_upstream_port_after_the_link_delay_and_resume_follows_xon() {
+    // 1038 B on the wire: 830.4 ns at 10 Gbit/s, 8304 ns at 1 Gbit/s. Packet k reaches the
+    // switch at (k + 1) × 830.4 + 1000 ns; the first leaves at once, so the ingress holds
+    // 4000 B when packet 4 arrives at 5152 ns.
+    for (mode, stop_at, started_before) in [("pfc", 6152u64, 8usize), ("credit", 5152, 7)] {
+        let t = fast_into_slow(mode);
+        let mut f = Fabric::new(&t);
+        f.enable_trace();
+        for i in 0..40u16 {
+            assert_eq!(send(&mut f, &t, 0, (0, 1), i, 0, 1000), Verdict::Accepted);
+        }
+        let got = run(&mut f);
+        assert_eq!(got.len(), 40, "{mode}: every packet arrives");
+        let nic = port(&t, &f, "gpu0", "s");
+        let down = port(&t, &f, "s", "gpu1");
+        let s = starts(&f, nic);
+        // Back to back until the pause, then a gap.
+        let gap = (1..s.len())
+            .find(|&i| s[i] - s[i - 1] > 1000)
+            .expect("a pause");
+        assert_eq!(gap, started_before, "{mode}: {s:?}");
+        assert!(s[gap - 1] < stop_at && s[gap - 1] + 831 > stop_at, "{mode}");
+        // The resume: one link delay after the switch started a packet that brought the
+        // ingress down to xon.
+        let resumed = s[gap];
+        let egress = starts(&f, down);
+        assert!(
+            egress.contains(&(resumed - 1000)),
+            "{mode}: resumed at {resumed}, switch egress starts {egress:?}"
+        );
+        let c = f.port_counters(Instant::from_nanos(10_000_000));
+        let nic_c = &c[nic.0 as usize];
+        assert!(nic_c.pause_events >= 2, "{mode}: {nic_c:?}");
+        assert!(nic_c.paused.as_nanos() > 0);
+        // The ingress reached xoff and stayed within xoff + headroom.
+        assert!(nic_c.max_ingress_bytes >= 4000);
+        assert!(nic_c.max_ingress_bytes <= 4000 + f.headroom(nic));
+        assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+        assert!(f.paused_ports().is_empty(), "nothing stays paused");
+    }
+}
+
+/// 7 GPUs burst into one under a leaf with a 64 KiB buffer: lossy, the leaf's port to the
+/// victim tail-drops; lossless, nothing is dropped, the senders' NICs are paused and
+/// absorb the burst, and every packet arrives.
+#[test]
+fn incast_is_lossless_with_pfc_and_lossy_without() {
+    let body = |fc: &str| {
+        format!(
+            "{fc}\n[nic]\nbuffer = \"16MiB\"\n[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"10Gbit\"\ndelay = \"1us\"\n[switches.leaf]\nbuffer = \"64KiB\"\n"
+        )
+    };
+    let burst = |t: &Topology| {
+        let mut f = Fabric::new(t);
+        for i in 0..200u16 {
+            for src in 1..8 {
+                assert_eq!(send(&mut f, t, 0, (src, 0), i, 0, 1400), Verdict::Accepted);
+            }
+        }
+        let n = run(&mut f).len();
+        let c = f.port_counters(Instant::from_nanos(1_000_000_000));
+        (n, c, f)
+    };
+    let lossy = topo(&body(""));
+    let (n, c, f) = burst(&lossy);
+    let victim = port(&lossy, &f, "sw0", "gpu0");
+    assert!(c[victim.0 as usize].drops.get(DropReason::BufferFull) > 100);
+    assert!(n < 1400);
+    assert_eq!(c.iter().map(|c| c.pause_events).sum::<u64>(), 0);
+
+    let pfc = topo(&body("flow_control = \"pfc\"\nxoff = \"16KiB\""));
+    let (n, c, f) = burst(&pfc);
+    assert_eq!(n, 1400, "every packet arrives");
+    assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+    for src in 1..8 {
+        let nic = &c[port(&pfc, &f, &format!("gpu{src}"), "sw0").0 as usize];
+        assert!(
+            nic.pause_events > 0 && nic.paused.as_nanos() > 0,
+            "gpu{src}: {nic:?}"
+        );
+        assert!(
+            nic.max_queue_bytes > 100_000,
+            "its NIC queue held the burst"
+        );
+        assert!(nic.max_ingress_bytes <= 16 * 1024 + f.headroom(port(&pfc, &f, "gpu1", "sw0")));
+    }
+}
+
+/// Congestion spreading: on a leaf-spine, an incast from leaf1's GPUs into gpu0 pauses
+/// the spine's port to leaf0 and, behind it, leaf1's uplinks; an innocent flow from leaf1
+/// to another GPU of leaf0 shares those uplinks and is slowed, where on the lossy fabric
+/// it is not.
+#[test]
+fn pfc_spreads_congestion_to_an_innocent_flow() {
+    let body = |fc: &str| {
+        format!(
+            "{fc}\n[nic]\nbuffer = \"64MiB\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 4\n[links.nic]\nrate = \"10Gbit\"\ndelay = \"1us\"\n[links.leaf-spine]\nrate = \"40Gbit\"\ndelay = \"1us\"\n[switches.leaf]\nbuffer = \"256KiB\"\n[switches.spine]\nbuffer = \"256KiB\"\n"
+        )
+    };
+    // gpu4..gpu6 (leaf1) → gpu0 (leaf0): 30 Gbit/s into a 10 Gbit/s port. gpu7 → gpu1.
+    let innocent_done = |t: &Topology| {
+        let mut f = Fabric::new(t);
+        for i in 0..400u16 {
+            for src in 4..7 {
+                let _ = send(&mut f, t, 0, (src, 0), i, 0, 1400);
+            }
+            let _ = send(&mut f, t, 0, (7, 1), 7000 + i, 0, 1400);
+        }
+        let d = run(&mut f);
+        let innocent: Vec<u64> = d
+            .iter()
+            .filter(|d| d.dst == HostId(1))
+            .map(|d| d.at.as_nanos())
+            .collect();
+        assert_eq!(innocent.len(), 400, "the innocent flow is never dropped");
+        let c = f.port_counters(Instant::from_nanos(1_000_000_000));
+        (*innocent.last().unwrap(), c, f)
+    };
+    let lossy = topo(&body(""));
+    let (lossy_done, c, _) = innocent_done(&lossy);
+    assert!(
+        c.iter().map(|c| c.drops.total()).sum::<u64>() > 0,
+        "the incast drops"
+    );
+    let pfc = topo(&body("flow_control = \"pfc\"\nxoff = \"32KiB\""));
+    let (pfc_done, c, f) = innocent_done(&pfc);
+    assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+    let up = &c[port(&pfc, &f, "leaf1", "spine0").0 as usize];
+    assert!(up.pause_events > 0, "leaf1's uplink was paused: {up:?}");
+    // 400 × 1438 B at 10 Gbit/s is 460 µs; behind the paused uplink it takes about as long
+    // as the incast (1200 packets into one 10 Gbit/s port, 1.38 ms).
+    assert!(lossy_done < 600_000, "lossy: {lossy_done} ns");
+    assert!(
+        pfc_done > 2 * lossy_done,
+        "pfc {pfc_done} ns vs lossy {lossy_done} ns"
+    );
+}
+
+/// A cyclic buffer dependency: five switches in a ring, each GPU sending to the GPU two
+/// switches on, so every ring link carries twice its rate and every switch's ingress
+/// from the ring waits on the next ring link. Lossless, the pauses close the cycle and
+/// nothing moves any more: the ring's ports stay paused with packets held and none
+/// dropped (what `paused_ports` lets the daemon report). Lossy, everything is delivered
+/// or dropped.
+#[test]
+fn a_cyclic_buffer_dependency_deadlocks_a_lossless_ring() {
+    let ring = |fc: &str| {
+        let mut b = format!(
+            "{fc}\n[nic]\nbuffer = \"64MiB\"\n[topology]\nkind = \"custom\"\n[links.nic]\nrate = \"10Gbit\"\ndelay = \"1us\"\n[links.leaf-spine]\nrate = \"10Gbit\"\ndelay = \"1us\"\n[switches.leaf]\nbuffer = \"128KiB\"\n"
+        );
+        for i in 0..5 {
+            b += &format!("[[switch]]\nname = \"s{i}\"\ntier = \"leaf\"\n[[host]]\nname = \"g{i}\"\n[[link]]\na = \"g{i}\"\nb = \"s{i}\"\n");
+        }
+        for i in 0..5 {
+            b += &format!(
+                "[[link]]\na = \"s{i}\"\nb = \"s{}\"\nclass = \"leaf-spine\"\n",
+                (i + 1) % 5
+            );
+        }
+        topo(&b)
+    };
+    let flood = |t: &Topology| {
+        let mut f = Fabric::new(t);
+        for k in 0..2000u16 {
+            for i in 0..5 {
+                let _ = send(&mut f, t, 0, (i, (i + 2) % 5), k, 0, 1400);
+            }
+        }
+        let n = run(&mut f).len() as u64;
+        (n, f)
+    };
+    let (n, mut f) = flood(&ring(""));
+    let tot = f.totals(Instant::from_nanos(1_000_000_000));
+    assert_eq!(n + tot.drops.total(), 10_000, "lossy: delivered or dropped");
+    assert!(f.paused_ports().is_empty());
+
+    let t = ring("flow_control = \"pfc\"\nxoff = \"32KiB\"");
+    let (n, mut f) = flood(&t);
+    let end = Instant::from_nanos(1_000_000_000);
+    let tot = f.totals(end);
+    assert!(n < 10_000, "deadlocked: {n} of 10000 delivered");
+    assert_eq!(tot.drops.total(), 0);
+    assert_eq!(tot.queued + n, 10_000, "the rest is held, none lost");
+    let paused = f.paused_ports();
+    let ring_ports: Vec<PortId> = (0..5)
+        .map(|i| port(&t, &f, &format!("s{i}"), &format!("s{}", (i + 1) % 5)))
+        .collect();
+    for p in &ring_ports {
+        assert!(
+            paused.iter().any(|(q, _)| q == p),
+            "{p:?} paused: {paused:?}"
+        );
+    }
+    assert!(paused
+        .iter()
+        .all(|(_, since)| *since < Instant::from_nanos(10_000_000)));
+}

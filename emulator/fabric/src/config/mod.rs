@@ -171,6 +171,7 @@ pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
 mod checks;
 mod custom;
 mod defaults;
+pub mod presets;
 mod raw;
 mod shapes;
 mod values;
@@ -185,9 +186,38 @@ use shapes::generate_shape;
 use values::*;
 
 fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
-    let fabric = fabric_params(cx, &raw)?;
+    let preset = match &raw.fabric.preset {
+        Some(p) => Some(presets::find(p.get_ref()).ok_or_else(|| {
+            let names: Vec<&str> = presets::PRESETS.iter().map(|p| p.name).collect();
+            cx.err(
+                p,
+                format!(
+                    "unknown preset {:?}; expected one of {}",
+                    p.get_ref(),
+                    names.join(", ")
+                ),
+            )
+        })?),
+        None => None,
+    };
+    let fabric = fabric_params(cx, &raw, preset)?;
 
     let mut links = LinkClass::ALL.map(default_link);
+    if let Some(p) = preset {
+        for c in [LinkClass::Nic, LinkClass::LeafSpine, LinkClass::SpineCore] {
+            links[c as usize].rate = p.rate;
+        }
+    }
+    // A preset's switch settings for the scale-out tiers.
+    let base = |tier: Tier| {
+        let mut d = default_switch(tier);
+        if let Some(p) = preset {
+            d.latency = p.switch_latency;
+            d.queue.ecn = p.ecn;
+            d.routing = p.routing;
+        }
+        d
+    };
     for (class, r) in [
         (LinkClass::Nic, &raw.links.nic),
         (LinkClass::LeafSpine, &raw.links.leaf_spine),
@@ -200,9 +230,9 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
     }
     let mut tiers = [
         default_switch(Tier::Node),
-        switch_tier(cx, &raw.switches.leaf, Tier::Leaf)?,
-        switch_tier(cx, &raw.switches.spine, Tier::Spine)?,
-        switch_tier(cx, &raw.switches.core, Tier::Core)?,
+        switch_tier(cx, &raw.switches.leaf, base(Tier::Leaf))?,
+        switch_tier(cx, &raw.switches.spine, base(Tier::Spine))?,
+        switch_tier(cx, &raw.switches.core, base(Tier::Core))?,
     ];
     let mut gpus_per_node = 1;
     if let Some(n) = &raw.node {
@@ -239,7 +269,11 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
     Ok(topo)
 }
 
-fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
+fn fabric_params(
+    cx: &Cx,
+    raw: &RawFile,
+    preset: Option<&'static presets::Preset>,
+) -> Result<FabricParams, ConfigError> {
     let f = &raw.fabric;
     let name = f.name.get_ref();
     crate::names::check_fabric_name(name).map_err(|e| cx.err(&f.name, e))?;
@@ -261,7 +295,7 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
     };
     let mtu = match &f.mtu {
         Some(m) => count(cx, m, "mtu", 576, 65_535)?,
-        None => DEFAULT_MTU,
+        None => preset.map_or(DEFAULT_MTU, |p| p.mtu),
     };
     let l2_overhead = match &f.l2_overhead {
         Some(o) if o.get_ref().get() > 1024 => {
@@ -271,7 +305,7 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
             ))
         }
         Some(o) => o.get_ref().get() as u32,
-        None => DEFAULT_L2_OVERHEAD,
+        None => preset.map_or(DEFAULT_L2_OVERHEAD, |p| p.l2_overhead),
     };
     let nic = raw.nic.as_ref();
     let nic_queue = queue(
@@ -318,6 +352,88 @@ fn fabric_params(cx: &Cx, raw: &RawFile) -> Result<FabricParams, ConfigError> {
             .unwrap_or(DEFAULT_DETECTION),
         convergence: duration(cx, &f.route_convergence, "route_convergence")?
             .unwrap_or(DEFAULT_CONVERGENCE),
+        flow_control: flow_control(cx, f, mtu, preset.map_or("none", |p| p.flow_control))?,
+        preset: preset.map(|p| p.name),
+    })
+}
+
+/// Default lossless thresholds per switch ingress port (documented in the README).
+pub const DEFAULT_XOFF: Bytes = Bytes::new(256 << 10);
+pub const DEFAULT_DEADLOCK_AFTER: Duration = Duration::from_millis(10);
+
+/// `flow_control = "none" | "pfc" | "credit"` with `xoff`, `xon`, `deadlock_after`.
+fn flow_control(
+    cx: &Cx,
+    f: &raw::RawFabric,
+    mtu: u32,
+    preset: &str,
+) -> Result<crate::topology::FlowControl, ConfigError> {
+    use crate::topology::{FlowControl, PauseParams};
+    let mode = f.flow_control.as_ref();
+    let chosen = mode.map_or(preset, |m| m.get_ref().as_str());
+    let lossless = match mode.map(|m| (m, m.get_ref().as_str())) {
+        None if preset == "none" => false,
+        None => true,
+        Some((_, "none")) => false,
+        Some((_, "pfc" | "credit")) => true,
+        Some((m, other)) => {
+            return Err(cx.err(
+                m,
+                format!("unknown `flow_control` {other:?}: \"none\" (lossy), \"pfc\" (Ethernet PFC) or \"credit\" (InfiniBand credits)"),
+            ))
+        }
+    };
+    if !lossless {
+        for (key, span) in [
+            ("xoff", f.xoff.as_ref().map(|v| v.span())),
+            ("xon", f.xon.as_ref().map(|v| v.span())),
+            (
+                "deadlock_after",
+                f.deadlock_after.as_ref().map(|v| v.span()),
+            ),
+        ] {
+            if let Some(span) = span {
+                return Err(cx.err_at(
+                    Some(span),
+                    format!("`{key}` applies to a lossless fabric (`flow_control = \"pfc\"` or \"credit\")"),
+                ));
+            }
+        }
+        return Ok(FlowControl::Lossy);
+    }
+    let xoff = f.xoff.as_ref().map_or(DEFAULT_XOFF, |v| *v.get_ref());
+    // At least two full frames: a pause per packet would be no flow control.
+    if xoff.get() < 2 * mtu as u64 {
+        let span = f.xoff.as_ref().map(|v| v.span());
+        return Err(cx.err_at(
+            span,
+            format!("`xoff` = {xoff} is below two frames of the {mtu}-byte MTU"),
+        ));
+    }
+    let xon = match &f.xon {
+        Some(v) if v.get_ref().get() > xoff.get() => {
+            return Err(cx.err(
+                v,
+                format!("`xon` = {} is above `xoff` = {xoff}", v.get_ref()),
+            ))
+        }
+        Some(v) => *v.get_ref(),
+        None => Bytes::new(xoff.get() / 2),
+    };
+    let deadlock_after =
+        duration(cx, &f.deadlock_after, "deadlock_after")?.unwrap_or(DEFAULT_DEADLOCK_AFTER);
+    if deadlock_after == Duration::ZERO {
+        let v = f.deadlock_after.as_ref().expect("only a written zero");
+        return Err(cx.err(v, "`deadlock_after` must be longer than 0"));
+    }
+    let p = PauseParams {
+        xoff,
+        xon,
+        deadlock_after,
+    };
+    Ok(match chosen {
+        "credit" => FlowControl::Credit(p),
+        _ => FlowControl::Pfc(p),
     })
 }
 
@@ -410,6 +526,109 @@ gpus_per_leaf = 4
         assert!(!t.fabric.time_scale_auto);
         assert_eq!(t.fabric.time_scale.get(), 250.0);
         assert!(!parse(LS, "t.toml").unwrap().fabric.time_scale_auto);
+    }
+
+    #[test]
+    fn presets_set_defaults_the_file_overrides() {
+        use crate::topology::{FlowControl, Routing};
+        let with = |fabric: &str, rest: &str| {
+            parse(
+                &LS.replace("name = \"ls\"", &format!("name = \"ls\"\n{fabric}"))
+                    .replace("gpus_per_leaf = 4\n", &format!("gpus_per_leaf = 4\n{rest}")),
+                "t.toml",
+            )
+        };
+        let t = with("preset = \"roce-400g\"", "").unwrap();
+        assert_eq!(t.fabric.preset, Some("roce-400g"));
+        assert_eq!(t.fabric.mtu, 9000);
+        assert!(matches!(t.fabric.flow_control, FlowControl::Pfc(p) if p.xoff == DEFAULT_XOFF));
+        let leaf = &t
+            .switches
+            .iter()
+            .find(|s| s.name == "leaf0")
+            .unwrap()
+            .params;
+        assert!(leaf.queue.ecn.is_some());
+        assert_eq!(leaf.routing, Routing::Ecmp);
+        let t = with("preset = \"infiniband-ndr\"", "").unwrap();
+        assert!(matches!(t.fabric.flow_control, FlowControl::Credit(_)));
+        assert_eq!(t.switches[0].params.latency, Duration::from_nanos(130));
+        assert_eq!(t.switches[0].params.routing, Routing::Adaptive);
+        assert_eq!(t.fabric.mtu, 4092);
+        // Every value stays the file's to change.
+        let t = with(
+            "preset = \"spectrum-x\"\nmtu = 1500\nflow_control = \"none\"",
+            "[switches.leaf]\nrouting = \"ecmp\"\nlatency = \"1us\"\n[links.nic]\nrate = \"100Gbit\"\n",
+        )
+        .unwrap();
+        assert_eq!(t.fabric.mtu, 1500);
+        assert_eq!(t.fabric.flow_control, FlowControl::Lossy);
+        let sw = |name: &str| t.switches.iter().find(|s| s.name == name).unwrap().params;
+        assert_eq!(sw("leaf0").routing, Routing::Ecmp);
+        assert_eq!(sw("leaf0").latency, Duration::from_micros(1));
+        assert_eq!(sw("spine0").routing, Routing::Adaptive, "spine0 keeps it");
+        for l in &t.links {
+            let gbps = if l.class == LinkClass::Nic { 100 } else { 400 };
+            assert_eq!(
+                l.params.rate,
+                crate::Bandwidth::from_gbps(gbps),
+                "{:?}",
+                l.class
+            );
+        }
+        let lossy = with("preset = \"ethernet-lossy\"", "").unwrap();
+        assert_eq!(lossy.fabric.flow_control, FlowControl::Lossy);
+        assert_eq!(lossy.fabric.mtu, 1500);
+    }
+
+    #[test]
+    fn flow_control_settings_are_checked_where_written() {
+        for (fabric, needle) in [
+            (
+                "preset = \"roce\"",
+                "t.toml:4:10: unknown preset \"roce\"; expected one of ethernet-lossy, roce-400g",
+            ),
+            (
+                "flow_control = \"lossless\"",
+                "t.toml:4:16: unknown `flow_control` \"lossless\"",
+            ),
+            (
+                "xoff = \"64KiB\"",
+                "t.toml:4:8: `xoff` applies to a lossless fabric",
+            ),
+            (
+                "flow_control = \"pfc\"\nxoff = \"2KiB\"",
+                "t.toml:5:8: `xoff` = 2KiB is below two frames",
+            ),
+            (
+                "flow_control = \"pfc\"\nxoff = \"64KiB\"\nxon = \"65KiB\"",
+                "t.toml:6:7: `xon` = 65KiB is above `xoff` = 64KiB",
+            ),
+            (
+                "flow_control = \"credit\"\ndeadlock_after = \"0ns\"",
+                "t.toml:5:18: `deadlock_after` must be longer than 0",
+            ),
+            (
+                "preset = \"roce-400g\"\n[switches.leaf]\nbuffer = \"64KiB\"",
+                "t.toml:11:10: ecn: marking starts at 100KiB, not below the buffer of 64KiB",
+            ),
+        ] {
+            let text = LS.replace("name = \"ls\"", &format!("name = \"ls\"\n{fabric}"));
+            // The last case puts a table inside [fabric]'s place: move it after the topology.
+            let text = if let Some((f, rest)) = fabric.split_once("\n[switches") {
+                LS.replace("name = \"ls\"", &format!("name = \"ls\"\n{f}"))
+                    + "[switches"
+                    + rest
+                    + "\n"
+            } else {
+                text
+            };
+            let e = err(&text);
+            assert!(
+                e.contains(needle),
+                "{fabric:?} gave {e:?}, wanted {needle:?}"
+            );
+        }
     }
 
     #[test]

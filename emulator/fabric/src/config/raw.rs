@@ -38,6 +38,11 @@ pub(super) struct RawFabric {
     pub(super) packet_memory: Option<Spanned<Bytes>>,
     pub(super) failure_detection: Option<Spanned<Duration>>,
     pub(super) route_convergence: Option<Spanned<Duration>>,
+    pub(super) preset: Option<Spanned<String>>,
+    pub(super) flow_control: Option<Spanned<String>>,
+    pub(super) xoff: Option<Spanned<Bytes>>,
+    pub(super) xon: Option<Spanned<Bytes>>,
+    pub(super) deadlock_after: Option<Spanned<Duration>>,
 }
 
 /// `time_scale = 4000` or `time_scale = "auto"`.

@@ -5,7 +5,7 @@ use toml::Spanned;
 
 use super::raw::*;
 use super::*;
-use crate::topology::{Ecn, LinkParams, QueueParams, Routing, SwitchParams, Tier};
+use crate::topology::{Ecn, LinkParams, QueueParams, Routing, SwitchParams};
 use crate::units::{Bandwidth, Bytes, Duration};
 
 pub(super) fn count(
@@ -85,21 +85,31 @@ pub(super) fn queue(
     ecn_raw: &Option<Spanned<RawEcn>>,
     default: QueueParams,
 ) -> Result<QueueParams, ConfigError> {
+    let buffer_at = buffer;
     let buffer = match buffer {
         Some(b) if b.get_ref().get() == 0 => return Err(cx.err(b, "`buffer` must be above 0")),
         Some(b) => *b.get_ref(),
         None => default.buffer,
     };
-    let ecn = ecn_raw.as_ref().map(|e| ecn(cx, e)).transpose()?;
+    // A file's ecn table replaces the default's (a preset's marking).
+    let ecn = match ecn_raw {
+        Some(e) => Some(ecn(cx, e)?),
+        None => default.ecn,
+    };
     let first_mark = match ecn {
         Some(Ecn::Step { k }) => Some(k),
         Some(Ecn::Red { min, .. }) => Some(min),
         None => None,
     };
-    if let (Some(at), Some(mark)) = (ecn_raw, first_mark) {
+    // Where the file set either, the error points there.
+    let at = ecn_raw
+        .as_ref()
+        .map(|e| e.span())
+        .or(buffer_at.as_ref().map(|b| b.span()));
+    if let (Some(at), Some(mark)) = (at, first_mark) {
         if mark >= buffer {
-            return Err(cx.err(
-                at,
+            return Err(cx.err_at(
+                Some(at),
                 format!("ecn: marking starts at {mark}, not below the buffer of {buffer}: no packet would ever be marked"),
             ));
         }
@@ -124,12 +134,12 @@ pub(super) fn link_params(
     })
 }
 
+/// A tier's settings: `d` (the tier's defaults, or a preset's) with what the file says.
 pub(super) fn switch_tier(
     cx: &Cx,
     raw: &Option<RawSwitchTier>,
-    tier: Tier,
+    d: SwitchParams,
 ) -> Result<SwitchParams, ConfigError> {
-    let d = default_switch(tier);
     let Some(r) = raw else { return Ok(d) };
     let routing = match &r.routing {
         None => d.routing,
