@@ -177,6 +177,10 @@ pub struct RunHealth {
     /// is unknown), and at its end: windows inside the run are taken between them.
     buckets_connected: Vec<(u64, u64)>,
     buckets_after: Vec<(u64, u64)>,
+    /// Lossless fabrics: the flow control, pause events and paused fabric seconds (all
+    /// ports) during the run, and the ports deadlocked at its end.
+    pauses: Option<(String, u64, f64)>,
+    deadlocked: Vec<String>,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -271,6 +275,20 @@ impl RunHealth {
             loads,
             buckets_connected: before.lateness_buckets.clone(),
             buckets_after: after.lateness_buckets.clone(),
+            pauses: (!after.flow_control.is_empty() && after.flow_control != "none").then(|| {
+                let sum = |s: &Status| {
+                    s.ports.iter().fold((0u64, 0f64), |(n, t), p| {
+                        (n + p.pause_events, t + p.paused_s)
+                    })
+                };
+                let (b, a) = (sum(before), sum(after));
+                (
+                    after.flow_control.clone(),
+                    a.0.saturating_sub(b.0),
+                    (a.1 - b.1).max(0.0),
+                )
+            }),
+            deadlocked: after.deadlocked.iter().map(|d| d.0.clone()).collect(),
         }
     }
 
@@ -399,6 +417,21 @@ impl RunHealth {
             self.time_scale.fabric_of(self.lateness.p99_us),
             thousands(self.tun_drops),
         );
+        if let Some((mode, events, paused_s)) = &self.pauses {
+            let _ = writeln!(
+                s,
+                "# lossless ({mode}) during the run: {} pause events, {:.3} ms paused in all (fabric time, summed over ports)",
+                thousands(*events),
+                paused_s * 1e3
+            );
+        }
+        if !self.deadlocked.is_empty() {
+            let _ = writeln!(
+                s,
+                "# DEADLOCK at the end of the run: {} paused beyond deadlock_after (`closbox status`)",
+                self.deadlocked.join(", ")
+            );
+        }
         if !self.other_drops.is_empty() {
             let list: Vec<String> = self
                 .other_drops
@@ -1016,6 +1049,8 @@ mod tests {
             loads: Vec::new(),
             buckets_connected: Vec::new(),
             buckets_after: h.buckets(),
+            pauses: None,
+            deadlocked: Vec::new(),
         }
     }
 

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use closbox_fabric::plan::{Design, HopStats, Plan, Sizing};
-use closbox_fabric::Bandwidth;
+use closbox_fabric::{Bandwidth, Bytes};
 
 use crate::SizeKind;
 
@@ -169,6 +169,7 @@ pub fn render_plan(p: &Plan) -> String {
         "                     the shortest GPU-to-GPU path takes {:.1} µs on the wall clock (the box's writes run 1–50 µs late, more under load)",
         t.shortest_path_ns as f64 * k / 1e3
     );
+    network(&mut s, p);
     let m = &p.daemon_memory;
     let _ = writeln!(
         s,
@@ -192,6 +193,63 @@ pub fn render_plan(p: &Plan) -> String {
         count(p.compare.single_switch_ports, "port")
     );
     s
+}
+
+/// The network's settings: what the preset set (if any), flow control, switches.
+fn network(s: &mut String, p: &Plan) {
+    let n = &p.network;
+    let by = match (&n.preset, &n.preset_about) {
+        (Some(name), Some(about)) => format!("preset {name} ({about}); the file's values win"),
+        _ => "no preset: closbox's defaults and the file's values".into(),
+    };
+    let _ = writeln!(s, "network              {by}");
+    let _ = writeln!(
+        s,
+        "  frames             mtu {} + {} bytes per frame on the wire",
+        p.mtu, n.l2_overhead
+    );
+    let fc = match (n.flow_control.as_str(), n.xoff_bytes, n.xon_bytes) {
+        ("none", ..) => "none: lossy, queues tail-drop at their buffer".to_owned(),
+        (mode, Some(xoff), Some(xon)) => {
+            let how = if mode == "pfc" {
+                "PFC: a pause reaches the sender a link delay after xoff"
+            } else {
+                "credits: the sender stops at once at xoff"
+            };
+            let head: Vec<String> = n
+                .headroom
+                .iter()
+                .map(|(c, b)| format!("{} ({c} links)", approx_bytes(*b)))
+                .collect();
+            format!(
+                "{mode}, lossless ({how}): xoff {}, xon {} per switch ingress (in place of the egress buffers), headroom beyond xoff {}; a port paused over {} is reported as a deadlock",
+                Bytes::new(xoff),
+                Bytes::new(xon),
+                head.join(", "),
+                closbox_fabric::Duration::from_nanos(n.deadlock_after_ns.unwrap_or(0))
+            )
+        }
+        (mode, ..) => mode.to_owned(),
+    };
+    let _ = writeln!(s, "  flow control       {fc}");
+    for sw in &n.switches {
+        let ecn = sw
+            .ecn
+            .as_deref()
+            .map_or("no ECN".to_owned(), |e| format!("ECN {e}"));
+        let buffer = if n.flow_control == "none" {
+            format!("buffer {} per port, ", Bytes::new(sw.buffer_bytes))
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            s,
+            "  {:<18} latency {} ns, routing {}, {buffer}{ecn}",
+            format!("{} switches", sw.tier),
+            sw.latency_ns,
+            sw.routing,
+        );
+    }
 }
 
 fn design(s: &mut String, d: &Design, gpus: u64) {

@@ -48,7 +48,7 @@ pub fn status(
         };
         let answer = match reply {
             Reply::Status(mut s) => {
-                healthy &= !s.behind;
+                healthy &= !s.behind && s.deadlocked.is_empty();
                 // Busy ports only, unless asked for all or some.
                 s.ports.retain(|p| match ports {
                     Some(pattern) => p.port.contains(pattern),
@@ -164,6 +164,34 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         None => "tun_kernel ?".into(),
     });
     let _ = writeln!(o, "  drops     {}", drop_list.join("  "));
+    if !s.flow_control.is_empty() && s.flow_control != "none" {
+        let paused: Vec<&PortStatus> = s.ports.iter().filter(|p| p.pause_events > 0).collect();
+        let events: u64 = paused.iter().map(|p| p.pause_events).sum();
+        let total: f64 = paused.iter().map(|p| p.paused_s).sum();
+        let _ = writeln!(
+            o,
+            "  lossless  {}: {} pause events on {} ports, {:.3} ms paused in all (fabric time), {} paused now",
+            s.flow_control,
+            thousands(events),
+            paused.len(),
+            total * 1e3,
+            s.ports.iter().filter(|p| p.paused_now).count()
+        );
+    }
+    if !s.deadlocked.is_empty() {
+        let list: Vec<String> = s
+            .deadlocked
+            .iter()
+            .map(|(p, t)| format!("{p} ({:.1} ms)", t * 1e3))
+            .collect();
+        let _ = writeln!(
+            o,
+            "  DEADLOCK  {} ports paused longer than deadlock_after ({:.1} ms): {} — a cyclic buffer dependency holds their traffic for good (routes that cross the cycle, or go lossy)",
+            s.deadlocked.len(),
+            s.deadlock_after_s * 1e3,
+            list.join(", ")
+        );
+    }
     let _ = writeln!(o, "  lateness  {}", lateness(&s.lateness, st.time_scale));
     let _ = writeln!(
         o,
@@ -176,6 +204,8 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
             s.behind_threshold_us
         );
+    } else if !s.deadlocked.is_empty() {
+        let _ = writeln!(o, "  health    DEADLOCK (above)");
     } else {
         let _ = writeln!(o, "  health    ok");
     }
@@ -256,16 +286,18 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         ports.sort_by_key(|p| {
             std::cmp::Reverse((
                 p.drops_buffer + p.drops_loss + p.load_drops,
+                p.pause_events,
                 p.ecn_marked,
                 (p.utilization * 1e6) as u64,
             ))
         });
         5
     };
+    let lossless = !s.flow_control.is_empty() && s.flow_control != "none";
     if !ports.is_empty() {
         let _ = writeln!(
             o,
-            "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8} {:>10} {:>10}",
+            "  ports     {:<22} {:>12} {:>10} {:>9} {:>10} {:>8} {:>10} {:>10}{}",
             if all_ports { "(egress)" } else { "(top 5)" },
             "tx packets",
             "drops",
@@ -273,13 +305,28 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             "max queue",
             "busy",
             "load tx",
-            "load drops"
+            "load drops",
+            if lossless {
+                format!(" {:>8} {:>10}", "pauses", "paused")
+            } else {
+                String::new()
+            }
         );
     }
     for p in ports.iter().take(shown) {
+        let pauses = if lossless {
+            format!(
+                " {:>8} {:>7.3} ms{}",
+                thousands(p.pause_events),
+                p.paused_s * 1e3,
+                if p.paused_now { " (now)" } else { "" }
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             o,
-            "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}% {:>10} {:>10}",
+            "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}% {:>10} {:>10}{pauses}",
             p.port,
             thousands(p.tx_packets),
             thousands(p.drops_buffer + p.drops_loss),

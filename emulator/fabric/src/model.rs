@@ -1431,9 +1431,7 @@ impl Fabric {
     /// fabric super-packets).
     pub fn headroom(&self, p: PortId) -> u64 {
         let port = &self.ports[p.0 as usize];
-        let window = port.link.delay + port.link.delay + port.next_latency;
-        let on_wire = port.link.rate.bps() as u128 * window.as_nanos() as u128 / 8_000_000_000;
-        on_wire as u64 + 3 * (MAX_PACKET + self.l2_overhead as u64)
+        headroom_bytes(&port.link, port.next_latency, self.l2_overhead)
     }
 
     /// Counts a packet that did not fit at `port_id` and lets it go.
@@ -1762,6 +1760,14 @@ pub struct Totals {
 /// (with the slack of growable queues) and the allocator's header. Measured against the
 /// daemon's peak RSS under a flood of minimum-size packets (see the README).
 pub const PACKET_OVERHEAD: u64 = 256;
+
+/// Headroom of a switch ingress fed by `link` (see `Fabric::headroom`): what the link
+/// carries in two delays and the switch's `latency`, and three of the largest frames.
+pub fn headroom_bytes(link: &LinkParams, latency: Duration, l2_overhead: u32) -> u64 {
+    let window = link.delay + link.delay + latency;
+    let on_wire = link.rate.bps() as u128 * window.as_nanos() as u128 / 8_000_000_000;
+    on_wire as u64 + 3 * (MAX_PACKET + l2_overhead as u64)
+}
 
 /// Largest packet the fabric is handed (an IPv4 packet; with TUN offload, a super-packet
 /// of many frames).

@@ -43,6 +43,92 @@ pub struct Plan {
     pub daemon_memory: DaemonMemory,
     /// Which time_scale this box needs for the fabric.
     pub time_scale: TimeScaleHint,
+    /// What the network is: its preset, frames, flow control, switches.
+    pub network: NetworkPlan,
+}
+
+/// The network's settings as a preset and the file left them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NetworkPlan {
+    pub preset: Option<String>,
+    pub preset_about: Option<String>,
+    pub l2_overhead: u32,
+    /// "none", "pfc" or "credit".
+    pub flow_control: String,
+    pub xoff_bytes: Option<u64>,
+    pub xon_bytes: Option<u64>,
+    pub deadlock_after_ns: Option<u64>,
+    /// Lossless: per link class, the most headroom a switch ingress fed by such a link
+    /// needs beyond xoff (what arrives after it asked the sender to stop).
+    pub headroom: Vec<(String, u64)>,
+    /// Per switch tier: forwarding latency (ns), routing, ECN marking.
+    pub switches: Vec<SwitchPlan>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SwitchPlan {
+    pub tier: String,
+    pub latency_ns: u64,
+    pub routing: String,
+    pub buffer_bytes: u64,
+    pub ecn: Option<String>,
+}
+
+impl NetworkPlan {
+    pub fn of(topo: &Topology) -> NetworkPlan {
+        let f = &topo.fabric;
+        let pause = f.flow_control.pause();
+        let mut headroom: Vec<(String, u64)> = Vec::new();
+        if pause.is_some() {
+            for class in LinkClass::ALL {
+                let worst = topo
+                    .links
+                    .iter()
+                    .filter(|l| l.class == class)
+                    .map(|l| {
+                        // The far end's latency, for either direction into a switch.
+                        let latency = |v: Vertex| match v {
+                            Vertex::Switch(sw) => topo.switches[sw.0 as usize].params.latency,
+                            Vertex::Host(_) => crate::units::Duration::ZERO,
+                        };
+                        let lat = latency(l.a).max(latency(l.b));
+                        crate::model::headroom_bytes(&l.params, lat, f.l2_overhead)
+                    })
+                    .max();
+                if let Some(h) = worst {
+                    headroom.push((class.name().into(), h));
+                }
+            }
+        }
+        let switches = Tier::ALL
+            .iter()
+            .filter_map(|&t| topo.switches.iter().find(|s| s.tier == t))
+            .map(|s| SwitchPlan {
+                tier: s.tier.name().into(),
+                latency_ns: s.params.latency.as_nanos(),
+                routing: s.params.routing.name().into(),
+                buffer_bytes: s.params.queue.buffer.get(),
+                ecn: s.params.queue.ecn.map(|e| match e {
+                    crate::topology::Ecn::Step { k } => format!("step at {k}"),
+                    crate::topology::Ecn::Red { min, max, p_max } => {
+                        format!("RED {min}–{max}, p {p_max}")
+                    }
+                }),
+            })
+            .collect();
+        let preset = f.preset.and_then(crate::config::presets::find);
+        NetworkPlan {
+            preset: preset.map(|p| p.name.into()),
+            preset_about: preset.map(|p| p.about.into()),
+            l2_overhead: f.l2_overhead,
+            flow_control: f.flow_control.name().into(),
+            xoff_bytes: pause.map(|p| p.xoff.get()),
+            xon_bytes: pause.map(|p| p.xon.get()),
+            deadlock_after_ns: pause.map(|p| p.deadlock_after.as_nanos()),
+            headroom,
+            switches,
+        }
+    }
 }
 
 /// What `time_scale` means for this fabric on this box: the load all GPUs offer at once
@@ -349,6 +435,7 @@ impl Plan {
             compare: Alternatives::for_gpus(h as u64),
             daemon_memory: DaemonMemory::of(topo),
             time_scale: TimeScaleHint::of(topo),
+            network: NetworkPlan::of(topo),
         }
     }
 }

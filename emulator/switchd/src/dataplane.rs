@@ -239,6 +239,15 @@ pub struct Status {
     /// Changes scheduled and not applied yet (flaps, scenarios).
     #[serde(default)]
     pub pending_changes: usize,
+    /// "none" (lossy), "pfc" or "credit".
+    #[serde(default)]
+    pub flow_control: String,
+    /// Lossless: ports paused now for longer than `deadlock_after` (fabric time), with how
+    /// long: a pause that does not end is a deadlock (a cyclic buffer dependency).
+    #[serde(default)]
+    pub deadlocked: Vec<(String, f64)>,
+    #[serde(default)]
+    pub deadlock_after_s: f64,
 }
 
 /// A synthetic load, for `status` and predictions.
@@ -296,6 +305,18 @@ pub struct PortStatus {
     pub rate_bps: u64,
     #[serde(default)]
     pub up: bool,
+    /// Lossless fabrics: times the next switch stopped this port, and for how long in all
+    /// (fabric seconds, a pause still on included).
+    #[serde(default)]
+    pub pause_events: u64,
+    #[serde(default)]
+    pub paused_s: f64,
+    /// Paused right now.
+    #[serde(default)]
+    pub paused_now: bool,
+    /// The most bytes the next switch held at once from this port (its ingress).
+    #[serde(default)]
+    pub max_ingress_bytes: u64,
 }
 
 /// Write lateness in wall-clock microseconds.
@@ -1347,9 +1368,26 @@ impl<P: Ports> DataPlane<P> {
                 class: String::new(),
                 rate_bps: 0,
                 up: true,
+                pause_events: c.pause_events,
+                paused_s: c.paused.as_nanos() as f64 / 1e9,
+                paused_now: false,
+                max_ingress_bytes: c.max_ingress_bytes,
             })
             .collect::<Vec<_>>();
         let mut ports = ports;
+        let paused = self.model.paused_ports();
+        let deadlock_after = self.model.flow_control().pause().map(|p| p.deadlock_after);
+        let mut deadlocked = Vec::new();
+        for (p, since) in &paused {
+            ports[p.0 as usize].paused_now = true;
+            let held = now.saturating_since(*since);
+            if deadlock_after.is_some_and(|d| held > d) {
+                deadlocked.push((
+                    ports[p.0 as usize].port.clone(),
+                    held.as_nanos() as f64 / 1e9,
+                ));
+            }
+        }
         let changed = self.model.changed_links();
         for (i, p) in ports.iter_mut().enumerate() {
             let id = closbox_fabric::routing::PortId(i as u32);
@@ -1412,6 +1450,9 @@ impl<P: Ports> DataPlane<P> {
             }),
             loads,
             pending_changes: self.scheduled.len(),
+            flow_control: self.model.flow_control().name().to_owned(),
+            deadlocked,
+            deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
         }
     }
 

@@ -273,6 +273,23 @@ pub fn encode(s: &Status) -> String {
         Unit::Seconds,
         busy,
     );
+    port_family(
+        &mut reg,
+        "port_pause_events",
+        "Lossless fabrics: times the next switch stopped an egress port (PFC pause, or credits out)",
+        None,
+        &|p| p.pause_events,
+    );
+    let paused = Family::<PortLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+    for p in &s.ports {
+        paused.get_or_create(&labels(s, p)).inc_by(p.paused_s);
+    }
+    reg.register_with_unit(
+        "port_paused",
+        "Lossless fabrics: fabric time an egress port was stopped by the next switch",
+        Unit::Seconds,
+        paused,
+    );
     let drops = Family::<PortReason, Counter>::default();
     for p in &s.ports {
         let l = labels(s, p);
