@@ -173,3 +173,94 @@ fn a_pfc_ring_deadlocks_and_status_reports_it() {
         "held in the ring: {delivered} of {sent} B"
     );
 }
+
+/// 2 leaves of 4 GPUs under one spine (1 Gbit/s NICs, 4 Gbit/s uplinks: non-blocking),
+/// time_scale 20; `flow_control` lines after the fabric's name.
+fn incast_fabric(flow_control: &str) -> String {
+    format!(
+        "time_scale = 20\n{flow_control}\n[nic]\nbuffer = \"4MiB\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 4\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"1us\"\n[links.leaf-spine]\nrate = \"4Gbit\"\ndelay = \"1us\"\n[switches.leaf]\nbuffer = \"256KiB\"\n[switches.spine]\nbuffer = \"256KiB\"\n"
+    )
+}
+
+/// An incast from leaf1's gpu5–gpu7 into gpu0 (3 Gbit/s into a 1 Gbit/s port), and an
+/// innocent TCP flow (iperf3) from gpu4, also on leaf1, to gpu1, which is not congested.
+/// Returns the innocent flow's rate in fabric bits/s and the status (all ports) at its end.
+fn incast_with_innocent(f: &TestFabric) -> (f64, serde_json::Value) {
+    for s in 5..8 {
+        let from = format!("gpu{s}");
+        let out = closbox(&[
+            "load", &from, "gpu0", "--rate", "1Gbit", "--for", "300ms", "--fabric", &f.name,
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    }
+    let mut server = f.spawn("gpu1", &["iperf3", "-s", "-1", "-B", "198.18.0.2"]);
+    common::wait_for_port(f, "gpu1", 5201);
+    let out = f.exec("gpu4", &["iperf3", "-c", "198.18.0.2", "-t", "3", "-J"]);
+    let _ = server.wait();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let wall_bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap();
+    let all = closbox(&["status", &f.name, "--json", "--ports=->"]);
+    let st: serde_json::Value = serde_json::from_slice(&all.stdout).unwrap();
+    (wall_bps * 20.0, st[0].clone())
+}
+
+fn port<'a>(st: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    st["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == name)
+        .unwrap_or_else(|| panic!("no port {name}"))
+}
+
+/// Congestion spreading, live: lossy, the incast drops at leaf0's port to gpu0 and the
+/// innocent flow keeps its rate; with PFC nothing is dropped in the fabric, the pauses
+/// climb from leaf0 to the spine, to leaf1's uplink and to the GPUs' NICs behind it, and
+/// the innocent flow, queued behind the paused uplink, is slowed.
+#[test]
+fn pfc_spreads_an_incast_to_an_innocent_flow() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let lossy = TestFabric::up("ll-inl", &incast_fabric(""));
+    let (lossy_bps, st) = incast_with_innocent(&lossy);
+    lossy.down();
+    assert!(
+        port(&st, "leaf0->gpu0")["load_drops"].as_u64().unwrap() > 0,
+        "lossy: the incast drops at gpu0's port"
+    );
+    assert!(
+        lossy_bps > 0.5e9,
+        "lossy: the innocent flow keeps its rate: {lossy_bps}"
+    );
+
+    let pfc = TestFabric::up(
+        "ll-inp",
+        &incast_fabric("flow_control = \"pfc\"\nxoff = \"64KiB\""),
+    );
+    let (pfc_bps, st) = incast_with_innocent(&pfc);
+    pfc.down();
+    for p in st["ports"].as_array().unwrap() {
+        if !p["port"].as_str().unwrap().starts_with("gpu") {
+            assert_eq!(p["load_drops"], 0, "no fabric drops: {p}");
+            assert_eq!(p["drops_buffer"], 0, "no fabric drops: {p}");
+        }
+    }
+    for name in ["spine0->leaf0", "leaf1->spine0", "gpu4->leaf1"] {
+        let events = port(&st, name)["pause_events"].as_u64().unwrap();
+        assert!(events > 0, "{name} was paused");
+    }
+    eprintln!(
+        "innocent flow beside a 3:1 incast: lossy {:.0} Mbit/s, pfc {:.0} Mbit/s (fabric time)",
+        lossy_bps / 1e6,
+        pfc_bps / 1e6
+    );
+    assert!(
+        pfc_bps < 0.7 * lossy_bps,
+        "the innocent flow is slowed: {pfc_bps} vs {lossy_bps}"
+    );
+}
