@@ -2,7 +2,9 @@
 //!
 //! A packet-hop is one packet crossing one egress port (queue, serialization, propagation,
 //! next switch). 64 GPUs under 8 leaves and 8 spines send 1500-byte packets to random
-//! peers at ~60% load; the bench reports hops/s (criterion's "elem/s").
+//! peers at ~60% load; the bench reports hops/s (criterion's "elem/s"), lossy and with
+//! PFC (a lossless fabric schedules each port's departures one by one: one more event per
+//! packet-hop).
 
 use std::hint::black_box;
 
@@ -40,8 +42,10 @@ struct Workload {
     hops: u64,
 }
 
-fn workload(packets: usize) -> Workload {
-    let topo = parse(TOPO, "bench").expect("bench topology");
+/// `flow_control`: a line for `[fabric]` ("" for the lossy default).
+fn workload(packets: usize, flow_control: &str) -> Workload {
+    let text = TOPO.replace("seed = 3\n", &format!("seed = 3\n{flow_control}\n"));
+    let topo = parse(&text, "bench").expect("bench topology");
     let routes = Fabric::new(&topo);
     let n = topo.hosts.len() as u32;
     let mut rng = Rng::new(42, 0);
@@ -89,19 +93,22 @@ fn run(w: &Workload, pool: &mut Vec<Vec<u8>>) -> usize {
 }
 
 fn bench(c: &mut Criterion) {
-    let w = workload(200_000);
-    let mut pool = Vec::new();
-    let delivered = run(&w, &mut pool);
-    assert!(
-        delivered > 190_000,
-        "the workload must not be mostly drops: {delivered}"
-    );
     let mut g = c.benchmark_group("model");
-    g.throughput(Throughput::Elements(w.hops));
     g.sample_size(10);
-    g.bench_function("leaf-spine-64 packet-hops", |b| {
-        b.iter(|| black_box(run(&w, &mut pool)))
-    });
+    for (name, fc) in [
+        ("leaf-spine-64 packet-hops", ""),
+        ("leaf-spine-64 packet-hops pfc", "flow_control = \"pfc\""),
+    ] {
+        let w = workload(200_000, fc);
+        let mut pool = Vec::new();
+        let delivered = run(&w, &mut pool);
+        assert!(
+            delivered > 190_000,
+            "the workload must not be mostly drops: {delivered}"
+        );
+        g.throughput(Throughput::Elements(w.hops));
+        g.bench_function(name, |b| b.iter(|| black_box(run(&w, &mut pool))));
+    }
     g.finish();
 }
 
