@@ -13,7 +13,7 @@ build:
 # scale-out, oversubscription, incast, ECMP collisions, overlap, a spine failing. Results
 # and plots in tour/index.md. Needs root; ~3 min. `make demo-STEP` runs one step
 # (demo-plan, demo-scale-up, demo-oversubscription, demo-incast, demo-ecmp, demo-overlap,
-# demo-chaos).
+# demo-chaos, demo-lossless).
 CLOSBOX = ./target/release/closbox
 demo: build
 	scripts/tour
