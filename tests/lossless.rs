@@ -156,18 +156,16 @@ fn a_pfc_ring_deadlocks_and_status_reports_it() {
     assert_eq!(out.status.code(), Some(3), "status exits 3:\n{o}");
     assert!(o.contains("DEADLOCK  "), "{o}");
     assert_eq!(drops(&st, "buffer_full"), 0);
-    let delivered: u64 = st["loads"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["delivered_bytes"].as_u64().unwrap())
-        .sum();
-    let sent: u64 = st["loads"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["sent_bytes"].as_u64().unwrap())
-        .sum();
+    // One counter summed over the loads.
+    let total = |key: &str| -> u64 {
+        st["loads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l[key].as_u64().unwrap())
+            .sum()
+    };
+    let (delivered, sent) = (total("delivered_bytes"), total("sent_bytes"));
     assert!(
         delivered < sent / 2,
         "held in the ring: {delivered} of {sent} B"

@@ -1238,6 +1238,11 @@ fn fast_into_slow(flow_control: &str) -> Topology {
     ))
 }
 
+/// Drops at every port, for any reason.
+fn all_drops(c: &[PortCounters]) -> u64 {
+    c.iter().map(|c| c.drops.total()).sum()
+}
+
 /// Starts of the packets `p` sent, in order (from the trace).
 fn starts(f: &Fabric, p: PortId) -> Vec<u64> {
     f.trace()
@@ -1289,7 +1294,7 @@ fn pause_stops_the_upstream_port_after_the_link_delay_and_resume_follows_xon() {
         // The ingress reached xoff and stayed within xoff + headroom.
         assert!(nic_c.max_ingress_bytes >= 4000);
         assert!(nic_c.max_ingress_bytes <= 4000 + f.headroom(nic));
-        assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+        assert_eq!(all_drops(&c), 0);
         assert!(f.paused_ports().is_empty(), "nothing stays paused");
     }
 }
@@ -1325,7 +1330,7 @@ fn incast_is_lossless_with_pfc_and_lossy_without() {
     let pfc = topo(&body("flow_control = \"pfc\"\nxoff = \"16KiB\""));
     let (n, c, f) = burst(&pfc);
     assert_eq!(n, 1400, "every packet arrives");
-    assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+    assert_eq!(all_drops(&c), 0);
     for src in 1..8 {
         let nic = &c[port(&pfc, &f, &format!("gpu{src}"), "sw0").0 as usize];
         assert!(
@@ -1372,13 +1377,10 @@ fn pfc_spreads_congestion_to_an_innocent_flow() {
     };
     let lossy = topo(&body(""));
     let (lossy_done, c, _) = innocent_done(&lossy);
-    assert!(
-        c.iter().map(|c| c.drops.total()).sum::<u64>() > 0,
-        "the incast drops"
-    );
+    assert!(all_drops(&c) > 0, "the incast drops");
     let pfc = topo(&body("flow_control = \"pfc\"\nxoff = \"32KiB\""));
     let (pfc_done, c, f) = innocent_done(&pfc);
-    assert_eq!(c.iter().map(|c| c.drops.total()).sum::<u64>(), 0);
+    assert_eq!(all_drops(&c), 0);
     let up = &c[port(&pfc, &f, "leaf1", "spine0").0 as usize];
     assert!(up.pause_events > 0, "leaf1's uplink was paused: {up:?}");
     // 400 × 1438 B at 10 Gbit/s is 460 µs; behind the paused uplink it takes about as long
