@@ -35,6 +35,9 @@ demo-%: build
 # real programs. Installs those programs first if they are missing (scripts/test-deps).
 test: test-deps build
 	$(CARGO) test --workspace --release
+	# The model once more with debug assertions and overflow checks (its time-order
+	# contract, its byte accounting).
+	$(CARGO) test -p closbox-fabric
 
 test-deps:
 	@scripts/test-deps

@@ -1573,6 +1573,13 @@ impl Fabric {
             .collect()
     }
 
+    /// Lossless: bytes the vertex port `p` leads to holds from it now (its ingress
+    /// occupancy), and whether it asked `p` to stop.
+    pub fn ingress_held(&self, p: PortId) -> (u64, bool) {
+        let port = &self.ports[p.0 as usize];
+        (port.ingress_bytes, port.xoff_sent)
+    }
+
     /// Lossy, or lossless (PFC, credits).
     pub fn flow_control(&self) -> &FlowControl {
         &self.flow_control
