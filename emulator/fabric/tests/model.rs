@@ -1481,7 +1481,8 @@ fn a_link_failure_on_a_lossless_fabric_keeps_its_accounts() {
                 totals_conserved(&mut f, now);
             }
             for src in 1..8u32 {
-                let dst = if src < 4 { 0 } else { src - 4 };
+                // gpu1..gpu3 into gpu0; gpu4..gpu7 each to the GPU under leaf0 below it.
+                let dst = src.saturating_sub(4);
                 let _ = send(
                     &mut f,
                     &t,
