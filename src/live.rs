@@ -796,9 +796,8 @@ fn ranks_spin(a: &MpirunArgs, imp: MpiImpl) -> bool {
 /// The CPU of each of `ranks` ranks that busy-poll: round robin over the CPUs this process
 /// may use. Each GPU looks like a node of its own to the launchers, which would bind every
 /// rank to "its" first core (Open MPI: core 0 for all) or leave them to the scheduler;
-/// busy-polling ranks on one core take turns of a scheduler slice (3–5 ms a message,
-/// measured), and the scheduler may put two there when the fabric's high-priority thread
-/// makes the other core look loaded (seen once in CI: 5 ms a message unbound).
+/// busy-polling ranks on one core take turns of a scheduler slice (3.3 ms a message,
+/// measured with both on one CPU), and nothing keeps the scheduler from putting two there.
 fn spinning_cpus(ranks: usize) -> anyhow::Result<Vec<usize>> {
     let cpus = closbox_switchd::sys::allowed_cpus().context("reading this process's CPUs")?;
     if cpus.is_empty() {
@@ -868,6 +867,13 @@ fn mpirun_line(
             mca("oob_tcp_if_include", &st.tun);
             // Ranks share the box's cores with the fabric: they must not spin while they wait.
             mca("mpi_yield_when_idle", "1");
+            // The TCP BTL receives through Open MPI's event library, which opal_progress
+            // ticks at every call only while a component counts itself a user of it, and
+            // otherwise every 10 ms (the default tick rate). A race in connection setup
+            // sometimes leaves that count at 0: then every message waits for the tick
+            // (NetPIPE: exactly 5.0 ms one way, a 10 ms round trip; seen in CI). A 1 µs
+            // tick rate is what a counted user gets anyway.
+            mca("mpi_event_tick_rate", "1");
             // Each GPU looks like a node of its own to mpirun, which binds every rank to
             // "its" first core: the same core 0 for all of them. Yielding ranks take turns
             // on it quickly (measured: as fast as unbound, and steadier: unbound yielding
