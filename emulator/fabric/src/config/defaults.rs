@@ -42,16 +42,25 @@ pub const MAX_PACKET_MEMORY: u64 = 16 << 30;
 pub const DEFAULT_PACKET_MEMORY_CAP: u64 = 1 << 30;
 
 /// Default packet memory: every port's buffer full of full-size packets (plus a quarter
-/// for per-packet overhead and packets on the wire), at least 32 MiB, at most 1 GiB.
+/// for per-packet overhead and packets on the wire), at least 32 MiB, at most 1 GiB. In a
+/// lossless fabric a switch holds up to `xoff` + headroom per ingress instead, when more.
 pub fn default_packet_memory(topo: &Topology) -> Bytes {
-    let buffer_of = |v: Vertex| match v {
+    let pause = topo.fabric.flow_control.pause();
+    let buffer_of = |v: Vertex, link: &crate::topology::LinkParams| match v {
         Vertex::Host(_) => topo.fabric.nic_queue.buffer.get(),
-        Vertex::Switch(s) => topo.switches[s.0 as usize].params.queue.buffer.get(),
+        Vertex::Switch(s) => {
+            let sw = &topo.switches[s.0 as usize].params;
+            let held = pause.map_or(0, |p| {
+                p.xoff.get()
+                    + crate::model::headroom_bytes(link, sw.latency, topo.fabric.l2_overhead)
+            });
+            sw.queue.buffer.get().max(held)
+        }
     };
     let total = topo
         .links
         .iter()
-        .map(|l| buffer_of(l.a).saturating_add(buffer_of(l.b)))
+        .map(|l| buffer_of(l.a, &l.params).saturating_add(buffer_of(l.b, &l.params)))
         .fold(0u64, u64::saturating_add);
     Bytes::new(
         total

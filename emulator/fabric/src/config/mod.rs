@@ -582,6 +582,32 @@ gpus_per_leaf = 4
     }
 
     #[test]
+    fn lossless_packet_memory_counts_what_switches_hold_per_ingress() {
+        // 2 leaves × 4 GPUs, 2 spines: 12 links, 24 ports, 16 of them on switches. Small
+        // buffers, so that xoff + headroom is the larger.
+        let small = LS.replace(
+            "gpus_per_leaf = 4\n",
+            "gpus_per_leaf = 4\n[nic]\nbuffer = \"64KiB\"\n[switches.leaf]\nbuffer = \"64KiB\"\n[switches.spine]\nbuffer = \"64KiB\"\n",
+        );
+        let lossy = parse(&small, "t.toml").unwrap();
+        let pfc = parse(
+            &small.replace(
+                "name = \"ls\"",
+                "name = \"ls\"\nflow_control = \"pfc\"\nxoff = \"8MiB\"",
+            ),
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(lossy.fabric.packet_memory.get(), 32 << 20, "the floor");
+        // 16 switch ports × (8 MiB + headroom) × 1.25 > 160 MiB.
+        assert!(
+            pfc.fabric.packet_memory.get() > 160 << 20,
+            "{}",
+            pfc.fabric.packet_memory
+        );
+    }
+
+    #[test]
     fn flow_control_settings_are_checked_where_written() {
         for (fabric, needle) in [
             (
