@@ -370,7 +370,14 @@ pub fn resolve(
                 what.push(format!("loss {p}"));
             }
             if let Some(b) = buffer_bytes {
-                what.push(format!("buffer {}", Bytes::new(*b)));
+                // A lossless switch holds per ingress (xoff + headroom), not per egress
+                // buffer: only the GPU NIC queues on this link would take it.
+                let note = if topo.fabric.flow_control.pause().is_some() {
+                    " (lossless fabric: switch ports hold per ingress, only a GPU's NIC queue takes it)"
+                } else {
+                    ""
+                };
+                what.push(format!("buffer {}{note}", Bytes::new(*b)));
             }
             let set = |link| Change::SetLink {
                 link,
