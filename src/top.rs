@@ -28,6 +28,8 @@ struct PortRate {
     queue: u64,
     drops_per_s: f64,
     ecn_per_s: f64,
+    /// Lossless fabrics: share of the span the next switch kept it paused.
+    paused: f64,
 }
 
 /// What the view shows, from two status snapshots.
@@ -55,6 +57,7 @@ fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
         .map(|p| {
             let before = prev.ports.iter().find(|q| q.port == p.port);
             let busy = |s: &Status, u: f64| u * s.fabric_time_s;
+            let paused = before.map_or(0.0, |b| (p.paused_s - b.paused_s).max(0.0) / span);
             let (util, drops, ecn) = match before {
                 Some(b) => (
                     (busy(&now, p.utilization) - busy(prev, b.utilization)) / span,
@@ -73,6 +76,7 @@ fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
                 queue: p.queue_bytes,
                 drops_per_s: drops as f64 / span,
                 ecn_per_s: ecn as f64 / span,
+                paused: paused.clamp(0.0, 1.0),
             }
         })
         .collect();
@@ -167,7 +171,12 @@ fn draw(f: &mut Frame, v: &View) {
             )),
         ]),
         Line::from(vec![
-            if s.behind {
+            if !s.deadlocked.is_empty() {
+                Span::styled(
+                    format!("DEADLOCK ({} ports paused for good)", s.deadlocked.len()),
+                    Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+                )
+            } else if s.behind {
                 Span::styled(
                     "BEHIND",
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
@@ -205,46 +214,52 @@ fn draw(f: &mut Frame, v: &View) {
             .unwrap_or(std::cmp::Ordering::Equal)
     });
     let height = rows[2].height.saturating_sub(3) as usize;
+    // Lossless fabrics: a column for the share of time each port was paused.
+    let lossless = !s.flow_control.is_empty() && s.flow_control != "none";
     let body: Vec<Row> = ports
         .iter()
         .take(height)
         .map(|p| {
-            Row::new(vec![
+            let mut cells = vec![
                 Cell::from(p.name.clone()),
                 Cell::from(p.class.clone()),
                 Cell::from(format!("{:>5.1}%", p.util * 100.0)).style(util_style(p.util)),
                 Cell::from(format!("{:>9}", approx_bytes(p.queue))),
                 Cell::from(format!("{:>8.0}", p.drops_per_s)),
                 Cell::from(format!("{:>8.0}", p.ecn_per_s)),
-            ])
+            ];
+            if lossless {
+                cells.push(Cell::from(format!("{:>5.1}%", p.paused * 100.0)));
+            }
+            Row::new(cells)
         })
         .collect();
-    let table = Table::new(
-        body,
-        [
-            Constraint::Length(20),
-            Constraint::Length(10),
-            Constraint::Length(7),
-            Constraint::Length(10),
-            Constraint::Length(9),
-            Constraint::Length(9),
-        ],
-    )
-    .header(
-        Row::new(vec![
-            "port",
-            "link",
-            "  busy",
-            "    queue",
-            " drops/s",
-            "   ecn/s",
-        ])
-        .style(Style::default().add_modifier(Modifier::BOLD)),
-    )
-    .block(Block::bordered().title(format!(
-        " busiest ports (last {:.3} ms of fabric time) ",
-        v.span_s * 1e3
-    )));
+    let mut widths = vec![
+        Constraint::Length(20),
+        Constraint::Length(10),
+        Constraint::Length(7),
+        Constraint::Length(10),
+        Constraint::Length(9),
+        Constraint::Length(9),
+    ];
+    let mut head = vec![
+        "port",
+        "link",
+        "  busy",
+        "    queue",
+        " drops/s",
+        "   ecn/s",
+    ];
+    if lossless {
+        widths.push(Constraint::Length(7));
+        head.push("paused");
+    }
+    let table = Table::new(body, widths)
+        .header(Row::new(head).style(Style::default().add_modifier(Modifier::BOLD)))
+        .block(Block::bordered().title(format!(
+            " busiest ports (last {:.3} ms of fabric time) ",
+            v.span_s * 1e3
+        )));
     f.render_widget(table, rows[2]);
     let recent: Vec<Line> = v
         .events
