@@ -260,18 +260,24 @@ pub fn encode(s: &Status) -> String {
         None,
         &|p| p.load_drops,
     );
+    // Fabric seconds per port, as f64 counters.
+    let port_seconds = |reg: &mut Registry,
+                        name: &str,
+                        help: &str,
+                        f: &dyn Fn(&crate::dataplane::PortStatus) -> f64| {
+        let fam = Family::<PortLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+        for p in &s.ports {
+            fam.get_or_create(&labels(s, p)).inc_by(f(p));
+        }
+        reg.register_with_unit(name, help, Unit::Seconds, fam);
+    };
     // Fabric seconds a port spent sending (GPU packets and load): its utilization over a
     // window is rate(...) × time_scale (rate() is per wall second).
-    let busy = Family::<PortLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
-    for p in &s.ports {
-        busy.get_or_create(&labels(s, p))
-            .inc_by(p.utilization * s.fabric_time_s);
-    }
-    reg.register_with_unit(
+    port_seconds(
+        &mut reg,
         "port_busy",
         "Fabric time an egress port spent sending",
-        Unit::Seconds,
-        busy,
+        &|p| p.utilization * s.fabric_time_s,
     );
     port_family(
         &mut reg,
@@ -280,15 +286,11 @@ pub fn encode(s: &Status) -> String {
         None,
         &|p| p.pause_events,
     );
-    let paused = Family::<PortLabels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
-    for p in &s.ports {
-        paused.get_or_create(&labels(s, p)).inc_by(p.paused_s);
-    }
-    reg.register_with_unit(
+    port_seconds(
+        &mut reg,
         "port_paused",
         "Lossless fabrics: fabric time an egress port was stopped by the next switch",
-        Unit::Seconds,
-        paused,
+        &|p| p.paused_s,
     );
     let drops = Family::<PortReason, Counter>::default();
     for p in &s.ports {
