@@ -372,6 +372,9 @@ struct Port {
     /// stop.
     ingress_bytes: u64,
     xoff_sent: bool,
+    /// `headroom_bytes` of this port's link and next latency (kept off the per-packet
+    /// path; recomputed when the link changes).
+    headroom: u64,
 }
 
 struct InFlight {
@@ -493,6 +496,11 @@ impl Fabric {
                 depart_pending: false,
                 ingress_bytes: 0,
                 xoff_sent: false,
+                headroom: headroom_bytes(
+                    &topo.links[p.link as usize].params,
+                    vertex_latency(topo, p.to),
+                    topo.fabric.l2_overhead,
+                ),
             })
             .collect();
         assert!(
@@ -886,6 +894,7 @@ impl Fabric {
                     if let Some(b) = buffer {
                         port.queue.buffer = b;
                     }
+                    port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
                 }
             }
             Change::Partition(groups) => {
@@ -943,6 +952,7 @@ impl Fabric {
                     settle(port, now);
                     port.link = self.topo.links[link as usize].params;
                     port.queue.buffer = buffer;
+                    port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
                 }
             }
         }
@@ -1191,21 +1201,14 @@ impl Fabric {
         }
         let waiting: Vec<u32> = port.waiting.drain(..).collect();
         self.in_transit -= lost.len() as u64;
-        for &slot in &waiting {
-            // Lossless: what waited here leaves the switch's ingress as it is lost.
-            let pkt = self.slots[slot as usize].as_mut().expect("live slot");
-            let (len, load) = (pkt.len, pkt.load);
-            let ingress = std::mem::replace(&mut pkt.ingress, NO_PORT);
-            if ingress != NO_PORT {
-                self.free_ingress(now, PortId(ingress), len);
-            }
-            if load != NO_LOAD {
-                // Counted below as the transit ones are.
-                self.load_in_transit += 1;
-            }
-        }
-        for slot in lost.into_iter().chain(waiting) {
+        // Lost on the wire (started), or waiting to start (lossless).
+        let on_wire = lost.into_iter().map(|s| (s, true));
+        for (slot, started) in on_wire.chain(waiting.into_iter().map(|s| (s, false))) {
             let pkt = self.release(slot);
+            if pkt.ingress != NO_PORT {
+                // What waited here leaves the switch's ingress as it is lost.
+                self.free_ingress(now, PortId(pkt.ingress), pkt.len);
+            }
             let load = pkt.load;
             let counters = &mut self.ports[p.0 as usize].counters;
             if load == NO_LOAD {
@@ -1217,7 +1220,9 @@ impl Fabric {
                 }
             } else {
                 counters.load_drops += 1;
-                self.load_in_transit -= 1;
+                if started {
+                    self.load_in_transit -= 1;
+                }
                 self.loads[load as usize]
                     .counters
                     .drops
@@ -1386,7 +1391,7 @@ impl Fabric {
             // headroom allows (too little configured for the link) is dropped.
             Some(pause) if ingress != NO_PORT => {
                 let q = &self.ports[ingress as usize];
-                q.ingress_bytes + len as u64 > pause.xoff.get() + self.headroom(PortId(ingress))
+                q.ingress_bytes + len as u64 > pause.xoff.get() + q.headroom
             }
             // A GPU's NIC queue (or a lossy queue) tail-drops at its buffer.
             _ => port.backlog_bytes + len as u64 > port.queue.buffer.get(),
@@ -1430,8 +1435,7 @@ impl Fabric {
     /// finish; the switch's own latency. Frames are up to 64 KiB (TUN offload hands the
     /// fabric super-packets).
     pub fn headroom(&self, p: PortId) -> u64 {
-        let port = &self.ports[p.0 as usize];
-        headroom_bytes(&port.link, port.next_latency, self.l2_overhead)
+        self.ports[p.0 as usize].headroom
     }
 
     /// Counts a packet that did not fit at `port_id` and lets it go.

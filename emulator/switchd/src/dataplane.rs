@@ -1346,7 +1346,7 @@ impl<P: Ports> DataPlane<P> {
         let now = self.fabric_now(wall);
         let totals = self.model.totals(now);
         let elapsed = now.as_nanos().max(1) as f64;
-        let ports = self
+        let mut ports = self
             .model
             .port_counters(now)
             .iter()
@@ -1374,7 +1374,6 @@ impl<P: Ports> DataPlane<P> {
                 max_ingress_bytes: c.max_ingress_bytes,
             })
             .collect::<Vec<_>>();
-        let mut ports = ports;
         let paused = self.model.paused_ports();
         let deadlock_after = self.model.flow_control().pause().map(|p| p.deadlock_after);
         let mut deadlocked = Vec::new();
