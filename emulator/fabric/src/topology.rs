@@ -304,7 +304,8 @@ pub struct FabricParams {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostTcp {
     /// `net.ipv4.tcp_congestion_control`: "cubic", "bbr", "reno", … (what the kernel
-    /// allows as a namespace default); `None` keeps the host's default.
+    /// allows as a namespace default); Reno unless the file says otherwise (see
+    /// `config::DEFAULT_CONGESTION`); `None` keeps the host's default (`"host"`).
     pub congestion: Option<String>,
     /// `net.ipv4.tcp_ecn = 1`: connections request ECN, so marks slow senders down.
     pub ecn: bool,

@@ -91,7 +91,9 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
         cx.err_at(e.span(), msg)
     })?;
     if let Some(kind) = raw.nic.as_ref().and_then(|n| n.tcp_congestion.as_ref()) {
-        check_congestion(&cx, kind)?;
+        if kind.get_ref() != HOST_CONGESTION {
+            check_congestion(&cx, kind)?;
+        }
     }
     build(&cx, raw)
 }
@@ -178,8 +180,8 @@ mod values;
 
 use checks::*;
 pub use defaults::{
-    default_link, default_packet_memory, default_switch, DEFAULT_NIC_BUFFER,
-    DEFAULT_PACKET_MEMORY_CAP, MAX_PACKET_MEMORY, MIN_PACKET_MEMORY,
+    default_link, default_packet_memory, default_switch, DEFAULT_CONGESTION, DEFAULT_NIC_BUFFER,
+    DEFAULT_PACKET_MEMORY_CAP, HOST_CONGESTION, MAX_PACKET_MEMORY, MIN_PACKET_MEMORY,
 };
 use raw::RawFile;
 use shapes::generate_shape;
@@ -326,9 +328,9 @@ fn fabric_params(
             {
                 return Err(cx.err(c, format!("`tcp_congestion` {v:?} is not a congestion control name (cubic, bbr, reno, …)")));
             }
-            Some(v.clone())
+            (v != HOST_CONGESTION).then(|| v.clone())
         }
-        None => None,
+        None => Some(DEFAULT_CONGESTION.to_string()),
     };
     Ok(FabricParams {
         host_tcp: crate::topology::HostTcp {
@@ -507,6 +509,16 @@ gpus_per_leaf = 4
         assert!(e.contains("\"b\" cannot reach host \"a\""), "{e}");
         let ok = parse(&format!("{base}[[link]]\na = \"a\"\nb = \"s\"\n[[link]]\na = \"b\"\nb = \"s\"\nrate = \"1Gbit\"\n"), "t.toml").unwrap();
         assert_eq!(ok.links[1].params.rate, crate::Bandwidth::from_gbps(1));
+    }
+
+    #[test]
+    fn gpu_tcp_is_reno_unless_the_file_says() {
+        let t = parse(LS, "t.toml").unwrap();
+        assert_eq!(t.fabric.host_tcp.congestion.as_deref(), Some("reno"));
+        let t = parse(&format!("{LS}[nic]\ntcp_congestion = \"host\"\n"), "t.toml").unwrap();
+        assert_eq!(t.fabric.host_tcp.congestion, None);
+        let e = err(&format!("{LS}[nic]\ntcp_congestion = \"no-such\"\n"));
+        assert!(e.starts_with("t.toml:10:18: "), "{e}");
     }
 
     #[test]
