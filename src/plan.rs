@@ -250,6 +250,23 @@ fn network(s: &mut String, p: &Plan) {
             sw.routing,
         );
     }
+    let g = &n.gpus;
+    let _ = writeln!(
+        s,
+        "  GPUs               NIC queue {}{}, TCP {}{}",
+        Bytes::new(g.nic_buffer_bytes),
+        g.nic_ecn
+            .as_deref()
+            .map_or(String::new(), |e| format!(" (ECN {e})")),
+        g.tcp_congestion
+            .as_deref()
+            .unwrap_or("the host's default congestion control"),
+        if g.tcp_ecn {
+            " with ECN"
+        } else {
+            " without ECN"
+        }
+    );
 }
 
 fn design(s: &mut String, d: &Design, gpus: u64) {

@@ -63,6 +63,17 @@ pub struct NetworkPlan {
     pub headroom: Vec<(String, u64)>,
     /// Per switch tier: forwarding latency (ns), routing, ECN marking.
     pub switches: Vec<SwitchPlan>,
+    /// The GPUs' side: NIC queue, its ECN marking, and their kernel TCP.
+    pub gpus: GpuPlan,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuPlan {
+    pub nic_buffer_bytes: u64,
+    pub nic_ecn: Option<String>,
+    /// The congestion control every GPU's TCP uses; `None`: the host's default.
+    pub tcp_congestion: Option<String>,
+    pub tcp_ecn: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -108,14 +119,15 @@ impl NetworkPlan {
                 latency_ns: s.params.latency.as_nanos(),
                 routing: s.params.routing.name().into(),
                 buffer_bytes: s.params.queue.buffer.get(),
-                ecn: s.params.queue.ecn.map(|e| match e {
-                    crate::topology::Ecn::Step { k } => format!("step at {k}"),
-                    crate::topology::Ecn::Red { min, max, p_max } => {
-                        format!("RED {min}–{max}, p {p_max}")
-                    }
-                }),
+                ecn: s.params.queue.ecn.map(ecn_words),
             })
             .collect();
+        let gpus = GpuPlan {
+            nic_buffer_bytes: f.nic_queue.buffer.get(),
+            nic_ecn: f.nic_queue.ecn.map(ecn_words),
+            tcp_congestion: f.host_tcp.congestion.clone(),
+            tcp_ecn: f.host_tcp.ecn,
+        };
         let preset = f.preset.and_then(crate::config::presets::find);
         NetworkPlan {
             preset: preset.map(|p| p.name.into()),
@@ -127,7 +139,15 @@ impl NetworkPlan {
             deadlock_after_ns: pause.map(|p| p.deadlock_after.as_nanos()),
             headroom,
             switches,
+            gpus,
         }
+    }
+}
+
+fn ecn_words(e: crate::topology::Ecn) -> String {
+    match e {
+        crate::topology::Ecn::Step { k } => format!("step at {k}"),
+        crate::topology::Ecn::Red { min, max, p_max } => format!("RED {min}–{max}, p {p_max}"),
     }
 }
 
@@ -695,6 +715,11 @@ mod tests {
             p.bisection_ratio
         );
         assert!(p.tiers.iter().all(|t| t.oversubscription.is_none()));
+        // The GPUs' side as the defaults leave it.
+        let g = &p.network.gpus;
+        assert_eq!(g.tcp_congestion.as_deref(), Some("reno"));
+        assert_eq!(g.nic_buffer_bytes, 16 << 20);
+        assert!(g.tcp_ecn && g.nic_ecn.is_none(), "{g:?}");
         // Sizing: what fits on one switch needs one switch.
         for d in [leaf_spine_design(1, 64), fat_tree_design(32, 64)] {
             assert_eq!(d.switches, vec![("leaf".to_owned(), 1)], "{d:?}");
