@@ -37,6 +37,19 @@ fn lifecycle_exec_run_and_errors() {
     );
     assert_eq!(text(&out).0.trim(), "198.18.0.3");
 
+    // The GPUs' TCP is the file's (Reno by default, whatever the host's default is), with
+    // ECN requested and no slow-start restart after idle.
+    let out = f.exec(
+        "gpu1",
+        &[
+            "cat",
+            "/proc/sys/net/ipv4/tcp_congestion_control",
+            "/proc/sys/net/ipv4/tcp_ecn",
+            "/proc/sys/net/ipv4/tcp_slow_start_after_idle",
+        ],
+    );
+    assert_eq!(text(&out).0, "reno\n1\n0\n", "{:?}", text(&out));
+
     // Traffic crosses the fabric: a UDP datagram from gpu0 to gpu3.
     let echo = "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('gpu3', 7007)); d,a=s.recvfrom(100); s.sendto(d.upper(), a)";
     let mut server = f.spawn("gpu3", &["/usr/bin/python3", "-c", echo]);
