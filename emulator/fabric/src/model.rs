@@ -1501,9 +1501,7 @@ impl Fabric {
             return;
         };
         if port.busy_until > now {
-            port.depart_pending = true;
-            let at = port.busy_until;
-            self.events.push(Reverse(pack(at, DEPART_EVENT | p.0)));
+            self.schedule_depart(p);
             return;
         }
         port.waiting.pop_front();
@@ -1513,12 +1511,17 @@ impl Fabric {
             self.free_ingress(now, PortId(ingress), len);
         }
         self.transmit(now, p, slot);
-        let port = &mut self.ports[p.0 as usize];
-        if !port.waiting.is_empty() {
-            port.depart_pending = true;
-            let at = port.busy_until;
-            self.events.push(Reverse(pack(at, DEPART_EVENT | p.0)));
+        if !self.ports[p.0 as usize].waiting.is_empty() {
+            self.schedule_depart(p);
         }
+    }
+
+    /// Lossless: port `p` looks at its waiting packets again when it frees.
+    fn schedule_depart(&mut self, p: PortId) {
+        let port = &mut self.ports[p.0 as usize];
+        port.depart_pending = true;
+        self.events
+            .push(Reverse(pack(port.busy_until, DEPART_EVENT | p.0)));
     }
 
     /// Lossless: `len` bytes that came through port `q` left the switch's ingress; below
