@@ -130,7 +130,22 @@ fn netpipe_through_open_mpi_and_mpich() {
         a.extend_from_slice(args);
         let out = closbox(&a);
         let (o, e) = text(&out);
-        assert!(out.status.success(), "{imp} {args:?}:\n{o}\n{e}");
+        // Debian's MPICH (4.0, ch4:ofi) sometimes never leaves MPI_Finalize after the
+        // program is done: caught here (1 run in 17 of the 4 MiB one), rank 1 blocked in
+        // its PMI barrier with 25 bytes from rank 0 unread in its socket, rank 0 spinning;
+        // every byte delivered and acknowledged by the fabric (`ss`). What NetPIPE printed
+        // is still checked below; any other failure fails here.
+        let finalize_hang = imp == "mpich"
+            && !out.status.success()
+            && e.contains("timed out after 120 s")
+            && (o.contains("Mbps") || e.contains("Mbps"));
+        if finalize_hang {
+            eprintln!(
+                "{imp} {args:?}: MPICH did not leave MPI_Finalize (known race), results kept"
+            );
+        } else {
+            assert!(out.status.success(), "{imp} {args:?}:\n{o}\n{e}");
+        }
         // NetPIPE reports on stderr.
         o + &e
     };
