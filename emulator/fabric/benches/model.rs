@@ -79,14 +79,14 @@ fn run(w: &Workload, pool: &mut Vec<Vec<u8>>) -> usize {
         let _ = f.send(Instant::from_nanos(t), HostId(src), buf);
         while let Some(d) = f.poll_delivery() {
             delivered += 1;
-            pool.push(d.data);
+            pool.push(d.data.into_vec());
         }
     }
     while let Some(t) = f.poll_timeout() {
         f.advance(t);
         while let Some(d) = f.poll_delivery() {
             delivered += 1;
-            pool.push(d.data);
+            pool.push(d.data.into_vec());
         }
     }
     delivered

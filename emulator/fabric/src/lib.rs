@@ -6,6 +6,7 @@
 //! tests drive it with a virtual clock.
 
 pub mod config;
+pub mod frame;
 pub mod generate;
 pub mod load;
 pub mod names;
@@ -13,6 +14,7 @@ pub mod topology;
 pub mod units;
 
 pub use config::{load, parse, ConfigError};
+pub use frame::Frame;
 pub use topology::Topology;
 pub use units::{Bandwidth, Bytes, Duration, Instant, TimeScale};
 pub mod model;

@@ -21,6 +21,7 @@ use std::collections::binary_heap::PeekMut;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::Ipv4Addr;
 
+use crate::frame::Frame;
 use crate::load::{Generator, LoadCounters, LoadSpec};
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
@@ -141,7 +142,7 @@ pub struct Delivery {
     pub at: Instant,
     pub src: HostId,
     pub dst: HostId,
-    pub data: Vec<u8>,
+    pub data: Frame,
 }
 
 /// A change to a running fabric (`Fabric::apply`), at an instant of fabric time.
@@ -232,7 +233,7 @@ impl Taps {
         &mut self,
         port: PortId,
         at: Instant,
-        data: &[u8],
+        data: &Frame,
         len: u32,
         dropped: Option<DropReason>,
     ) {
@@ -240,12 +241,11 @@ impl Taps {
             self.overflow += 1;
             return;
         }
-        let keep = data.len().min(self.snaplen as usize);
         self.out.push_back(Tapped {
             port,
             at,
             len,
-            data: data[..keep].to_vec(),
+            data: data.prefix(self.snaplen as usize),
             dropped,
         });
     }
@@ -378,7 +378,7 @@ struct Port {
 }
 
 struct InFlight {
-    data: Vec<u8>,
+    data: Frame,
     src: HostId,
     dst: HostId,
     id: u64,
@@ -664,10 +664,11 @@ impl Fabric {
 
     /// GPU `src` sends `data` (an IPv4 packet) at `now`. Events due by `now` are processed
     /// first, so `now` must not go backwards.
-    pub fn send(&mut self, now: Instant, src: HostId, data: Vec<u8>) -> Verdict {
+    pub fn send(&mut self, now: Instant, src: HostId, data: impl Into<Frame>) -> Verdict {
+        let data = data.into();
         self.advance(now);
         self.sent += 1;
-        let headers = match packet::inspect(&data) {
+        let headers = match packet::inspect_head(data.head(), data.len()) {
             Ok(h) => h,
             Err(e) => {
                 let r = match e {
@@ -1097,7 +1098,7 @@ impl Fabric {
         }
         self.memory_used += PACKET_OVERHEAD;
         let pkt = InFlight {
-            data: Vec::new(),
+            data: Frame::default(),
             src: HostId(from),
             dst: HostId(to),
             id: self.next_packet,
@@ -1270,7 +1271,7 @@ impl Fabric {
         }
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
-            if !packet::decrement_ttl(&mut pkt.data) {
+            if !packet::decrement_ttl(pkt.data.head_mut()) {
                 let flow = self.release(slot).flow;
                 Flows::drop(&mut self.flows, flow);
                 self.vertex_drops.add(DropReason::TtlExpired);
@@ -1482,7 +1483,7 @@ impl Fabric {
         if pkt.load != NO_LOAD {
             self.loads[pkt.load as usize].counters.ecn_marked += 1;
         } else {
-            packet::mark_ce(&mut pkt.data);
+            packet::mark_ce(pkt.data.head_mut());
             port.counters.ecn_marked += 1;
             if let Some(e) = self.flows.as_mut().and_then(|f| f.map.get_mut(&pkt.flow)) {
                 e.1.ecn_marked += 1;
@@ -1789,8 +1790,8 @@ const MAX_PACKET: u64 = 65_535;
 
 /// The memory charged for holding a packet.
 #[inline]
-fn charge(data: &Vec<u8>) -> u64 {
-    data.capacity() as u64 + PACKET_OVERHEAD
+fn charge(data: &Frame) -> u64 {
+    data.charge() as u64 + PACKET_OVERHEAD
 }
 
 fn pack(t: Instant, port: u32) -> u128 {

@@ -47,6 +47,12 @@ pub enum Unforwardable {
 
 /// Reads the headers of an IPv4 packet as a TUN (without packet-info header) gives it.
 pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
+    inspect_head(buf, buf.len())
+}
+
+/// `inspect` for a packet of `frame_len` bytes of which `buf` holds the first ones (at
+/// least its IP header and the start of its transport header).
+pub fn inspect_head(buf: &[u8], frame_len: usize) -> Result<Headers, Unforwardable> {
     let Some(&first) = buf.first() else {
         return Err(Unforwardable::Malformed);
     };
@@ -60,7 +66,7 @@ pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
     let ip = Ipv4Packet::new(buf).ok_or(Unforwardable::Malformed)?;
     let ihl = ip.get_header_length() as usize * 4;
     let len = ip.get_total_length() as usize;
-    if ihl < 20 || len < ihl || len > buf.len() {
+    if ihl < 20 || len < ihl || len > frame_len || buf.len() < ihl {
         return Err(Unforwardable::Malformed);
     }
     // A switch drops a packet whose header is corrupt, as real ones do.
@@ -68,7 +74,7 @@ pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
         return Err(Unforwardable::Malformed);
     }
     let proto = ip.get_next_level_protocol();
-    let payload = &buf[ihl..len];
+    let payload = &buf[ihl..len.min(buf.len())];
     // Only the first fragment carries ports; later fragments hash on addresses alone.
     let first_fragment = ip.get_fragment_offset() == 0;
     let (sport, dport) = match proto {

@@ -261,16 +261,19 @@ fn ecn_marks_only_above_k_and_only_ect() {
     assert!(expected_marks > 50);
     let mut ce_by_src = [0u32; 4];
     for d in &delivered {
-        let h = packet::inspect(&d.data).unwrap();
+        let h = packet::inspect(&d.data.to_vec()).unwrap();
         if h.ecn == packet::ECN_CE {
             ce_by_src[d.src.0 as usize] += 1;
         }
-        assert!(packet::checksum_ok(&d.data));
+        assert!(packet::checksum_ok(&d.data.to_vec()));
     }
     assert_eq!(ce_by_src[3], 0, "non-ECT packets must never be marked");
     assert_eq!((ce_by_src[1] + ce_by_src[2]) as u64, expected_marks);
     // The first packets (queue below K) are not marked.
-    assert_eq!(packet::inspect(&delivered[0].data).unwrap().ecn, 0b10);
+    assert_eq!(
+        packet::inspect(&delivered[0].data.to_vec()).unwrap().ecn,
+        0b10
+    );
 }
 
 fn spine_counts(t: &Topology, f: &mut Fabric) -> Vec<u64> {
@@ -653,9 +656,9 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
         );
     }
     let got = run(&mut f);
-    let ttls: Vec<u8> = got.iter().map(|d| d.data[8]).collect();
+    let ttls: Vec<u8> = got.iter().map(|d| d.data.head()[8]).collect();
     assert_eq!(ttls, vec![1, 61], "TTL 4 and 64 arrive, 3 lower");
-    assert!(got.iter().all(|d| packet::checksum_ok(&d.data)));
+    assert!(got.iter().all(|d| packet::checksum_ok(&d.data.to_vec())));
     let totals = f.totals(Instant::from_nanos(1_000_000_000));
     assert_eq!(totals.drops.get(DropReason::TtlExpired), 4);
     assert_eq!(totals.sent, totals.delivered + totals.drops.total());

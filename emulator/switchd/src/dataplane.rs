@@ -17,7 +17,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use closbox_fabric::model::{Change, DropReason, Fabric};
 use closbox_fabric::routing::{vertex_latency, Routes};
-use closbox_fabric::{HostId, Instant, TimeScale, Topology};
+use closbox_fabric::{Frame, HostId, Instant, TimeScale, Topology};
 use serde::{Deserialize, Serialize};
 
 use crate::chaos::{self, ChangeRequest, Event};
@@ -356,7 +356,7 @@ pub trait Ports {
     /// may have input (a wake-up with none is fine: the loop looks at its control queue).
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
     /// One packet (a frame the fabric carries) from `port`; `Ok(None)` when it has none.
-    fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>>;
+    fn recv(&mut self, port: usize) -> io::Result<Option<Frame>>;
     /// Packets due now, each to its port at its wall time `due` (the buffers are the
     /// ports' now; `out` is left empty). Writes may happen later, on other threads, and
     /// several frames of a flow to one port may go as one super-packet: each frame's
@@ -371,7 +371,7 @@ pub trait Ports {
 #[derive(Debug)]
 pub struct Outgoing {
     pub port: usize,
-    pub data: Vec<u8>,
+    pub data: Frame,
     pub due: StdInstant,
 }
 
@@ -380,7 +380,9 @@ pub struct Outgoing {
 ///
 /// With offload (`offload`), TUNs carry a virtio header each way: TCP super-packets read
 /// are cut into frames (kept per port until taken), and frames of a flow due together are
-/// written back as one super-packet.
+/// written back as one super-packet. A super-packet is read into a buffer of a pool and
+/// its frames' payloads stay there (`Frame::split`) until they are written: no payload
+/// is copied in user space; a buffer is read into again once none of its frames is held.
 ///
 /// Writes into the TUNs run the receiving GPU's network stack (the costly half of a
 /// packet's way): with more than one core they may go to writer threads, each owning a
@@ -394,12 +396,16 @@ pub struct TunPorts {
     wake: Arc<EventFd>,
     tokens: Vec<u64>,
     /// Frames cut from a super-packet and not taken yet, per port.
-    rx_frames: Vec<std::collections::VecDeque<Vec<u8>>>,
+    rx_frames: Vec<std::collections::VecDeque<Frame>>,
     /// Ports with frames in `rx_frames`.
     rx_waiting: usize,
-    /// One read buffer: each packet (frame) is then copied into a buffer of its own size,
-    /// so a held packet costs what it carries (see `PACKET_OVERHEAD`), not an MTU.
+    /// The read buffer without offload: each packet (frame) is then copied into a buffer
+    /// of its own size, so a held packet costs what it carries, not an MTU.
     scratch: Vec<u8>,
+    /// Buffers super-packets are read into (offload), oldest first.
+    read_bufs: std::collections::VecDeque<Arc<Vec<u8>>>,
+    /// Reused by `recv`.
+    cut: Vec<Frame>,
     /// Empty: writes happen inline (one core).
     writers: Vec<Writer>,
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
@@ -430,6 +436,13 @@ const WRITE_QUEUE: usize = 4096;
 /// Largest read from a TUN: a 64 KiB super-packet and its virtio header.
 const MAX_READ: usize = 65_535 + crate::offload::VNET_HDR_LEN;
 
+/// Read buffers kept for reuse (offload): 16 MiB. More may be in use (frames held by the
+/// model keep theirs); those are freed with their last frame.
+const READ_BUFS: usize = 256;
+/// Buffers looked at for one that is free before a new one is made: the oldest are the
+/// likeliest free (their frames have left), a frame held long makes its buffer skipped.
+const READ_BUF_TRIES: usize = 4;
+
 /// Writes `frames` (one packet, or a run from `offload::mergeable_run`) into `fd`; a
 /// (lateness, failed) per frame into `done`.
 fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u64, bool)>) {
@@ -437,21 +450,28 @@ fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u
     use std::io::IoSlice;
     let now = StdInstant::now();
     let failed = match frames {
-        [one] if !offload => sys::write_packet(fd.as_fd(), &one.data).is_err(),
+        [one] if !offload && one.data.shared().is_none() => {
+            sys::write_packet(fd.as_fd(), one.data.head()).is_err()
+        }
         [one] => {
-            let v = offload::single_hdr(&one.data).bytes();
-            sys::write_packet_vectored(fd.as_fd(), &[IoSlice::new(&v), IoSlice::new(&one.data)])
-                .is_err()
+            let v = offload.then(|| offload::single_hdr(one.data.head()).bytes());
+            let parts = [
+                v.as_ref().map_or(&[][..], |v| &v[..]),
+                one.data.head(),
+                one.data.body(),
+            ];
+            let iov: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
+            sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
         }
         run => {
-            let refs: Vec<&[u8]> = run.iter().map(|o| &o.data[..]).collect();
+            let refs: Vec<&Frame> = run.iter().map(|o| &o.data).collect();
             let (v, h) = offload::coalesced_headers(&refs);
             let v = v.bytes();
-            let hl = h.len();
-            let mut iov = Vec::with_capacity(run.len() + 2);
-            iov.push(IoSlice::new(&v));
-            iov.push(IoSlice::new(&h));
-            iov.extend(refs.iter().map(|f| IoSlice::new(&f[hl..])));
+            let mut parts = Vec::with_capacity(run.len() + 2);
+            parts.push(&v[..]);
+            parts.push(&h[..]);
+            offload::payloads(&refs, h.len(), &mut parts);
+            let iov: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
             sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
         }
     };
@@ -511,6 +531,8 @@ impl TunPorts {
             rx_frames: vec![Default::default(); tuns.len()],
             rx_waiting: 0,
             scratch: vec![0; MAX_READ],
+            read_bufs: Default::default(),
+            cut: Vec::new(),
             tuns: tuns.into_iter().map(Arc::new).collect(),
             offload,
             epoll,
@@ -547,6 +569,18 @@ impl TunPorts {
             .into_iter()
             .map(|t| Arc::try_unwrap(t).expect("writers are gone"))
             .collect()
+    }
+
+    /// A buffer to read a super-packet into, free (no frame cut from it is held).
+    fn read_buf(&mut self) -> Arc<Vec<u8>> {
+        for _ in 0..self.read_bufs.len().min(READ_BUF_TRIES) {
+            let mut b = self.read_bufs.pop_front().expect("not empty");
+            if Arc::get_mut(&mut b).is_some() {
+                return b;
+            }
+            self.read_bufs.push_back(b);
+        }
+        Arc::new(vec![0; MAX_READ])
     }
 
     /// Writes one job here or hands it to its port's writer.
@@ -620,37 +654,59 @@ impl Ports for TunPorts {
         Ok(())
     }
 
-    fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>> {
+    fn recv(&mut self, port: usize) -> io::Result<Option<Frame>> {
         if let Some(f) = self.rx_frames[port].pop_front() {
             if self.rx_frames[port].is_empty() {
                 self.rx_waiting -= 1;
             }
             return Ok(Some(f));
         }
-        let Some(n) = sys::read_packet(self.tuns[port].as_fd(), &mut self.scratch)? else {
-            return Ok(None);
-        };
         if !self.offload {
-            return Ok(Some(self.scratch[..n].to_vec()));
+            let Some(n) = sys::read_packet(self.tuns[port].as_fd(), &mut self.scratch)? else {
+                return Ok(None);
+            };
+            return Ok(Some(self.scratch[..n].to_vec().into()));
         }
         use crate::offload::{segment, VnetHdr, VNET_HDR_LEN};
-        let Some(hdr) = VnetHdr::parse(&self.scratch[..n]) else {
-            // Shorter than its header: nothing the kernel sends; the model counts it.
-            return Ok(Some(Vec::new()));
+        let mut buf = self.read_buf();
+        let read = sys::read_packet(
+            self.tuns[port].as_fd(),
+            Arc::get_mut(&mut buf).expect("a free buffer"),
+        );
+        let n = match read {
+            Ok(Some(n)) => n,
+            other => {
+                self.read_bufs.push_front(buf);
+                return other.map(|_| None);
+            }
         };
-        let pkt = &self.scratch[VNET_HDR_LEN..n];
-        let q = &mut self.rx_frames[port];
-        let mut frames = Vec::new();
-        if let Err(e) = segment(&hdr, pkt, &mut frames) {
-            // Handed on as it is: the model judges (and counts) it.
-            tracing::debug!("GPU {port}: super-packet not cut into frames: {e}");
-            return Ok(Some(pkt.to_vec()));
-        }
-        let mut frames = frames.into_iter();
-        let first = frames.next();
-        q.extend(frames);
-        if !q.is_empty() {
-            self.rx_waiting += 1;
+        let Some(hdr) = VnetHdr::parse(&buf[..n]) else {
+            // Shorter than its header: nothing the kernel sends; the model counts it.
+            self.read_bufs.push_front(buf);
+            return Ok(Some(Frame::default()));
+        };
+        let mut frames = std::mem::take(&mut self.cut);
+        let first = match segment(&hdr, &buf, VNET_HDR_LEN..n, &mut frames) {
+            Ok(()) => {
+                let mut it = frames.drain(..);
+                let first = it.next();
+                let q = &mut self.rx_frames[port];
+                q.extend(it);
+                if !q.is_empty() {
+                    self.rx_waiting += 1;
+                }
+                first
+            }
+            Err(e) => {
+                // Handed on as it is: the model judges (and counts) it.
+                tracing::debug!("GPU {port}: super-packet not cut into frames: {e}");
+                frames.clear();
+                Some(buf[VNET_HDR_LEN..n].to_vec().into())
+            }
+        };
+        self.cut = frames;
+        if self.read_bufs.len() < READ_BUFS {
+            self.read_bufs.push_back(buf);
         }
         Ok(first)
     }
@@ -668,7 +724,7 @@ impl Ports for TunPorts {
                 end += 1;
             }
             let len = if self.offload && end - i > 1 {
-                let refs: Vec<&[u8]> = out[i..end].iter().map(|o| &o.data[..]).collect();
+                let refs: Vec<&Frame> = out[i..end].iter().map(|o| &o.data).collect();
                 crate::offload::mergeable_run(&refs)
             } else {
                 1
@@ -1657,7 +1713,7 @@ mod tests {
         start: StdInstant,
         elapsed: StdDuration,
         inbox: Vec<std::collections::VecDeque<(StdDuration, Vec<u8>)>>,
-        sent: Vec<(usize, StdDuration, Vec<u8>)>,
+        sent: Vec<(usize, StdDuration, Frame)>,
         done: Vec<(u64, bool)>,
     }
 
@@ -1701,12 +1757,12 @@ mod tests {
             Ok(())
         }
 
-        fn recv(&mut self, port: usize) -> io::Result<Option<Vec<u8>>> {
+        fn recv(&mut self, port: usize) -> io::Result<Option<Frame>> {
             let q = &mut self.inbox[port];
             if q.front().is_none_or(|p| p.0 > self.elapsed) {
                 return Ok(None);
             }
-            Ok(q.pop_front().map(|(_, p)| p))
+            Ok(q.pop_front().map(|(_, p)| p.into()))
         }
 
         fn send(&mut self, out: &mut Vec<Outgoing>) {
@@ -1991,7 +2047,7 @@ mod tun_ports_tests {
             let mut out: Vec<Outgoing> = (0..n)
                 .map(|i| Outgoing {
                     port: (i % 3) as usize,
-                    data: i.to_be_bytes().to_vec(),
+                    data: i.to_be_bytes().to_vec().into(),
                     due: late,
                 })
                 .collect();
@@ -1999,7 +2055,7 @@ mod tun_ports_tests {
             assert!(out.is_empty());
             let mut lone = vec![Outgoing {
                 port: 0,
-                data: n.to_be_bytes().to_vec(),
+                data: n.to_be_bytes().to_vec().into(),
                 due: StdInstant::now(),
             }];
             ports.send(&mut lone);
@@ -2064,7 +2120,7 @@ mod tun_ports_tests {
             frames.push(f);
         }
         assert_eq!(
-            frames.iter().map(Vec::len).collect::<Vec<_>>(),
+            frames.iter().map(Frame::len).collect::<Vec<_>>(),
             [1040, 1040, 1040, 540]
         );
         // Frames 0, 1, 3 (frame 2 lost): 0+1 go as one super-packet, 3 alone.
@@ -2087,9 +2143,9 @@ mod tun_ports_tests {
         assert_eq!(sp.len(), 40 + 2000);
         assert_eq!(
             sp[40..],
-            frames[0][40..]
+            frames[0].to_vec()[40..]
                 .iter()
-                .chain(&frames[1][40..])
+                .chain(&frames[1].to_vec()[40..])
                 .copied()
                 .collect::<Vec<_>>()[..]
         );
@@ -2097,7 +2153,7 @@ mod tun_ports_tests {
         let v = VnetHdr::parse(&b[..n]).unwrap();
         assert_eq!(v.gso_type, offload::GSO_NONE);
         assert_eq!(v.flags, offload::F_NEEDS_CSUM);
-        assert_eq!(&b[VNET_HDR_LEN..n], &frames[3][..]);
+        assert_eq!(&b[VNET_HDR_LEN..n], &frames[3].to_vec()[..]);
         assert!(theirs[1].recv(&mut b).is_err(), "nothing more");
         drop(ports.into_tuns());
     }

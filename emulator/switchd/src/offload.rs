@@ -19,6 +19,10 @@
 //!   Captures fill in real checksums on their copies (`fill_checksum`).
 
 use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use closbox_fabric::Frame;
 
 /// `struct virtio_net_hdr` (10 bytes, the host's byte order, as TUNs use it without
 /// `TUNSETVNETLE`).
@@ -145,38 +149,42 @@ fn tcp_headers(p: &[u8]) -> Option<(usize, usize)> {
     (thl >= 20 && p.len() >= ihl + thl).then_some((ihl, thl))
 }
 
-/// Cuts what a TUN handed over (`pkt`, after its virtio header `hdr`) into the frames the
-/// fabric carries, appended to `out`. A packet without GSO is one frame, as it is.
-pub fn segment(hdr: &VnetHdr, pkt: &[u8], out: &mut Vec<Vec<u8>>) -> Result<(), SegmentError> {
+/// Cuts what a TUN handed over (`buf[pkt]`, after its virtio header `hdr`) into the
+/// frames the fabric carries, appended to `out`: each frame's headers are copied and
+/// fixed up, its payload stays where it was read (a slice of `buf`, shared). A packet
+/// without GSO is one frame, as it is (copied: it is at most an MTU).
+pub fn segment(
+    hdr: &VnetHdr,
+    buf: &Arc<Vec<u8>>,
+    pkt: Range<usize>,
+    out: &mut Vec<Frame>,
+) -> Result<(), SegmentError> {
     match hdr.gso_type & !GSO_ECN {
         GSO_NONE => {
-            out.push(pkt.to_vec());
+            out.push(Frame::from(buf[pkt].to_vec()));
             return Ok(());
         }
         GSO_TCPV4 => {}
         t => return Err(SegmentError::GsoType(t)),
     }
-    let (ihl, thl) = tcp_headers(pkt).ok_or(SegmentError::Headers)?;
+    let p = &buf[pkt.clone()];
+    let (ihl, thl) = tcp_headers(p).ok_or(SegmentError::Headers)?;
     let hl = ihl + thl;
     let mss = hdr.gso_size as usize;
     if mss == 0 {
         return Err(SegmentError::Headers);
     }
-    let payload = &pkt[hl..];
+    let payload = pkt.start + hl..pkt.end;
     let n = payload.len().div_ceil(mss).max(1);
-    let (id0, seq0, flags) = (be16(pkt, 4), be32(pkt, ihl + 4), pkt[ihl + 13]);
-    for (i, chunk) in payload
-        .chunks(mss)
-        .chain(
-            // An empty payload (possible in principle) is still one frame.
-            std::iter::once(&payload[..0]).take(usize::from(payload.is_empty())),
-        )
-        .enumerate()
-    {
-        let mut f = Vec::with_capacity(hl + chunk.len());
-        f.extend_from_slice(&pkt[..hl]);
-        f.extend_from_slice(chunk);
-        f[2..4].copy_from_slice(&((hl + chunk.len()) as u16).to_be_bytes());
+    // The whole buffer lives as long as any of its frames: each is charged a share.
+    let share = buf.capacity().div_ceil(n);
+    let (id0, seq0, flags) = (be16(p, 4), be32(p, ihl + 4), p[ihl + 13]);
+    for i in 0..n {
+        let start = (payload.start + i * mss).min(payload.end);
+        let end = (start + mss).min(payload.end);
+        let len = end - start;
+        let mut f = p[..hl].to_vec();
+        f[2..4].copy_from_slice(&((hl + len) as u16).to_be_bytes());
         f[4..6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
         set_ip_checksum(&mut f);
         let seq = seq0.wrapping_add((i * mss) as u32);
@@ -189,9 +197,9 @@ pub fn segment(hdr: &VnetHdr, pkt: &[u8], out: &mut Vec<Vec<u8>>) -> Result<(), 
             fl &= !(FIN | PSH);
         }
         f[ihl + 13] = fl;
-        let check = pseudo(&f, TCP, thl + chunk.len());
+        let check = pseudo(&f, TCP, thl + len);
         f[ihl + 16..ihl + 18].copy_from_slice(&check.to_be_bytes());
-        out.push(f);
+        out.push(Frame::split(f, Arc::clone(buf), start..end, share));
     }
     Ok(())
 }
@@ -219,25 +227,26 @@ pub fn single_hdr(p: &[u8]) -> VnetHdr {
 
 /// How many of `frames` (all to one GPU, in order) continue the first one as one TCP
 /// super-packet: at least 1.
-pub fn mergeable_run(frames: &[&[u8]]) -> usize {
-    let first = frames[0];
+pub fn mergeable_run(frames: &[&Frame]) -> usize {
+    let first = frames[0].head();
     let Some((ihl, thl)) = tcp_headers(first) else {
         return 1;
     };
     let hl = ihl + thl;
-    let mss = first.len() - hl;
+    let mss = frames[0].len() - hl;
     let flags = first[ihl + 13];
     if mss == 0 || flags & (SYN | FIN | RST | URG | PSH) != 0 || flags & ACK == 0 {
         return 1;
     }
-    let mut total = first.len();
+    let mut total = frames[0].len();
     let mut seq = be32(first, ihl + 4).wrapping_add(mss as u32);
     let mut n = 1;
-    for &f in &frames[1..] {
+    for frame in &frames[1..] {
+        let f = frame.head();
         let Some((i2, t2)) = tcp_headers(f) else {
             break;
         };
-        let len = f.len() - hl;
+        let len = frame.len() - hl;
         let fl = f[ihl + 13];
         let same = i2 == ihl
             && t2 == thl
@@ -272,16 +281,16 @@ pub fn mergeable_run(frames: &[&[u8]]) -> usize {
 
 /// The virtio header and the IP/TCP header of the super-packet that carries `frames` (a
 /// run from `mergeable_run`, more than one): the first frame's headers with the total
-/// length, the last frame's PSH, a partial checksum. The payloads follow, in order.
-pub fn coalesced_headers(frames: &[&[u8]]) -> (VnetHdr, Vec<u8>) {
-    let first = frames[0];
+/// length, the last frame's PSH, a partial checksum. The payloads (`payloads`) follow.
+pub fn coalesced_headers(frames: &[&Frame]) -> (VnetHdr, Vec<u8>) {
+    let first = frames[0].head();
     let (ihl, thl) = tcp_headers(first).expect("a run starts with a TCP frame");
     let hl = ihl + thl;
     let total: usize = hl + frames.iter().map(|f| f.len() - hl).sum::<usize>();
     let mut h = first[..hl].to_vec();
     h[2..4].copy_from_slice(&(total as u16).to_be_bytes());
     set_ip_checksum(&mut h);
-    let last = frames[frames.len() - 1];
+    let last = frames[frames.len() - 1].head();
     h[ihl + 13] |= last[ihl + 13] & PSH;
     let check = pseudo(&h, TCP, total - ihl);
     h[ihl + 16..ihl + 18].copy_from_slice(&check.to_be_bytes());
@@ -293,11 +302,41 @@ pub fn coalesced_headers(frames: &[&[u8]]) -> (VnetHdr, Vec<u8>) {
         flags: F_NEEDS_CSUM,
         gso_type,
         hdr_len: hl as u16,
-        gso_size: (first.len() - hl) as u16,
+        gso_size: (frames[0].len() - hl) as u16,
         csum_start: ihl as u16,
         csum_offset: 16,
     };
     (v, h)
+}
+
+/// The bytes of `frames` after their first `hl` (their payloads, in a run), appended to
+/// `out` as slices: payloads that lie next to each other in one shared buffer (frames
+/// cut from one read) become one slice.
+pub fn payloads<'a>(frames: &[&'a Frame], hl: usize, out: &mut Vec<&'a [u8]>) {
+    // The shared buffer and range of the last slice pushed, if it was a shared body.
+    let mut last: Option<(&'a Arc<Vec<u8>>, Range<usize>)> = None;
+    for &f in frames {
+        let head = f.head();
+        if head.len() > hl {
+            out.push(&head[hl..]);
+            last = None;
+        }
+        let Some((buf, r)) = f.shared() else {
+            continue;
+        };
+        // A head shorter than `hl` (not made by `segment`) ends in the body.
+        let r = r.start + hl.saturating_sub(head.len()).min(r.len())..r.end;
+        match &mut last {
+            Some((b, lr)) if Arc::ptr_eq(b, buf) && lr.end == r.start => {
+                lr.end = r.end;
+                *out.last_mut().expect("the slice extended") = &buf[lr.clone()];
+            }
+            _ => {
+                out.push(&buf[r.clone()]);
+                last = Some((buf, r));
+            }
+        }
+    }
 }
 
 /// Writes the real TCP or UDP checksum into a whole packet whose checksum may be partial
@@ -381,6 +420,27 @@ mod tests {
         }
     }
 
+    /// `segment` on `sp` as a TUN read holds it (after a virtio header).
+    fn cut(h: &VnetHdr, sp: &[u8]) -> Result<Vec<Frame>, SegmentError> {
+        let mut buf = vec![0u8; VNET_HDR_LEN];
+        buf.extend_from_slice(sp);
+        let buf = Arc::new(buf);
+        let mut out = Vec::new();
+        segment(h, &buf, VNET_HDR_LEN..buf.len(), &mut out).map(|()| out)
+    }
+
+    /// What `write_job` writes for a run: headers, then the payloads.
+    fn joined(frames: &[&Frame]) -> Vec<u8> {
+        let (_, mut h) = coalesced_headers(frames);
+        let hl = h.len();
+        let mut parts = Vec::new();
+        payloads(frames, hl, &mut parts);
+        for p in parts {
+            h.extend_from_slice(p);
+        }
+        h
+    }
+
     #[test]
     fn the_virtio_header_round_trips() {
         let h = gso(1448, true);
@@ -392,11 +452,15 @@ mod tests {
     fn a_super_packet_becomes_the_frames_a_nic_would_send() {
         let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
         let sp = tcp(1_000_000, ACK | PSH | FIN | CWR, 0x02, &payload);
-        let mut frames = Vec::new();
-        segment(&gso(4000, true), &sp, &mut frames).unwrap();
+        let frames = cut(&gso(4000, true), &sp).unwrap();
+        // Payloads are not copied: each frame's lies in the buffer that was read.
+        assert!(frames
+            .iter()
+            .all(|f| f.head().len() == 52 && f.shared().is_some()));
         assert_eq!(frames.len(), 3);
         let mut joined = Vec::new();
         for (i, f) in frames.iter().enumerate() {
+            let f = &f.to_vec();
             let len = [4000, 4000, 2000][i];
             assert_eq!(f.len(), 52 + len);
             assert_eq!(be16(f, 2) as usize, f.len(), "IP total length");
@@ -423,31 +487,25 @@ mod tests {
         }
         assert_eq!(joined, payload);
         // Without GSO: one frame, untouched. Unknown GSO types are refused.
-        let mut one = Vec::new();
-        segment(&VnetHdr::default(), &sp, &mut one).unwrap();
-        assert_eq!(one, vec![sp.clone()]);
+        assert_eq!(
+            cut(&VnetHdr::default(), &sp).unwrap(),
+            vec![Frame::from(sp.clone())]
+        );
         let udp = VnetHdr {
             gso_type: 5,
             ..gso(1000, false)
         };
-        assert_eq!(segment(&udp, &sp, &mut one), Err(SegmentError::GsoType(5)));
-        assert_eq!(
-            segment(&gso(0, false), &sp, &mut one),
-            Err(SegmentError::Headers)
-        );
-        assert_eq!(
-            segment(&gso(100, false), &sp[..30], &mut one),
-            Err(SegmentError::Headers)
-        );
+        assert_eq!(cut(&udp, &sp), Err(SegmentError::GsoType(5)));
+        assert_eq!(cut(&gso(0, false), &sp), Err(SegmentError::Headers));
+        assert_eq!(cut(&gso(100, false), &sp[..30]), Err(SegmentError::Headers));
     }
 
     #[test]
     fn consecutive_frames_coalesce_back_and_differences_split_them() {
         let payload: Vec<u8> = (0..9000u32).map(|i| i as u8).collect();
         let sp = tcp(5, ACK | PSH, 0x02, &payload);
-        let mut frames = Vec::new();
-        segment(&gso(3000, false), &sp, &mut frames).unwrap();
-        let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+        let frames = cut(&gso(3000, false), &sp).unwrap();
+        let refs: Vec<&Frame> = frames.iter().collect();
         assert_eq!(mergeable_run(&refs), 3);
         let (v, h) = coalesced_headers(&refs);
         assert_eq!(v.gso_type, GSO_TCPV4);
@@ -456,33 +514,39 @@ mod tests {
             (3000, 52, 20, 16)
         );
         // Headers + payloads = the super-packet the sender handed over (its checksum
-        // field partial, as the sender's was before the NIC).
-        let mut back = h.clone();
-        for f in &frames {
-            back.extend_from_slice(&f[52..]);
-        }
+        // field partial, as the sender's was before the NIC); the payloads, adjacent in
+        // the buffer read, go as one slice.
+        let mut parts = Vec::new();
+        payloads(&refs, h.len(), &mut parts);
+        assert_eq!(parts.len(), 1);
         let mut want = sp.clone();
         want[36..38].copy_from_slice(&pseudo(&sp, TCP, sp.len() - 20).to_be_bytes());
-        assert_eq!(back, want);
+        assert_eq!(joined(&refs), want);
+        // The same frames held whole (each its own buffer) write the same bytes.
+        let whole: Vec<Frame> = frames.iter().map(|f| Frame::from(f.to_vec())).collect();
+        let whole_refs: Vec<&Frame> = whole.iter().collect();
+        assert_eq!(mergeable_run(&whole_refs), 3);
+        assert_eq!(joined(&whole_refs), want);
+        let mixed = [&frames[0], &whole[1], &frames[2]];
+        assert_eq!(mergeable_run(&mixed), 3);
+        assert_eq!(joined(&mixed), want);
 
         // A frame lost in the middle: the run stops before the gap.
-        let gap: Vec<&[u8]> = vec![&frames[0], &frames[2]];
-        assert_eq!(mergeable_run(&gap), 1);
+        assert_eq!(mergeable_run(&[&frames[0], &frames[2]]), 1);
         // A CE mark on the second frame: not merged with the first.
         let mut marked = frames[1].clone();
-        marked[1] |= 0x03;
-        set_ip_checksum(&mut marked);
+        marked.head_mut()[1] |= 0x03;
+        set_ip_checksum(marked.head_mut());
         assert_eq!(mergeable_run(&[&frames[0], &marked, &frames[2]]), 1);
         // Another flow, a SYN, a short frame first: each alone.
-        let other = tcp(3005, ACK, 0x02, &payload[..3000]);
-        let mut other_port = other.clone();
+        let mut other_port = tcp(3005, ACK, 0x02, &payload[..3000]);
         other_port[21] ^= 1;
-        assert_eq!(mergeable_run(&[&frames[0], &other_port]), 1);
-        let syn = tcp(5, SYN | ACK, 0, &payload[..3000]);
+        assert_eq!(mergeable_run(&[&frames[0], &other_port.into()]), 1);
+        let syn = tcp(5, SYN | ACK, 0, &payload[..3000]).into();
         assert_eq!(mergeable_run(&[&syn, &frames[1]]), 1);
         assert_eq!(mergeable_run(&[&frames[2], &frames[2]]), 1);
         // A pure ACK (no payload) does not start a run.
-        let ack = tcp(5, ACK, 0, &[]);
+        let ack = tcp(5, ACK, 0, &[]).into();
         assert_eq!(mergeable_run(&[&ack, &ack]), 1);
     }
 
