@@ -86,7 +86,8 @@ impl TimeScale {
 
     /// The fabric time that passes in a span of wall time.
     pub fn to_fabric(self, wall: std::time::Duration) -> Duration {
-        Duration::from_nanos((wall.as_nanos() as f64 / self.0) as u64)
+        // Through u64 (584 years of nanoseconds): a u128 to f64 conversion is a library call.
+        Duration::from_nanos((wall.as_nanos() as u64 as f64 / self.0) as u64)
     }
 
     /// `to_wall` for a span given as a std duration (compute time in the agents).

@@ -355,8 +355,9 @@ pub trait Ports {
     /// Waits until input may be there or `timeout` has passed; `ready` gets the ports that
     /// may have input (a wake-up with none is fine: the loop looks at its control queue).
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
-    /// One packet (a frame the fabric carries) from `port`; `Ok(None)` when it has none.
-    fn recv(&mut self, port: usize) -> io::Result<Option<Frame>>;
+    /// One packet (a frame the fabric carries) from `port` and the wall time it was read
+    /// (frames cut from one super-packet share it); `Ok(None)` when it has none.
+    fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>>;
     /// Packets due now, each to its port at its wall time `due` (the buffers are the
     /// ports' now; `out` is left empty). Writes may happen later, on other threads, and
     /// several frames of a flow to one port may go as one super-packet: each frame's
@@ -395,8 +396,9 @@ pub struct TunPorts {
     epoll: Epoll,
     wake: Arc<EventFd>,
     tokens: Vec<u64>,
-    /// Frames cut from a super-packet and not taken yet, per port.
+    /// Frames cut from a super-packet and not taken yet, per port, and when it was read.
     rx_frames: Vec<std::collections::VecDeque<Frame>>,
+    rx_at: Vec<StdInstant>,
     /// Ports with frames in `rx_frames`.
     rx_waiting: usize,
     /// The read buffer without offload: each packet (frame) is then copied into a buffer
@@ -530,6 +532,7 @@ impl TunPorts {
         Ok(TunPorts {
             rx_frames: vec![Default::default(); tuns.len()],
             rx_waiting: 0,
+            rx_at: vec![StdInstant::now(); tuns.len()],
             scratch: vec![0; MAX_READ],
             read_bufs: Default::default(),
             cut: Vec::new(),
@@ -654,18 +657,18 @@ impl Ports for TunPorts {
         Ok(())
     }
 
-    fn recv(&mut self, port: usize) -> io::Result<Option<Frame>> {
+    fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>> {
         if let Some(f) = self.rx_frames[port].pop_front() {
             if self.rx_frames[port].is_empty() {
                 self.rx_waiting -= 1;
             }
-            return Ok(Some(f));
+            return Ok(Some((f, self.rx_at[port])));
         }
         if !self.offload {
             let Some(n) = sys::read_packet(self.tuns[port].as_fd(), &mut self.scratch)? else {
                 return Ok(None);
             };
-            return Ok(Some(self.scratch[..n].to_vec().into()));
+            return Ok(Some((self.scratch[..n].to_vec().into(), StdInstant::now())));
         }
         use crate::offload::{segment, VnetHdr, VNET_HDR_LEN};
         let mut buf = self.read_buf();
@@ -683,8 +686,9 @@ impl Ports for TunPorts {
         let Some(hdr) = VnetHdr::parse(&buf[..n]) else {
             // Shorter than its header: nothing the kernel sends; the model counts it.
             self.read_bufs.push_front(buf);
-            return Ok(Some(Frame::default()));
+            return Ok(Some((Frame::default(), StdInstant::now())));
         };
+        let at = StdInstant::now();
         let mut frames = std::mem::take(&mut self.cut);
         let first = match segment(&hdr, &buf, VNET_HDR_LEN..n, &mut frames) {
             Ok(()) => {
@@ -694,6 +698,7 @@ impl Ports for TunPorts {
                 q.extend(it);
                 if !q.is_empty() {
                     self.rx_waiting += 1;
+                    self.rx_at[port] = at;
                 }
                 first
             }
@@ -708,7 +713,7 @@ impl Ports for TunPorts {
         if self.read_bufs.len() < READ_BUFS {
             self.read_bufs.push_back(buf);
         }
-        Ok(first)
+        Ok(first.map(|f| (f, at)))
     }
 
     fn send(&mut self, out: &mut Vec<Outgoing>) {
@@ -1120,8 +1125,9 @@ impl<P: Ports> DataPlane<P> {
     fn read_port(&mut self, host: usize) {
         for _ in 0..READ_BATCH {
             match self.ports.recv(host) {
-                Ok(Some(buf)) => {
-                    let now = self.fabric_now(self.ports.now());
+                Ok(Some((buf, at))) => {
+                    // Not before what the model has seen (a frame cut from an earlier read).
+                    let now = self.fabric_now(at).max(self.model.now());
                     // Drops are counted by the model; nothing else to do with the verdict.
                     let _ = self.model.send(now, HostId(host as u32), buf);
                 }
@@ -1757,12 +1763,12 @@ mod tests {
             Ok(())
         }
 
-        fn recv(&mut self, port: usize) -> io::Result<Option<Frame>> {
+        fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>> {
             let q = &mut self.inbox[port];
             if q.front().is_none_or(|p| p.0 > self.elapsed) {
                 return Ok(None);
             }
-            Ok(q.pop_front().map(|(_, p)| p.into()))
+            Ok(q.pop_front().map(|(_, p)| (p.into(), self.start + self.elapsed)))
         }
 
         fn send(&mut self, out: &mut Vec<Outgoing>) {
@@ -2116,7 +2122,7 @@ mod tun_ports_tests {
         msg.extend(tcp(100, 3500));
         theirs[0].send(&msg).unwrap();
         let mut frames = Vec::new();
-        while let Some(f) = ports.recv(0).unwrap() {
+        while let Some((f, _)) = ports.recv(0).unwrap() {
             frames.push(f);
         }
         assert_eq!(
