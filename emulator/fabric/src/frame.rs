@@ -16,13 +16,15 @@ pub struct Frame {
     body: Option<Body>,
 }
 
+/// Compact (16 bytes: a frame moves through every queue of its path): a body is at most
+/// a TUN read (65,545 bytes), so its length and charge fit 16 bits.
 #[derive(Clone, Debug)]
 struct Body {
     buf: Arc<Vec<u8>>,
-    start: usize,
-    end: usize,
-    /// The memory this frame is charged for its part of `buf`.
-    charge: usize,
+    start: u32,
+    len: u16,
+    /// The memory this frame is charged for its part of `buf` (saturated at 65,535).
+    charge: u16,
 }
 
 impl Frame {
@@ -30,7 +32,7 @@ impl Frame {
     /// `buf`'s memory (the whole buffer lives as long as any frame cut from it).
     ///
     /// # Panics
-    /// If `range` is not within `buf`.
+    /// If `range` is not within `buf`, or longer than 65,535 bytes.
     pub fn split(head: Vec<u8>, buf: Arc<Vec<u8>>, range: Range<usize>, charge: usize) -> Frame {
         assert!(
             range.start <= range.end && range.end <= buf.len(),
@@ -39,16 +41,16 @@ impl Frame {
         Frame {
             head,
             body: Some(Body {
+                start: range.start as u32,
+                len: u16::try_from(range.len()).expect("a body of at most 64 KiB"),
+                charge: charge.min(u16::MAX as usize) as u16,
                 buf,
-                start: range.start,
-                end: range.end,
-                charge,
             }),
         }
     }
 
     pub fn len(&self) -> usize {
-        self.head.len() + self.body().len()
+        self.head.len() + self.body.as_ref().map_or(0, |b| b.len as usize)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -68,12 +70,12 @@ impl Frame {
     pub fn body(&self) -> &[u8] {
         self.body
             .as_ref()
-            .map_or(&[][..], |b| &b.buf[b.start..b.end])
+            .map_or(&[][..], |b| &b.buf[b.range()])
     }
 
     /// The shared buffer and the range of it that `body` is.
     pub fn shared(&self) -> Option<(&Arc<Vec<u8>>, Range<usize>)> {
-        self.body.as_ref().map(|b| (&b.buf, b.start..b.end))
+        self.body.as_ref().map(|b| (&b.buf, b.range()))
     }
 
     /// The frame's first `n` bytes (all of them if it is shorter), as one buffer.
@@ -100,7 +102,13 @@ impl Frame {
 
     /// The memory charged for holding it (its own buffer, and its share of a shared one).
     pub fn charge(&self) -> usize {
-        self.head.capacity() + self.body.as_ref().map_or(0, |b| b.charge)
+        self.head.capacity() + self.body.as_ref().map_or(0, |b| b.charge as usize)
+    }
+}
+
+impl Body {
+    fn range(&self) -> Range<usize> {
+        self.start as usize..self.start as usize + self.len as usize
     }
 }
 
