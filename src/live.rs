@@ -85,6 +85,7 @@ pub fn up(
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
+    realtime: bool,
 ) -> anyhow::Result<()> {
     let mut topo = closbox_fabric::load(file)?;
     match time_scale {
@@ -98,9 +99,9 @@ pub fn up(
     closbox_switchd::require_root("closbox up")?;
     if detach {
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
-        return up_detached(file, &name, metrics, time_scale);
+        return up_detached(file, &name, metrics, time_scale, realtime);
     }
-    closbox_switchd::run_fabric(&topo, file, log_to, metrics, |st, took| {
+    closbox_switchd::run_fabric(&topo, file, log_to, metrics, realtime, |st, took| {
         let how = if log_to.is_some() {
             format!(
                 "detached daemon pid {}; `closbox down {}` to stop",
@@ -130,6 +131,7 @@ fn up_detached(
     name: &FabricName,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
+    realtime: bool,
 ) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
@@ -154,6 +156,9 @@ fn up_detached(
         }
         if let Some(k) = time_scale {
             cmd.arg("--time-scale").arg(k.to_string());
+        }
+        if realtime {
+            cmd.arg("--realtime");
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -55,6 +55,12 @@ enum Command {
         /// this box at up and choose).
         #[arg(long, value_name = "auto|K", value_parser = time_scale_arg)]
         time_scale: Option<live::TimeScaleArg>,
+        /// Run the data plane's thread in the real-time class (SCHED_FIFO 10): it wakes
+        /// without waiting for a CPU when the GPUs' processes keep every CPU busy (MPI
+        /// ranks that poll). Safety valve: it drops back to nice -15 whenever it runs 10 ms
+        /// without sleeping.
+        #[arg(long)]
+        realtime: bool,
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
@@ -714,7 +720,8 @@ fn main() -> ExitCode {
             log_to,
             metrics,
             time_scale,
-        } => live::up(&file, detach, log_to.as_deref(), metrics, time_scale)
+            realtime,
+        } => live::up(&file, detach, log_to.as_deref(), metrics, time_scale, realtime)
             .map(|()| ExitCode::SUCCESS),
         Command::Down { fabric, all } => {
             live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)

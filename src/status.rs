@@ -209,6 +209,9 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     } else {
         let _ = writeln!(o, "  health    ok");
     }
+    if !s.scheduling.is_empty() {
+        let _ = writeln!(o, "  data plane {}", s.scheduling);
+    }
     let _ = writeln!(
         o,
         "  memory    packets hold {} of {} (packet_memory)",

@@ -68,9 +68,7 @@ impl Frame {
 
     /// The bytes after `head` (empty unless split).
     pub fn body(&self) -> &[u8] {
-        self.body
-            .as_ref()
-            .map_or(&[][..], |b| &b.buf[b.range()])
+        self.body.as_ref().map_or(&[][..], |b| &b.buf[b.range()])
     }
 
     /// The shared buffer and the range of it that `body` is.

@@ -41,6 +41,55 @@ const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Nice value of the data-plane thread.
 const DATAPLANE_NICE: i32 = -15;
+/// `closbox up --realtime`: the data-plane thread's priority in the real-time FIFO class.
+pub const RT_PRIORITY: i32 = 10;
+/// The real-time safety valve: a thread that has run this long without sleeping (busy, or
+/// polling for departures) goes back to the normal class (nice −15), so that it never
+/// keeps a CPU from the GPUs' processes for longer; it returns to the FIFO class when it
+/// sleeps again, `RT_COOLDOWN` later at the earliest (under sustained load it would
+/// otherwise take the CPU for 10 ms at every pause: one bulk flow lost 12 %).
+pub const RT_MAX_RUN: StdDuration = StdDuration::from_millis(10);
+pub const RT_COOLDOWN: StdDuration = StdDuration::from_secs(1);
+/// A wait that took this long slept (one that returns at once takes ~1 µs).
+const SLEPT: StdDuration = StdDuration::from_micros(20);
+
+/// The data-plane thread's scheduling with `--realtime`: in the FIFO class while it
+/// sleeps now and then, in the normal class while it runs without sleeping.
+#[derive(Debug)]
+struct Realtime {
+    /// In the FIFO class now.
+    on: bool,
+    /// When the thread last slept.
+    slept: StdInstant,
+    /// Times the valve took it out of the FIFO class, and when it last did.
+    fallbacks: u64,
+    fell_back: Option<StdInstant>,
+    /// Why the thread could not be put in the FIFO class.
+    refused: Option<String>,
+}
+
+impl Realtime {
+    /// After a wait that began at `began` and ended at `now`: `Some(true)` to enter the
+    /// FIFO class, `Some(false)` to leave it, `None` to stay.
+    fn after_wait(&mut self, began: StdInstant, now: StdInstant) -> Option<bool> {
+        if self.refused.is_some() {
+            return None;
+        }
+        if now.saturating_duration_since(began) >= SLEPT {
+            self.slept = now;
+            let cooled = self
+                .fell_back
+                .is_none_or(|t| now.saturating_duration_since(t) >= RT_COOLDOWN);
+            return (!self.on && cooled).then_some(true);
+        }
+        if self.on && now.saturating_duration_since(self.slept) > RT_MAX_RUN {
+            self.fallbacks += 1;
+            self.fell_back = Some(now);
+            return Some(false);
+        }
+        None
+    }
+}
 
 /// Requests from the control plane.
 #[derive(Debug)]
@@ -248,6 +297,9 @@ pub struct Status {
     pub deadlocked: Vec<(String, f64)>,
     #[serde(default)]
     pub deadlock_after_s: f64,
+    /// How the data-plane thread is scheduled (`closbox up --realtime`).
+    #[serde(default)]
+    pub scheduling: String,
 }
 
 /// A synthetic load, for `status` and predictions.
@@ -790,6 +842,8 @@ pub struct DataPlane<P: Ports> {
     warned: Option<StdInstant>,
     /// p99 lateness (wall ns) above which the fabric is behind.
     behind_ns: u64,
+    /// `--realtime` (None: the normal class at nice −15).
+    realtime: Option<Realtime>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -859,6 +913,58 @@ impl<P: Ports> DataPlane<P> {
             io_errors: 0,
             warned: None,
             behind_ns,
+            realtime: None,
+        }
+    }
+
+    /// Runs the data-plane thread in the real-time FIFO class (`RT_PRIORITY`), with the
+    /// safety valve `RT_MAX_RUN`.
+    pub fn realtime(mut self, on: bool) -> Self {
+        self.realtime = on.then(|| Realtime {
+            on: false,
+            slept: self.ports.now(),
+            fallbacks: 0,
+            fell_back: None,
+            refused: None,
+        });
+        self
+    }
+
+    /// Enters (`true`) or leaves the FIFO class.
+    fn set_realtime(&mut self, on: bool) {
+        let Some(rt) = &mut self.realtime else {
+            return;
+        };
+        let r = if on {
+            sys::set_thread_fifo(RT_PRIORITY)
+        } else {
+            sys::set_thread_normal()
+        };
+        match r {
+            Ok(()) => rt.on = on,
+            Err(e) if on => {
+                tracing::warn!("the data plane stays in the normal class: real-time refused: {e}");
+                rt.refused = Some(e.to_string());
+            }
+            Err(e) => tracing::warn!("leaving the real-time class: {e}"),
+        }
+    }
+
+    /// How the data-plane thread is scheduled, for `status`.
+    fn scheduling(&self) -> String {
+        let normal = format!("normal class, nice {DATAPLANE_NICE}");
+        match &self.realtime {
+            None => normal,
+            Some(Realtime {
+                refused: Some(e), ..
+            }) => format!("{normal} (real-time refused: {e})"),
+            Some(rt) => format!(
+                "real-time (SCHED_FIFO {RT_PRIORITY}); {normal} for {} s after {} ms without sleeping: {} time(s){}",
+                RT_COOLDOWN.as_secs(),
+                RT_MAX_RUN.as_millis(),
+                rt.fallbacks,
+                if rt.on { "" } else { ", now" }
+            ),
         }
     }
 
@@ -882,6 +988,9 @@ impl<P: Ports> DataPlane<P> {
         // waits. A nice value (not a real-time class) keeps a busy box responsive.
         if let Err(e) = sys::set_thread_nice(DATAPLANE_NICE) {
             tracing::warn!("could not raise the data plane's priority: {e}");
+        }
+        if self.realtime.is_some() {
+            self.set_realtime(true);
         }
         tracing::info!(
             "data plane of {}: {} ports, time_scale {}, behind above p99 {} µs",
@@ -924,9 +1033,15 @@ impl<P: Ports> DataPlane<P> {
         };
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
+        let began = self.realtime.is_some().then(|| self.ports.now());
         if let Err(e) = self.ports.wait(timeout, &mut ready) {
             tracing::error!("waiting for input: {e}");
             self.io_errors += 1;
+        }
+        if let (Some(rt), Some(began)) = (&mut self.realtime, began) {
+            if let Some(on) = rt.after_wait(began, self.ports.now()) {
+                self.set_realtime(on);
+            }
         }
         for &port in &ready {
             self.read_port(port);
@@ -1514,6 +1629,7 @@ impl<P: Ports> DataPlane<P> {
             flow_control: self.model.flow_control().name().to_owned(),
             deadlocked,
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
+            scheduling: self.scheduling(),
         }
     }
 
@@ -1768,7 +1884,8 @@ mod tests {
             if q.front().is_none_or(|p| p.0 > self.elapsed) {
                 return Ok(None);
             }
-            Ok(q.pop_front().map(|(_, p)| (p.into(), self.start + self.elapsed)))
+            Ok(q.pop_front()
+                .map(|(_, p)| (p.into(), self.start + self.elapsed)))
         }
 
         fn send(&mut self, out: &mut Vec<Outgoing>) {
@@ -1998,6 +2115,45 @@ mod tests {
             .change(&ChangeRequest::LoadStop { id: None })
             .unwrap_err();
         assert_eq!(e, "no load is running");
+    }
+
+    /// The real-time valve: out of the FIFO class after running `RT_MAX_RUN` without
+    /// sleeping, back in when it sleeps, not before `RT_COOLDOWN`.
+    #[test]
+    fn the_realtime_valve_lets_go_of_a_busy_cpu() {
+        let t0 = StdInstant::now();
+        let at = |us: u64| t0 + StdDuration::from_micros(us);
+        let mut rt = Realtime {
+            on: true,
+            slept: t0,
+            fallbacks: 0,
+            fell_back: None,
+            refused: None,
+        };
+        // Busy (waits that return at once) for 10 ms: stays; past it: leaves.
+        assert_eq!(rt.after_wait(at(5_000), at(5_001)), None);
+        assert_eq!(rt.after_wait(at(9_998), at(9_999)), None);
+        assert_eq!(rt.after_wait(at(10_001), at(10_002)), Some(false));
+        rt.on = false;
+        assert_eq!(rt.fallbacks, 1);
+        // Sleeping again within the cool-down: stays out; after it: back in.
+        assert_eq!(rt.after_wait(at(20_000), at(20_100)), None);
+        let later = 10_002 + RT_COOLDOWN.as_micros() as u64;
+        assert_eq!(
+            rt.after_wait(at(later), at(later + 15)),
+            None,
+            "not a sleep"
+        );
+        assert_eq!(rt.after_wait(at(later), at(later + 30)), Some(true));
+        rt.on = true;
+        // A thread that sleeps now and then stays in.
+        for i in 1..100u64 {
+            let t = later + i * 5_000;
+            assert_eq!(rt.after_wait(at(t), at(t + 100)), None);
+        }
+        // Refused: never asks again.
+        rt.refused = Some("EPERM".into());
+        assert_eq!(rt.after_wait(at(10_000_000), at(20_000_000)), None);
     }
 
     #[test]

@@ -101,6 +101,7 @@ pub fn run_fabric(
     config: &Path,
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
+    realtime: bool,
     ready: impl FnOnce(&State, Duration),
 ) -> anyhow::Result<()> {
     require_root("closbox up")?;
@@ -210,7 +211,8 @@ pub fn run_fabric(
         topo,
         TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
         ctl_rx,
-    );
+    )
+    .realtime(realtime);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;

@@ -315,6 +315,23 @@ pub fn set_thread_nice(nice: i32) -> io::Result<()> {
     process::setpriority_process(Some(thread::gettid()), nice).map_err(io::Error::from)
 }
 
+/// Puts the calling thread in the real-time FIFO class at `priority` (1–99): it runs
+/// whenever it is runnable, ahead of every normal thread.
+pub fn set_thread_fifo(priority: i32) -> io::Result<()> {
+    let param = libc::sched_param {
+        sched_priority: priority,
+    };
+    // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) }).map(drop)
+}
+
+/// Puts the calling thread back in the normal class (its nice value is kept).
+pub fn set_thread_normal() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in `set_thread_fifo`.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) }).map(drop)
+}
+
 /// The CPUs the calling thread may run on, in order.
 pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     let set = thread::sched_getaffinity(None)?;
