@@ -416,6 +416,71 @@ fn one_way_delay_matches_configuration() {
     }
 }
 
+/// The scheduling policy (`/proc/PID/task/TID/stat` field 41: 0 normal, 1 FIFO) of the
+/// data-plane thread of the daemon serving `config`.
+fn dataplane_policy(config: &str) -> u32 {
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(config) {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if comm.trim() != "dataplane" {
+                continue;
+            }
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap();
+            // Fields after the command name in parentheses; policy is field 41.
+            let rest = &stat[stat.rfind(')').unwrap() + 2..];
+            return rest.split(' ').nth(41 - 3).unwrap().parse().unwrap();
+        }
+    }
+    panic!("no data-plane thread serving {config}");
+}
+
+/// `up --realtime`: the data plane runs in SCHED_FIFO and says so; delays stay those of
+/// the configuration; a data plane busy for longer than the valve's 10 ms (iperf3 at the
+/// links' rate keeps it polling for departures) leaves the FIFO class for a while, and
+/// `status` counts it.
+#[test]
+fn realtime_data_plane_with_its_safety_valve() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up_with("lt-rt", &leaf_spine_4("1Gbit", "250us"), &["--realtime"]);
+    assert_eq!(dataplane_policy("lt-rt.toml"), 1, "SCHED_FIFO");
+    let st = f.status();
+    let sched = st["scheduling"].as_str().unwrap().to_owned();
+    assert!(sched.starts_with("real-time (SCHED_FIFO 10)"), "{sched}");
+    assert!(sched.contains(": 0 time(s)"), "{sched}");
+    // Four links of 250 µs, plus this box's floor (tens of µs).
+    let got = one_way_us(&f, 2);
+    assert!((1000.0..1100.0).contains(&got), "{got} µs one way");
+    let bps = iperf_goodput(&f, 2);
+    assert!(bps > 0.5e9, "{bps} bit/s");
+    let sched = f.status()["scheduling"].as_str().unwrap().to_owned();
+    let fell: u64 = sched
+        .rsplit(": ")
+        .next()
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{sched}"));
+    assert!(fell >= 1, "{sched}");
+    f.down();
+    // Without the flag: the normal class.
+    let f = TestFabric::up("lt-rt", &leaf_spine_4("1Gbit", "0ns"));
+    assert_eq!(dataplane_policy("lt-rt.toml"), 0, "SCHED_OTHER");
+    assert!(f.status()["scheduling"]
+        .as_str()
+        .unwrap()
+        .starts_with("normal class"));
+    f.down();
+}
+
 /// Unmodified torch.distributed (gloo) all-reduce across 8 GPUs through the fabric.
 #[test]
 fn torch_gloo_all_reduce_runs_unmodified() {
