@@ -457,7 +457,7 @@ pub struct TunPorts {
     /// of its own size, so a held packet costs what it carries, not an MTU.
     scratch: Vec<u8>,
     /// Buffers super-packets are read into (offload), oldest first.
-    read_bufs: std::collections::VecDeque<Arc<Vec<u8>>>,
+    read_bufs: ReadBufs,
     /// Reused by `recv`.
     cut: Vec<Frame>,
     /// Empty: writes happen inline (one core).
@@ -465,6 +465,46 @@ pub struct TunPorts {
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
     /// Writes done inline, not reported yet.
     inline_done: Vec<(u64, bool)>,
+}
+
+/// Buffers super-packets are read into (offload): those whose frames may still be held,
+/// oldest first, and those free again, the most recently freed last (reused first: its
+/// bytes were just written out, so it is likely still in the CPU's cache).
+#[derive(Debug, Default)]
+struct ReadBufs {
+    busy: std::collections::VecDeque<Arc<Vec<u8>>>,
+    free: Vec<Arc<Vec<u8>>>,
+}
+
+impl ReadBufs {
+    /// A buffer no frame holds.
+    fn take(&mut self) -> Arc<Vec<u8>> {
+        for _ in 0..self.busy.len().min(READ_BUF_TRIES) {
+            let b = self.busy.pop_front().expect("not empty");
+            if Arc::strong_count(&b) == 1 {
+                self.free.push(b);
+            } else {
+                self.busy.push_back(b);
+            }
+        }
+        self.free
+            .pop()
+            .unwrap_or_else(|| Arc::new(vec![0; MAX_READ]))
+    }
+
+    /// `b` back, unread (no frame holds it).
+    fn unused(&mut self, b: Arc<Vec<u8>>) {
+        if self.busy.len() + self.free.len() < READ_BUFS {
+            self.free.push(b);
+        }
+    }
+
+    /// `b` back, read into (frames may hold it).
+    fn used(&mut self, b: Arc<Vec<u8>>) {
+        if self.busy.len() + self.free.len() < READ_BUFS {
+            self.busy.push_back(b);
+        }
+    }
 }
 
 /// What a writer thread writes: a TUN, whether it takes virtio headers, and frames that
@@ -493,8 +533,8 @@ const MAX_READ: usize = 65_535 + crate::offload::VNET_HDR_LEN;
 /// Read buffers kept for reuse (offload): 16 MiB. More may be in use (frames held by the
 /// model keep theirs); those are freed with their last frame.
 const READ_BUFS: usize = 256;
-/// Buffers looked at for one that is free before a new one is made: the oldest are the
-/// likeliest free (their frames have left), a frame held long makes its buffer skipped.
+/// Buffers in use looked at, per read, for ones free again: the oldest are the likeliest
+/// free (their frames have left); a frame held long makes its buffer skipped.
 const READ_BUF_TRIES: usize = 4;
 
 /// Writes `frames` (one packet, or a run from `offload::mergeable_run`) into `fd`; a
@@ -626,18 +666,6 @@ impl TunPorts {
             .collect()
     }
 
-    /// A buffer to read a super-packet into, free (no frame cut from it is held).
-    fn read_buf(&mut self) -> Arc<Vec<u8>> {
-        for _ in 0..self.read_bufs.len().min(READ_BUF_TRIES) {
-            let mut b = self.read_bufs.pop_front().expect("not empty");
-            if Arc::get_mut(&mut b).is_some() {
-                return b;
-            }
-            self.read_bufs.push_back(b);
-        }
-        Arc::new(vec![0; MAX_READ])
-    }
-
     /// Writes one job here or hands it to its port's writer.
     fn dispatch(&mut self, port: usize, job: Vec<Outgoing>, alone: bool) {
         use std::sync::atomic::Ordering;
@@ -723,7 +751,7 @@ impl Ports for TunPorts {
             return Ok(Some((self.scratch[..n].to_vec().into(), StdInstant::now())));
         }
         use crate::offload::{segment, VnetHdr, VNET_HDR_LEN};
-        let mut buf = self.read_buf();
+        let mut buf = self.read_bufs.take();
         let read = sys::read_packet(
             self.tuns[port].as_fd(),
             Arc::get_mut(&mut buf).expect("a free buffer"),
@@ -731,13 +759,13 @@ impl Ports for TunPorts {
         let n = match read {
             Ok(Some(n)) => n,
             other => {
-                self.read_bufs.push_front(buf);
+                self.read_bufs.unused(buf);
                 return other.map(|_| None);
             }
         };
         let Some(hdr) = VnetHdr::parse(&buf[..n]) else {
             // Shorter than its header: nothing the kernel sends; the model counts it.
-            self.read_bufs.push_front(buf);
+            self.read_bufs.unused(buf);
             return Ok(Some((Frame::default(), StdInstant::now())));
         };
         let at = StdInstant::now();
@@ -762,9 +790,7 @@ impl Ports for TunPorts {
             }
         };
         self.cut = frames;
-        if self.read_bufs.len() < READ_BUFS {
-            self.read_bufs.push_back(buf);
-        }
+        self.read_bufs.used(buf);
         Ok(first.map(|f| (f, at)))
     }
 
