@@ -456,7 +456,7 @@ pub struct TunPorts {
     /// The read buffer without offload: each packet (frame) is then copied into a buffer
     /// of its own size, so a held packet costs what it carries, not an MTU.
     scratch: Vec<u8>,
-    /// Buffers super-packets are read into (offload), oldest first.
+    /// Buffers super-packets are read into (offload).
     read_bufs: ReadBufs,
     /// Reused by `recv`.
     cut: Vec<Frame>,

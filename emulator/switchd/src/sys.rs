@@ -84,8 +84,9 @@ pub fn tun_create(name: &str, offload: bool) -> io::Result<OwnedFd> {
 
 /// Creates TUN interface `name` (blocking, not persistent) with the virtio-net header and
 /// checksum and TSO offload: the kernel hands over and takes super-packets of up to 64 KiB,
-/// each behind a 10-byte `virtio_net_hdr`. For the offload baseline of `make bench-live`
-/// (the data plane does not use offload yet).
+/// each behind a 10-byte `virtio_net_hdr`. For the bare relay of `make bench-live`
+/// (`examples/tun_relay.rs`), which reads blocking: `tun_create` is what the data plane
+/// uses.
 pub fn tun_create_offload(name: &str) -> io::Result<OwnedFd> {
     let path = c"/dev/net/tun";
     // SAFETY: valid C string; flags are constants.
