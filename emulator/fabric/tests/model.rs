@@ -639,6 +639,80 @@ fn packet_memory_budget_bounds_what_the_fabric_holds() {
     assert_eq!(f.memory().0, 0);
 }
 
+/// A frame held as its headers plus a slice of a shared buffer (as the daemon cuts TUN
+/// super-packets) crosses the fabric exactly as the same bytes held whole: same delivery
+/// times and bytes (TTL decremented, CE marked, checksums right), same captures, and the
+/// memory it was charged is given back.
+#[test]
+fn split_frames_cross_the_fabric_as_whole_ones_do() {
+    use closbox_fabric::Frame;
+    use std::sync::Arc;
+    let body = format!(
+        "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n\
+         [links.nic]\nrate = \"1Gbit\"\n[switches.leaf]\necn = {{ k = \"4KB\" }}\n"
+    );
+    let t = topo(&body);
+    let run_with = |split: bool| {
+        let mut f = Fabric::new(&t);
+        let down = port(&t, &f, "leaf1", "gpu2");
+        f.set_taps(&[down], 64, false);
+        // One buffer holding every packet's payload, as a read holds a super-packet's.
+        let pkts: Vec<Vec<u8>> = (0..40u16)
+            .map(|i| build_udp(addr(&t, (i % 2) as u32), addr(&t, 2), i, 9, 0b10, 1000))
+            .collect();
+        let shared = Arc::new(
+            pkts.iter()
+                .flat_map(|p| p[28..].to_vec())
+                .collect::<Vec<u8>>(),
+        );
+        for (i, p) in pkts.iter().enumerate() {
+            let frame = if split {
+                let at = i * (p.len() - 28);
+                Frame::split(
+                    p[..28].to_vec(),
+                    Arc::clone(&shared),
+                    at..at + p.len() - 28,
+                    500,
+                )
+            } else {
+                Frame::from(p.clone())
+            };
+            assert_eq!(frame.to_vec(), *p);
+            let v = f.send(
+                Instant::from_nanos(i as u64 * 100),
+                HostId(i as u32 % 2),
+                frame,
+            );
+            assert_eq!(v, Verdict::Accepted);
+        }
+        assert!(f.memory().0 > 0);
+        let got: Vec<(u64, Vec<u8>)> = run(&mut f)
+            .into_iter()
+            .map(|d| (d.at.as_nanos(), d.data.to_vec()))
+            .collect();
+        assert_eq!(f.memory().0, 0, "every charge given back");
+        let mut taps = Vec::new();
+        while let Some(x) = f.poll_tapped() {
+            taps.push((x.at, x.len, x.data));
+        }
+        (got, taps)
+    };
+    let (whole, whole_taps) = run_with(false);
+    let (split, split_taps) = run_with(true);
+    assert_eq!(whole.len(), 40);
+    assert_eq!(split, whole);
+    assert_eq!(split_taps, whole_taps);
+    assert_eq!(whole_taps.len(), 40);
+    assert!(whole
+        .iter()
+        .all(|(_, p)| packet::checksum_ok(p) && p[8] == 61));
+    let marked = whole
+        .iter()
+        .filter(|(_, p)| packet::inspect(p).unwrap().ecn == packet::ECN_CE)
+        .count();
+    assert!((1..40).contains(&marked), "{marked} of 40 marked");
+}
+
 #[test]
 fn switches_decrement_ttl_and_drop_expired_packets() {
     // gpu0 -> leaf0 -> spine -> leaf1 -> gpu2: three routed hops.
