@@ -647,11 +647,10 @@ fn packet_memory_budget_bounds_what_the_fabric_holds() {
 fn split_frames_cross_the_fabric_as_whole_ones_do() {
     use closbox_fabric::Frame;
     use std::sync::Arc;
-    let body = format!(
+    let t = topo(
         "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n\
-         [links.nic]\nrate = \"1Gbit\"\n[switches.leaf]\necn = {{ k = \"4KB\" }}\n"
+         [links.nic]\nrate = \"1Gbit\"\n[switches.leaf]\necn = { k = \"4KB\" }\n",
     );
-    let t = topo(&body);
     let run_with = |split: bool| {
         let mut f = Fabric::new(&t);
         let down = port(&t, &f, "leaf1", "gpu2");
