@@ -84,6 +84,7 @@ pub fn choose(
     tuns: Vec<OwnedFd>,
     offload: bool,
     writers: usize,
+    realtime: bool,
 ) -> anyhow::Result<(Choice, Vec<OwnedFd>)> {
     let n = topo.hosts.len();
     let hint = closbox_fabric::plan::TimeScaleHint::of(topo);
@@ -117,6 +118,7 @@ pub fn choose(
         netns,
         offload,
         writers,
+        realtime,
         m,
     };
     let mut tuns = tuns;
@@ -183,6 +185,7 @@ impl Plane {
         tuns: Vec<OwnedFd>,
         offload: bool,
         writers: usize,
+        realtime: bool,
         scaled: f64,
     ) -> anyhow::Result<Plane> {
         let mut t = topo.clone();
@@ -193,7 +196,8 @@ impl Plane {
             &t,
             TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
             ctl_rx,
-        );
+        )
+        .realtime(realtime);
         let thread = std::thread::Builder::new()
             .name("calibration".into())
             .spawn(move || dp.run().into_tuns())?;
@@ -243,6 +247,8 @@ struct Trials<'a> {
     netns: Vec<Arc<OwnedFd>>,
     offload: bool,
     writers: usize,
+    /// The data plane's thread as it will run (`up --realtime`).
+    realtime: bool,
     m: usize,
 }
 
@@ -394,7 +400,14 @@ impl Trials<'_> {
     ) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
         let (topo, m) = (self.topo, self.m);
         let n = topo.hosts.len();
-        let plane = Plane::start(topo, tuns, self.offload, self.writers, scaled)?;
+        let plane = Plane::start(
+            topo,
+            tuns,
+            self.offload,
+            self.writers,
+            self.realtime,
+            scaled,
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
         let mut threads = Vec::new();
@@ -476,7 +489,14 @@ impl Trials<'_> {
         size: usize,
     ) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
         let m = self.m;
-        let plane = Plane::start(self.topo, tuns, self.offload, self.writers, scaled)?;
+        let plane = Plane::start(
+            self.topo,
+            tuns,
+            self.offload,
+            self.writers,
+            self.realtime,
+            scaled,
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let counting = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicU64::new(0));

@@ -181,7 +181,7 @@ pub fn run_fabric(
     // time_scale = "auto": measured now, through this fabric's own data path.
     let calibrated;
     let (topo, tuns) = if topo.fabric.time_scale_auto {
-        let (choice, tuns) = match calibrate::choose(topo, &st, tuns, offload, writers) {
+        let (choice, tuns) = match calibrate::choose(topo, &st, tuns, offload, writers, realtime) {
             Ok(r) => r,
             Err(e) => {
                 if let Err(e2) = teardown(&st) {
