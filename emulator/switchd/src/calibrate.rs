@@ -253,6 +253,18 @@ struct Trials<'a> {
 }
 
 impl Trials<'_> {
+    /// A trial data plane on `tuns` at time scale `scaled`, doing I/O as the fabric's will.
+    fn plane(&self, tuns: Vec<OwnedFd>, scaled: f64) -> anyhow::Result<Plane> {
+        Plane::start(
+            self.topo,
+            tuns,
+            self.offload,
+            self.writers,
+            self.realtime,
+            scaled,
+        )
+    }
+
     /// The timing criterion, after the throughput one chose `k`: what the box adds to a
     /// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
     /// once, as in a collective's step) are timed at `k` and at ten times `k`: the wall time
@@ -400,14 +412,7 @@ impl Trials<'_> {
     ) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
         let (topo, m) = (self.topo, self.m);
         let n = topo.hosts.len();
-        let plane = Plane::start(
-            topo,
-            tuns,
-            self.offload,
-            self.writers,
-            self.realtime,
-            scaled,
-        )?;
+        let plane = self.plane(tuns, scaled)?;
         let stop = Arc::new(AtomicBool::new(false));
         let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
         let mut threads = Vec::new();
@@ -489,14 +494,7 @@ impl Trials<'_> {
         size: usize,
     ) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
         let m = self.m;
-        let plane = Plane::start(
-            self.topo,
-            tuns,
-            self.offload,
-            self.writers,
-            self.realtime,
-            scaled,
-        )?;
+        let plane = self.plane(tuns, scaled)?;
         let stop = Arc::new(AtomicBool::new(false));
         let counting = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicU64::new(0));
