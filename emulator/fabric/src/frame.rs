@@ -110,6 +110,12 @@ impl Body {
     }
 }
 
+impl AsRef<Frame> for Frame {
+    fn as_ref(&self) -> &Frame {
+        self
+    }
+}
+
 impl From<Vec<u8>> for Frame {
     fn from(head: Vec<u8>) -> Frame {
         Frame { head, body: None }

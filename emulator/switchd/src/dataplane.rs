@@ -428,6 +428,12 @@ pub struct Outgoing {
     pub due: StdInstant,
 }
 
+impl AsRef<Frame> for Outgoing {
+    fn as_ref(&self) -> &Frame {
+        &self.data
+    }
+}
+
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
 /// eventfd that control requests use to wake the loop.
 ///
@@ -458,8 +464,9 @@ pub struct TunPorts {
     scratch: Vec<u8>,
     /// Buffers super-packets are read into (offload).
     read_bufs: ReadBufs,
-    /// Reused by `recv`.
+    /// Reused by `recv` and `send`.
     cut: Vec<Frame>,
+    lens: Vec<usize>,
     /// Empty: writes happen inline (one core).
     writers: Vec<Writer>,
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
@@ -549,23 +556,20 @@ fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u
         }
         [one] => {
             let v = offload.then(|| offload::single_hdr(one.data.head()).bytes());
-            let parts = [
-                v.as_ref().map_or(&[][..], |v| &v[..]),
-                one.data.head(),
-                one.data.body(),
+            let iov = [
+                IoSlice::new(v.as_ref().map_or(&[][..], |v| &v[..])),
+                IoSlice::new(one.data.head()),
+                IoSlice::new(one.data.body()),
             ];
-            let iov: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
             sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
         }
         run => {
-            let refs: Vec<&Frame> = run.iter().map(|o| &o.data).collect();
-            let (v, h) = offload::coalesced_headers(&refs);
+            let (v, h) = offload::coalesced_headers(run);
             let v = v.bytes();
-            let mut parts = Vec::with_capacity(run.len() + 2);
-            parts.push(&v[..]);
-            parts.push(&h[..]);
-            offload::payloads(&refs, h.len(), &mut parts);
-            let iov: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
+            let mut iov = Vec::with_capacity(4);
+            iov.push(IoSlice::new(&v));
+            iov.push(IoSlice::new(&h));
+            offload::payloads(run, h.len(), &mut iov);
             sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
         }
     };
@@ -628,6 +632,7 @@ impl TunPorts {
             scratch: vec![0; MAX_READ],
             read_bufs: Default::default(),
             cut: Vec::new(),
+            lens: Vec::new(),
             tuns: tuns.into_iter().map(Arc::new).collect(),
             offload,
             epoll,
@@ -666,8 +671,8 @@ impl TunPorts {
             .collect()
     }
 
-    /// Writes one job here or hands it to its port's writer.
-    fn dispatch(&mut self, port: usize, job: Vec<Outgoing>, alone: bool) {
+    /// Writes one job (a run of `out`) here or hands it to its port's writer.
+    fn dispatch(&mut self, port: usize, job: &mut [Outgoing], alone: bool) {
         use std::sync::atomic::Ordering;
         let w = match self.writers.len() {
             0 => None,
@@ -685,9 +690,17 @@ impl TunPorts {
             }
         };
         if inline {
-            write_job(&self.tuns[port], self.offload, &job, &mut self.inline_done);
+            write_job(&self.tuns[port], self.offload, job, &mut self.inline_done);
             return;
         }
+        let job: Vec<Outgoing> = job
+            .iter_mut()
+            .map(|o| Outgoing {
+                port: o.port,
+                data: std::mem::take(&mut o.data),
+                due: o.due,
+            })
+            .collect();
         let w = w.expect("not inline");
         w.pending.fetch_add(1, Ordering::AcqRel);
         let n = job.len();
@@ -798,7 +811,8 @@ impl Ports for TunPorts {
         // Each port's frames together, in their order (a stable sort), then cut into jobs:
         // one frame each, or with offload a run of frames that continue one flow.
         out.sort_by_key(|o| o.port);
-        let mut lens = Vec::new();
+        let mut lens = std::mem::take(&mut self.lens);
+        lens.clear();
         let mut i = 0;
         while i < out.len() {
             let port = out[i].port;
@@ -807,8 +821,7 @@ impl Ports for TunPorts {
                 end += 1;
             }
             let len = if self.offload && end - i > 1 {
-                let refs: Vec<&Frame> = out[i..end].iter().map(|o| &o.data).collect();
-                crate::offload::mergeable_run(&refs)
+                crate::offload::mergeable_run(&out[i..end])
             } else {
                 1
             };
@@ -816,12 +829,14 @@ impl Ports for TunPorts {
             i += len;
         }
         let alone = lens.len() == 1;
-        let mut it = out.drain(..);
-        for len in lens {
-            let job: Vec<Outgoing> = it.by_ref().take(len).collect();
-            let port = job[0].port;
-            self.dispatch(port, job, alone);
+        let mut at = 0;
+        for &len in &lens {
+            let port = out[at].port;
+            self.dispatch(port, &mut out[at..at + len], alone);
+            at += len;
         }
+        out.clear();
+        self.lens = lens;
     }
 
     fn finished(&mut self, done: &mut Vec<(u64, bool)>) {

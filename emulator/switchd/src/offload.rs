@@ -19,6 +19,7 @@
 //!   Captures fill in real checksums on their copies (`fill_checksum`).
 
 use std::fmt;
+use std::io::IoSlice;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -227,21 +228,22 @@ pub fn single_hdr(p: &[u8]) -> VnetHdr {
 
 /// How many of `frames` (all to one GPU, in order) continue the first one as one TCP
 /// super-packet: at least 1.
-pub fn mergeable_run(frames: &[&Frame]) -> usize {
-    let first = frames[0].head();
+pub fn mergeable_run<F: AsRef<Frame>>(frames: &[F]) -> usize {
+    let first = frames[0].as_ref().head();
     let Some((ihl, thl)) = tcp_headers(first) else {
         return 1;
     };
     let hl = ihl + thl;
-    let mss = frames[0].len() - hl;
+    let mss = frames[0].as_ref().len() - hl;
     let flags = first[ihl + 13];
     if mss == 0 || flags & (SYN | FIN | RST | URG | PSH) != 0 || flags & ACK == 0 {
         return 1;
     }
-    let mut total = frames[0].len();
+    let mut total = frames[0].as_ref().len();
     let mut seq = be32(first, ihl + 4).wrapping_add(mss as u32);
     let mut n = 1;
     for frame in &frames[1..] {
+        let frame = frame.as_ref();
         let f = frame.head();
         let Some((i2, t2)) = tcp_headers(f) else {
             break;
@@ -282,15 +284,15 @@ pub fn mergeable_run(frames: &[&Frame]) -> usize {
 /// The virtio header and the IP/TCP header of the super-packet that carries `frames` (a
 /// run from `mergeable_run`, more than one): the first frame's headers with the total
 /// length, the last frame's PSH, a partial checksum. The payloads (`payloads`) follow.
-pub fn coalesced_headers(frames: &[&Frame]) -> (VnetHdr, Vec<u8>) {
-    let first = frames[0].head();
+pub fn coalesced_headers<F: AsRef<Frame>>(frames: &[F]) -> (VnetHdr, Vec<u8>) {
+    let first = frames[0].as_ref().head();
     let (ihl, thl) = tcp_headers(first).expect("a run starts with a TCP frame");
     let hl = ihl + thl;
-    let total: usize = hl + frames.iter().map(|f| f.len() - hl).sum::<usize>();
+    let total: usize = hl + frames.iter().map(|f| f.as_ref().len() - hl).sum::<usize>();
     let mut h = first[..hl].to_vec();
     h[2..4].copy_from_slice(&(total as u16).to_be_bytes());
     set_ip_checksum(&mut h);
-    let last = frames[frames.len() - 1].head();
+    let last = frames[frames.len() - 1].as_ref().head();
     h[ihl + 13] |= last[ihl + 13] & PSH;
     let check = pseudo(&h, TCP, total - ihl);
     h[ihl + 16..ihl + 18].copy_from_slice(&check.to_be_bytes());
@@ -302,7 +304,7 @@ pub fn coalesced_headers(frames: &[&Frame]) -> (VnetHdr, Vec<u8>) {
         flags: F_NEEDS_CSUM,
         gso_type,
         hdr_len: hl as u16,
-        gso_size: (frames[0].len() - hl) as u16,
+        gso_size: (frames[0].as_ref().len() - hl) as u16,
         csum_start: ihl as u16,
         csum_offset: 16,
     };
@@ -312,13 +314,14 @@ pub fn coalesced_headers(frames: &[&Frame]) -> (VnetHdr, Vec<u8>) {
 /// The bytes of `frames` after their first `hl` (their payloads, in a run), appended to
 /// `out` as slices: payloads that lie next to each other in one shared buffer (frames
 /// cut from one read) become one slice.
-pub fn payloads<'a>(frames: &[&'a Frame], hl: usize, out: &mut Vec<&'a [u8]>) {
+pub fn payloads<'a, F: AsRef<Frame>>(frames: &'a [F], hl: usize, out: &mut Vec<IoSlice<'a>>) {
     // The shared buffer and range of the last slice pushed, if it was a shared body.
     let mut last: Option<(&'a Arc<Vec<u8>>, Range<usize>)> = None;
-    for &f in frames {
+    for f in frames {
+        let f: &'a Frame = f.as_ref();
         let head = f.head();
         if head.len() > hl {
-            out.push(&head[hl..]);
+            out.push(IoSlice::new(&head[hl..]));
             last = None;
         }
         let Some((buf, r)) = f.shared() else {
@@ -329,10 +332,10 @@ pub fn payloads<'a>(frames: &[&'a Frame], hl: usize, out: &mut Vec<&'a [u8]>) {
         match &mut last {
             Some((b, lr)) if Arc::ptr_eq(b, buf) && lr.end == r.start => {
                 lr.end = r.end;
-                *out.last_mut().expect("the slice extended") = &buf[lr.clone()];
+                *out.last_mut().expect("the slice extended") = IoSlice::new(&buf[lr.clone()]);
             }
             _ => {
-                out.push(&buf[r.clone()]);
+                out.push(IoSlice::new(&buf[r.clone()]));
                 last = Some((buf, r));
             }
         }
@@ -436,7 +439,7 @@ mod tests {
         let mut parts = Vec::new();
         payloads(frames, hl, &mut parts);
         for p in parts {
-            h.extend_from_slice(p);
+            h.extend_from_slice(&p);
         }
         h
     }
@@ -542,11 +545,11 @@ mod tests {
         let mut other_port = tcp(3005, ACK, 0x02, &payload[..3000]);
         other_port[21] ^= 1;
         assert_eq!(mergeable_run(&[&frames[0], &other_port.into()]), 1);
-        let syn = tcp(5, SYN | ACK, 0, &payload[..3000]).into();
+        let syn: Frame = tcp(5, SYN | ACK, 0, &payload[..3000]).into();
         assert_eq!(mergeable_run(&[&syn, &frames[1]]), 1);
         assert_eq!(mergeable_run(&[&frames[2], &frames[2]]), 1);
         // A pure ACK (no payload) does not start a run.
-        let ack = tcp(5, ACK, 0, &[]).into();
+        let ack: Frame = tcp(5, ACK, 0, &[]).into();
         assert_eq!(mergeable_run(&[&ack, &ack]), 1);
     }
 
