@@ -1,6 +1,8 @@
 //! The `closbox` binary on topology files: every shipped config loads and plans; broken
 //! ones fail with file:line and never panic. Needs no root.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -93,8 +95,7 @@ fn sizing_200k_gpus_prints_exact_figures() {
 
 #[test]
 fn broken_configs_name_file_and_line() {
-    let dir = std::env::temp_dir().join(format!("closbox-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::test_dir("plan");
     let cases = [
         ("[fabric]\nname = \"x\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n[links.nic]\nrate = \"fast\"\n", ":9:8: invalid rate"),
         ("[fabric]\nname = \"x\"\n[topology]\nkind = \"single-switch\"\ngpus = 4\nbogus = 3\n", ":6:1: unknown field `bogus`"),

@@ -3,6 +3,8 @@
 //! allocating much (peak RSS measured per run). Needs no root.
 #![allow(unsafe_code)] // wait4 for the child's peak RSS
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -11,9 +13,7 @@ use std::time::{Duration, Instant};
 const MAX_RSS: u64 = 100 << 20;
 
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("closbox-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::test_dir("hostile")
 }
 
 struct Run {

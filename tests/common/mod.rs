@@ -45,7 +45,30 @@ pub fn root_or_skip() -> bool {
 }
 
 pub fn scratch_dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("closbox-live-{}", std::process::id()));
+    test_dir("live")
+}
+
+/// A directory for this test process's files: `<prefix>-<pid>` under cargo's scratch
+/// directory for integration tests (`target/tmp`, not the machine's `/tmp`). Those of
+/// earlier runs, whose process is gone, are removed on the way.
+pub fn test_dir(prefix: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    if let Ok(rd) = std::fs::read_dir(root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name
+                .strip_prefix(prefix)
+                .and_then(|r| r.strip_prefix('-'))
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let d = root.join(format!("{prefix}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
