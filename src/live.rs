@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -887,6 +887,10 @@ fn mpirun_line(
             if pins.is_some() {
                 mca("hwloc_base_binding_policy", "none");
             }
+            // The job's session directories (mpirun's and its daemons') in one place that
+            // `closbox mpirun` removes when the job ends: a launcher killed at a timeout
+            // cannot clean its own (Open MPI's default, /tmp/ompi.<host>.<uid>/pid.<pid>).
+            mca("orte_tmpdir_base", &mpi_job_dir().display().to_string());
             for kv in a.mca.chunks(2) {
                 line.extend(["--mca".into(), kv[0].clone(), kv[1].clone()]);
             }
@@ -958,6 +962,49 @@ fn mpirun_line(
 
 /// `closbox mpirun`: the launcher runs in the first selected GPU (as rank 0 of `run`, with
 /// its exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
+/// Open MPI session directories of `closbox mpirun` jobs, one per job (by its pid).
+const MPI_JOBS_DIR: &str = "/run/closbox/mpi";
+
+/// This `closbox mpirun`'s job directory (see `orte_tmpdir_base` above).
+fn mpi_job_dir() -> PathBuf {
+    Path::new(MPI_JOBS_DIR).join(std::process::id().to_string())
+}
+
+/// Makes this job's session directory, first removing those of jobs whose `closbox
+/// mpirun` is gone (killed before it could remove its own); removes it when dropped.
+struct MpiJobDir(PathBuf);
+
+impl MpiJobDir {
+    fn create() -> anyhow::Result<MpiJobDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        if let Ok(rd) = fs::read_dir(MPI_JOBS_DIR) {
+            for e in rd.flatten() {
+                let stale = e
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+                if stale && e.file_type().is_ok_and(|t| t.is_dir()) {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let dir = mpi_job_dir();
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+        Ok(MpiJobDir(dir))
+    }
+}
+
+impl Drop for MpiJobDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
 pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox mpirun")?;
     let st = resolve(a.fabric)?;
@@ -1010,6 +1057,10 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         // The launcher starts the first rank itself; it and its rank run on that CPU.
         closbox_switchd::sys::pin_to_cpu(p[0]).context("pinning the launcher")?;
     }
+    let _sessions = match imp {
+        MpiImpl::Openmpi => Some(MpiJobDir::create()?),
+        MpiImpl::Mpich => None,
+    };
     run(RunArgs {
         st: &st,
         sel: &sel[..1],

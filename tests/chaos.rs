@@ -720,6 +720,11 @@ fn an_mpi_job_under_a_partition_is_ended_by_its_timeout_and_runs_after_heal() {
     // the remote daemons (started by `closbox rsh`, ended with mpirun) their ranks.
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(gpu_processes(&f), Vec::<String>::new());
+    // Nor of its Open MPI session directories (mpirun, killed, could not remove its own).
+    let sessions: Vec<_> = std::fs::read_dir("/run/closbox/mpi")
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert_eq!(sessions, Vec::<std::path::PathBuf>::new());
     assert!(closbox(&["heal", "--fabric", "lt-mpipart"])
         .status
         .success());
