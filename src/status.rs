@@ -201,8 +201,12 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if s.behind {
         let _ = writeln!(
             o,
-            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; raise time_scale or lower the rates",
-            s.behind_threshold_us
+            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; {}",
+            s.behind_threshold_us,
+            closbox_switchd::dataplane::behind_advice(
+                st.time_scale.get(),
+                s.full_load_time_scale
+            )
         );
     } else if !s.deadlocked.is_empty() {
         let _ = writeln!(o, "  health    DEADLOCK (above)");

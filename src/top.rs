@@ -177,8 +177,13 @@ fn draw(f: &mut Frame, v: &View) {
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
                 )
             } else if s.behind {
+                let hint = if s.full_load_time_scale > s.time_scale.get() {
+                    format!("BEHIND (time_scale {}+ estimated)", s.full_load_time_scale)
+                } else {
+                    "BEHIND (raise time_scale)".to_owned()
+                };
                 Span::styled(
-                    "BEHIND",
+                    hint,
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
                 )
             } else {

@@ -267,6 +267,10 @@ pub struct Status {
     pub behind: bool,
     /// The p99 lateness (µs, wall) above which `behind` is set.
     pub behind_threshold_us: f64,
+    /// The time_scale from which this box carries every GPU sending at full rate, as
+    /// `closbox plan` estimates it (`TimeScaleHint`); 0 from a daemon that did not say.
+    #[serde(default)]
+    pub full_load_time_scale: f64,
     pub io_errors: u64,
     /// Bytes charged for the packets the fabric holds, and the budget (`packet_memory`).
     pub packet_memory: u64,
@@ -369,6 +373,23 @@ pub struct PortStatus {
     /// The most bytes the next switch held at once from this port (its ingress).
     #[serde(default)]
     pub max_ingress_bytes: u64,
+}
+
+/// What to do about a fabric that runs late at `time_scale`, given the scale from which
+/// `closbox plan` estimates the box carries every GPU at full rate (0: unknown).
+pub fn behind_advice(time_scale: f64, full_load: f64) -> String {
+    if full_load > time_scale {
+        format!(
+            "raise time_scale to {full_load} or more (`closbox plan`'s estimate for every GPU at full rate on this box; `up --time-scale auto` measures it), or lower the rates"
+        )
+    } else if full_load > 0.0 {
+        format!(
+            "raise time_scale above {time_scale} (`closbox plan` estimated {full_load} enough: the box is slower now; `up --time-scale auto` measures it), or lower the rates"
+        )
+    } else {
+        "raise time_scale (`up --time-scale auto` measures what this box needs), or lower the rates"
+            .to_owned()
+    }
 }
 
 /// Write lateness in wall-clock microseconds.
@@ -885,6 +906,8 @@ pub struct DataPlane<P: Ports> {
     behind_ns: u64,
     /// `--realtime` (None: the normal class at nice −15).
     realtime: Option<Realtime>,
+    /// `Status::full_load_time_scale`.
+    full_load: f64,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -954,6 +977,7 @@ impl<P: Ports> DataPlane<P> {
             io_errors: 0,
             warned: None,
             behind_ns,
+            full_load: closbox_fabric::plan::TimeScaleHint::of(topo).for_load,
             realtime: None,
         }
     }
@@ -1354,10 +1378,11 @@ impl<P: Ports> DataPlane<P> {
                 .is_none_or(|w| wall.duration_since(w) > StdDuration::from_secs(30));
             if quiet {
                 tracing::warn!(
-                    "fabric {}: packets leave {:.0} µs late (p99, last {} s): this box cannot keep up with the configured rates; raise time_scale",
+                    "fabric {}: packets leave {:.0} µs late (p99, last {} s): this box cannot keep up with the configured rates; {}",
                     self.name,
                     p99 as f64 / 1e3,
-                    WINDOW.as_secs()
+                    WINDOW.as_secs(),
+                    behind_advice(self.time_scale.get(), self.full_load)
                 );
                 self.warned = Some(wall);
             }
@@ -1634,6 +1659,7 @@ impl<P: Ports> DataPlane<P> {
             lateness_buckets: self.lateness.buckets(),
             behind: lateness_recent.behind(self.behind_ns as f64 / 1e3),
             behind_threshold_us: self.behind_ns as f64 / 1e3,
+            full_load_time_scale: self.full_load,
             lateness_recent,
             io_errors: self.io_errors,
             packet_memory: self.model.memory().0,
@@ -2195,6 +2221,25 @@ mod tests {
         // Refused: never asks again.
         rt.refused = Some("EPERM".into());
         assert_eq!(rt.after_wait(at(10_000_000), at(20_000_000)), None);
+    }
+
+    #[test]
+    fn advice_for_a_late_fabric_names_the_time_scale_to_try() {
+        // leaf-spine-16's file at real time: plan's estimate for a full load is 5.
+        let a = behind_advice(1.0, 5.0);
+        assert!(a.starts_with("raise time_scale to 5 or more"), "{a}");
+        // Already at or above the estimate: the box is slower than the estimate assumed.
+        let a = behind_advice(10.0, 5.0);
+        assert!(a.starts_with("raise time_scale above 10 "), "{a}");
+        assert!(a.contains("estimated 5 enough"), "{a}");
+        // From a daemon that did not say.
+        let a = behind_advice(1.0, 0.0);
+        assert!(
+            a.starts_with("raise time_scale (`up --time-scale auto`"),
+            "{a}"
+        );
+        let (p, _) = plane(TWO);
+        assert_eq!(p.full_load, 1.0, "2 GPUs of 1 Gbit/s: real time holds");
     }
 
     #[test]
