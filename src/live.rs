@@ -960,8 +960,6 @@ fn mpirun_line(
     }
 }
 
-/// `closbox mpirun`: the launcher runs in the first selected GPU (as rank 0 of `run`, with
-/// its exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
 /// Open MPI session directories of `closbox mpirun` jobs, one per job (by its pid).
 const MPI_JOBS_DIR: &str = "/run/closbox/mpi";
 
@@ -1005,6 +1003,8 @@ impl Drop for MpiJobDir {
     }
 }
 
+/// `closbox mpirun`: the launcher runs in the first selected GPU (as rank 0 of `run`, with
+/// its exit status, timeout and clean-up) and starts the other ranks through `closbox rsh`.
 pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox mpirun")?;
     let st = resolve(a.fabric)?;
