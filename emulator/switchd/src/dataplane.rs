@@ -824,7 +824,12 @@ impl Ports for TunPorts {
             }
         };
         self.cut = frames;
-        self.read_bufs.used(buf);
+        // A packet without GSO (an ACK) was copied out whole: no frame holds the buffer.
+        if Arc::strong_count(&buf) == 1 {
+            self.read_bufs.unused(buf);
+        } else {
+            self.read_bufs.used(buf);
+        }
         Ok(first.map(|f| (f, at)))
     }
 
@@ -2371,6 +2376,22 @@ mod tun_ports_tests {
         assert_eq!(
             frames.iter().map(Frame::len).collect::<Vec<_>>(),
             [1040, 1040, 1040, 540]
+        );
+        // Its frames hold the buffer it was read into (the read that found nothing more
+        // gave its buffer back unread); a packet without GSO is copied out whole and its
+        // buffer is free again at once, not kept among those frames may hold.
+        assert_eq!(
+            (ports.read_bufs.busy.len(), ports.read_bufs.free.len()),
+            (1, 1)
+        );
+        let mut plain = VnetHdr::default().bytes().to_vec();
+        plain.extend(tcp(4000, 10));
+        theirs[0].send(&plain).unwrap();
+        let (ack, _) = ports.recv(0).unwrap().expect("a frame");
+        assert!(ack.shared().is_none() && ack.len() == 50);
+        assert_eq!(
+            (ports.read_bufs.busy.len(), ports.read_bufs.free.len()),
+            (1, 1)
         );
         // Frames 0, 1, 3 (frame 2 lost): 0+1 go as one super-packet, 3 alone.
         let due = StdInstant::now();
