@@ -487,6 +487,8 @@ pub struct TunPorts {
     read_bufs: ReadBufs,
     /// Reused by `recv` and `send`.
     cut: Vec<Frame>,
+    /// Heads of frames written, for the frames cut next (`Frame::into_head`).
+    heads: Vec<Vec<u8>>,
     lens: Vec<usize>,
     /// Empty: writes happen inline (one core).
     writers: Vec<Writer>,
@@ -557,6 +559,11 @@ const WRITE_QUEUE: usize = 4096;
 
 /// Largest read from a TUN: a 64 KiB super-packet and its virtio header.
 const MAX_READ: usize = 65_535 + crate::offload::VNET_HDR_LEN;
+
+/// Heads of written frames kept for reuse (offload): a few super-packets' worth, of at
+/// most `MAX_HEAD` bytes (an IPv4 and a TCP header with options are at most 120).
+const HEADS_KEPT: usize = 1024;
+const MAX_HEAD: usize = 128;
 
 /// Read buffers kept for reuse (offload): 16 MiB. More may be in use (frames held by the
 /// model keep theirs); those are freed with their last frame.
@@ -653,6 +660,7 @@ impl TunPorts {
             scratch: vec![0; MAX_READ],
             read_bufs: Default::default(),
             cut: Vec::new(),
+            heads: Vec::new(),
             lens: Vec::new(),
             tuns: tuns.into_iter().map(Arc::new).collect(),
             offload,
@@ -804,7 +812,7 @@ impl Ports for TunPorts {
         };
         let at = StdInstant::now();
         let mut frames = std::mem::take(&mut self.cut);
-        let first = match segment(&hdr, &buf, VNET_HDR_LEN..n, &mut frames) {
+        let first = match segment(&hdr, &buf, VNET_HDR_LEN..n, &mut frames, &mut self.heads) {
             Ok(()) => {
                 let mut it = frames.drain(..);
                 let first = it.next();
@@ -861,7 +869,15 @@ impl Ports for TunPorts {
             self.dispatch(port, &mut out[at..at + len], alone);
             at += len;
         }
-        out.clear();
+        for o in out.drain(..) {
+            // (Frames handed to a writer thread left `Frame::default()` behind.)
+            if o.data.shared().is_some() && self.heads.len() < HEADS_KEPT {
+                let h = o.data.into_head();
+                if h.capacity() <= MAX_HEAD {
+                    self.heads.push(h);
+                }
+            }
+        }
         self.lens = lens;
     }
 
@@ -2425,6 +2441,13 @@ mod tun_ports_tests {
         assert_eq!(v.flags, offload::F_NEEDS_CSUM);
         assert_eq!(&b[VNET_HDR_LEN..n], &frames[3].to_vec()[..]);
         assert!(theirs[1].recv(&mut b).is_err(), "nothing more");
+        // The written frames' heads are kept, and the next super-packet's frames take them.
+        assert_eq!(ports.heads.len(), 3);
+        theirs[0].send(&msg).unwrap();
+        let again: Vec<Frame> =
+            std::iter::from_fn(|| ports.recv(0).unwrap().map(|f| f.0)).collect();
+        assert_eq!(ports.heads.len(), 0);
+        assert_eq!(again, frames, "the same frames, in reused heads");
         drop(ports.into_tuns());
     }
 }

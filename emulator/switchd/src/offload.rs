@@ -153,12 +153,14 @@ fn tcp_headers(p: &[u8]) -> Option<(usize, usize)> {
 /// Cuts what a TUN handed over (`buf[pkt]`, after its virtio header `hdr`) into the
 /// frames the fabric carries, appended to `out`: each frame's headers are copied and
 /// fixed up, its payload stays where it was read (a slice of `buf`, shared). A packet
-/// without GSO is one frame, as it is (copied: it is at most an MTU).
+/// without GSO is one frame, as it is (copied: it is at most an MTU). A frame's headers
+/// go into a buffer taken from `heads` when it has one (`Frame::into_head`).
 pub fn segment(
     hdr: &VnetHdr,
     buf: &Arc<Vec<u8>>,
     pkt: Range<usize>,
     out: &mut Vec<Frame>,
+    heads: &mut Vec<Vec<u8>>,
 ) -> Result<(), SegmentError> {
     match hdr.gso_type & !GSO_ECN {
         GSO_NONE => {
@@ -184,7 +186,9 @@ pub fn segment(
         let start = (payload.start + i * mss).min(payload.end);
         let end = (start + mss).min(payload.end);
         let len = end - start;
-        let mut f = p[..hl].to_vec();
+        let mut f = heads.pop().unwrap_or_default();
+        f.clear();
+        f.extend_from_slice(&p[..hl]);
         f[2..4].copy_from_slice(&((hl + len) as u16).to_be_bytes());
         f[4..6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
         set_ip_checksum(&mut f);
@@ -429,7 +433,7 @@ mod tests {
         buf.extend_from_slice(sp);
         let buf = Arc::new(buf);
         let mut out = Vec::new();
-        segment(h, &buf, VNET_HDR_LEN..buf.len(), &mut out).map(|()| out)
+        segment(h, &buf, VNET_HDR_LEN..buf.len(), &mut out, &mut Vec::new()).map(|()| out)
     }
 
     /// What `write_job` writes for a run: headers, then the payloads.
