@@ -81,12 +81,19 @@ impl TimeScale {
 
     /// The wall time a span of fabric time takes.
     pub fn to_wall(self, fabric: Duration) -> std::time::Duration {
+        // Real time converts on every frame's way in and out: no float round trip.
+        if self.0 == 1.0 {
+            return std::time::Duration::from_nanos(fabric.as_nanos());
+        }
         std::time::Duration::from_nanos((fabric.as_nanos() as f64 * self.0) as u64)
     }
 
     /// The fabric time that passes in a span of wall time.
     pub fn to_fabric(self, wall: std::time::Duration) -> Duration {
         // Through u64 (584 years of nanoseconds): a u128 to f64 conversion is a library call.
+        if self.0 == 1.0 {
+            return Duration::from_nanos(wall.as_nanos() as u64);
+        }
         Duration::from_nanos((wall.as_nanos() as u64 as f64 / self.0) as u64)
     }
 
