@@ -229,23 +229,21 @@ impl Taps {
         })
     }
 
-    fn record(
-        &mut self,
-        port: PortId,
-        at: Instant,
-        data: &Frame,
-        len: u32,
-        dropped: Option<DropReason>,
-    ) {
+    fn record(&mut self, port: PortId, at: Instant, pkt: &InFlight, dropped: Option<DropReason>) {
         if self.out.len() >= MAX_TAPPED {
             self.overflow += 1;
             return;
         }
+        let mut data = pkt.data.prefix(self.snaplen as usize);
+        // The TTL it has here (the model counts hops without rewriting the packet).
+        if data.len() >= 12 {
+            packet::rewrite_ttl(&mut data, pkt.ttl);
+        }
         self.out.push_back(Tapped {
             port,
             at,
-            len,
-            data: data.prefix(self.snaplen as usize),
+            len: pkt.len,
+            data,
             dropped,
         });
     }
@@ -393,6 +391,10 @@ struct InFlight {
     /// Lossless fabrics: the port it arrived through at the switch holding it, whose
     /// ingress occupancy it counts in; `NO_PORT` at a GPU.
     ingress: u32,
+    /// Its IP TTL now: each switch takes one off here, and the packet's bytes are
+    /// rewritten once, when it is delivered or captured (`packet::rewrite_ttl`), so that a
+    /// hop does not touch them.
+    ttl: u8,
 }
 
 struct VertexState {
@@ -723,7 +725,9 @@ impl Fabric {
         self.memory_used += charge;
         let len = headers.len as u32;
         let frames = len.div_ceil(self.mtu).max(1);
+        let ttl = data.head()[8];
         let pkt = InFlight {
+            ttl,
             data,
             src,
             dst: HostId(dst),
@@ -817,7 +821,7 @@ impl Fabric {
                         .saturating_sub((p.link.delay + p.next_latency).as_nanos()),
                 );
                 let taps = self.taps.as_mut().expect("tapped");
-                taps.record(port, left, &pkt.data, pkt.len, None);
+                taps.record(port, left, pkt, None);
             }
             if load != NO_LOAD {
                 self.load_in_transit -= 1;
@@ -831,7 +835,8 @@ impl Fabric {
                     let _ = self.forward(t, v, slot);
                 }
             } else if v < self.hosts {
-                let pkt = self.release(slot);
+                let mut pkt = self.release(slot);
+                packet::rewrite_ttl(pkt.data.head_mut(), pkt.ttl);
                 debug_assert_eq!(pkt.dst.0, v);
                 self.delivered += 1;
                 self.deliveries.push_back(Delivery {
@@ -1108,6 +1113,8 @@ impl Fabric {
             flow: 0,
             load: i as u32,
             ingress: NO_PORT,
+            // (Not an IP packet: no switch looks at it.)
+            ttl: 0,
         };
         self.next_packet += 1;
         let slot = self.hold(pkt);
@@ -1217,7 +1224,7 @@ impl Fabric {
                 Flows::drop(&mut self.flows, pkt.flow);
                 if Taps::wants(&self.taps, p, Some(DropReason::LinkDown)) {
                     let taps = self.taps.as_mut().expect("tapped");
-                    taps.record(p, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
+                    taps.record(p, now, &pkt, Some(DropReason::LinkDown));
                 }
             } else {
                 counters.load_drops += 1;
@@ -1271,12 +1278,13 @@ impl Fabric {
         }
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
-            if !packet::decrement_ttl(pkt.data.head_mut()) {
+            if pkt.ttl <= 1 {
                 let flow = self.release(slot).flow;
                 Flows::drop(&mut self.flows, flow);
                 self.vertex_drops.add(DropReason::TtlExpired);
                 return Err(DropReason::TtlExpired);
             }
+            pkt.ttl -= 1;
         }
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
         if self.degraded {
@@ -1298,7 +1306,7 @@ impl Fabric {
                 if Taps::wants(&self.taps, port_id, Some(DropReason::LinkDown)) {
                     let pkt = self.slots[slot as usize].as_ref().expect("live slot");
                     let taps = self.taps.as_mut().expect("tapped");
-                    taps.record(port_id, now, &pkt.data, pkt.len, Some(DropReason::LinkDown));
+                    taps.record(port_id, now, pkt, Some(DropReason::LinkDown));
                 }
                 let flow = self.release(slot).flow;
                 Flows::drop(&mut self.flows, flow);
@@ -1442,7 +1450,7 @@ impl Fabric {
     /// Counts a packet that did not fit at `port_id` and lets it go.
     fn drop_full(&mut self, now: Instant, port_id: PortId, slot: u32) -> DropReason {
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
-        let (len, id, load) = (pkt.len, pkt.id, pkt.load);
+        let (id, load) = (pkt.id, pkt.load);
         let port = &mut self.ports[port_id.0 as usize];
         if load != NO_LOAD {
             port.counters.load_drops += 1;
@@ -1455,7 +1463,7 @@ impl Fabric {
             Flows::drop(&mut self.flows, pkt.flow);
             if Taps::wants(&self.taps, port_id, Some(DropReason::BufferFull)) {
                 let taps = self.taps.as_mut().expect("tapped");
-                taps.record(port_id, now, &pkt.data, len, Some(DropReason::BufferFull));
+                taps.record(port_id, now, pkt, Some(DropReason::BufferFull));
             }
         }
         if let Some(t) = &mut self.trace {
@@ -1633,7 +1641,7 @@ impl Fabric {
             } else if Taps::wants(&self.taps, port_id, Some(DropReason::Loss)) {
                 let pkt = self.slots[slot as usize].as_ref().expect("live slot");
                 let taps = self.taps.as_mut().expect("tapped");
-                taps.record(port_id, finish, &pkt.data, len, Some(DropReason::Loss));
+                taps.record(port_id, finish, pkt, Some(DropReason::Loss));
             }
             let flow = self.release(slot).flow;
             if !synthetic {

@@ -70,7 +70,7 @@ pub fn inspect_head(buf: &[u8], frame_len: usize) -> Result<Headers, Unforwardab
         return Err(Unforwardable::Malformed);
     }
     // A switch drops a packet whose header is corrupt, as real ones do.
-    if ipv4::checksum(&ip) != ip.get_checksum() {
+    if header_checksum(&buf[..ihl]) != ip.get_checksum() {
         return Err(Unforwardable::Malformed);
     }
     let proto = ip.get_next_level_protocol();
@@ -117,24 +117,40 @@ pub fn mark_ce(buf: &mut [u8]) {
     ip.set_checksum(sum);
 }
 
-/// A router's TTL step on a packet already accepted by `inspect`: `false` (and the packet
-/// left as it is) when the TTL is 0 or 1, so the packet must not be forwarded; else the TTL
-/// is decremented and the header checksum updated incrementally (RFC 1624, eqn. 3).
-pub fn decrement_ttl(buf: &mut [u8]) -> bool {
-    let ttl = buf[8];
-    if ttl <= 1 {
-        return false;
+/// The IPv4 header checksum `header` should carry (RFC 791: its checksum field taken as
+/// zero). What `pnet`'s `ipv4::checksum` computes, without its generic byte-at-a-time
+/// walk: it runs on every frame a GPU sends.
+fn header_checksum(header: &[u8]) -> u16 {
+    let mut sum = 0u32;
+    for (i, w) in header.chunks_exact(2).enumerate() {
+        if i != 5 {
+            sum += u16::from_be_bytes([w[0], w[1]]) as u32;
+        }
     }
-    buf[8] = ttl - 1;
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Rewrites the TTL of an IPv4 packet already accepted by `inspect` to `ttl`, updating
+/// the header checksum incrementally (RFC 1624, eqn. 3). The model counts a packet's
+/// router hops without touching its bytes and applies them with this where the bytes are
+/// seen again (delivery, captures).
+pub fn rewrite_ttl(buf: &mut [u8], ttl: u8) {
+    let old = buf[8];
+    if old == ttl {
+        return;
+    }
+    buf[8] = ttl;
     // The 16-bit word holding the TTL (with the protocol) went from m to m'.
-    let m = u16::from_be_bytes([ttl, buf[9]]) as u32;
-    let m2 = u16::from_be_bytes([ttl - 1, buf[9]]) as u32;
+    let m = u16::from_be_bytes([old, buf[9]]) as u32;
+    let m2 = u16::from_be_bytes([ttl, buf[9]]) as u32;
     let hc = u16::from_be_bytes([buf[10], buf[11]]) as u32;
     let mut sum = (!hc & 0xffff) + (!m & 0xffff) + m2;
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     buf[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    true
 }
 
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
@@ -221,22 +237,41 @@ mod tests {
     }
 
     #[test]
-    fn ttl_decrement_keeps_checksum_right() {
+    fn ttl_rewrite_keeps_checksum_right() {
         for ttl in [2u8, 64, 128, 255] {
             for proto_len in [28usize, 60, 1500] {
                 let mut p = build_udp(A, B, 1, 2, 0b10, proto_len);
                 set_ttl(&mut p, ttl);
-                assert!(decrement_ttl(&mut p));
+                rewrite_ttl(&mut p, ttl - 1);
                 assert_eq!(p[8], ttl - 1);
                 assert!(checksum_ok(&p), "ttl {ttl}");
             }
         }
-        let mut p = build_udp(A, B, 1, 2, 0, 28);
-        for ttl in [0u8, 1] {
-            p[8] = ttl;
-            let before = p.clone();
-            assert!(!decrement_ttl(&mut p));
-            assert_eq!(p, before, "an expired packet is left as it is");
+        // Several hops at once give the bytes hop by hop gives.
+        for (from, to) in [(64u8, 61u8), (255, 1), (2, 1), (128, 0)] {
+            let mut a = build_udp(A, B, 7, 9, 0b10, 100);
+            set_ttl(&mut a, from);
+            let mut b = a.clone();
+            rewrite_ttl(&mut a, to);
+            for _ in to..from {
+                let t = b[8] - 1;
+                rewrite_ttl(&mut b, t);
+            }
+            assert_eq!((a[8], checksum_ok(&a)), (to, true));
+            assert_eq!(a, b, "{from} -> {to}");
+        }
+    }
+
+    #[test]
+    fn header_checksum_is_pnets_for_any_header() {
+        let mut rng = crate::rng::Rng::new(7, 0);
+        for ihl in 5..=15usize {
+            for _ in 0..200 {
+                let mut h: Vec<u8> = (0..ihl * 4).map(|_| rng.below(256) as u8).collect();
+                h[0] = 0x40 | ihl as u8;
+                let ip = Ipv4Packet::new(&h).unwrap();
+                assert_eq!(header_checksum(&h), ipv4::checksum(&ip), "{h:02x?}");
+            }
         }
     }
 

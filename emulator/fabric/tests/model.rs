@@ -717,6 +717,9 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     // gpu0 -> leaf0 -> spine -> leaf1 -> gpu2: three routed hops.
     let t = topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n");
     let mut f = Fabric::new(&t);
+    // Captured on the way, a packet carries the TTL it has there.
+    let up = port(&t, &f, "leaf0", "spine0");
+    f.set_taps(&[up], 64, false);
     let with_ttl = |ttl: u8| {
         let mut p = build_udp(addr(&t, 0), addr(&t, 2), 1, 2, 0, 100);
         packet::set_ttl(&mut p, ttl);
@@ -732,6 +735,12 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     let ttls: Vec<u8> = got.iter().map(|d| d.data.head()[8]).collect();
     assert_eq!(ttls, vec![1, 61], "TTL 4 and 64 arrive, 3 lower");
     assert!(got.iter().all(|d| packet::checksum_ok(&d.data.to_vec())));
+    let mut tapped = Vec::new();
+    while let Some(x) = f.poll_tapped() {
+        assert!(packet::checksum_ok(&x.data));
+        tapped.push(x.data[8]);
+    }
+    assert_eq!(tapped, vec![1, 2, 3, 63], "past leaf0: one hop less");
     let totals = f.totals(Instant::from_nanos(1_000_000_000));
     assert_eq!(totals.drops.get(DropReason::TtlExpired), 4);
     assert_eq!(totals.sent, totals.delivered + totals.drops.total());
