@@ -51,8 +51,8 @@ bench:
 faithful: build
 	scripts/faithful
 
-# Root: closbox against a kernel veth pair and a bare offload TUN relay, and 8 gloo ranks
-# and NetPIPE against an htb-shaped kernel bridge, same run (~2 min).
+# Root: closbox against a kernel veth pair and two bare offload TUN relays, and 8 gloo ranks
+# and NetPIPE against an htb-shaped kernel bridge, same run (~3 min).
 bench-live:
 	$(CARGO) build --release --workspace
 	$(CARGO) build --release -p closbox-switchd --example tun_relay
