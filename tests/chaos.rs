@@ -584,8 +584,14 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
             "-J",
         ])
     });
-    std::thread::sleep(Duration::from_secs(3));
-    let carried = port_tx(&f, "leaf0->spine0") + port_tx(&f, "spine0->leaf0");
+    // What the link carries in the half second before it fails: a flow's data or ACKs
+    // (hundreds of packets), or nothing (every flow hashed elsewhere; iperf3's control
+    // connection is idle then).
+    std::thread::sleep(Duration::from_millis(2500));
+    let link_tx = || port_tx(&f, "leaf0->spine0") + port_tx(&f, "spine0->leaf0");
+    let earlier = link_tx();
+    std::thread::sleep(Duration::from_millis(500));
+    let carried = link_tx() - earlier;
     let out = closbox(&["link", "down", "leaf0", "spine0", "--fabric", "lt-iperf"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let out = client.join().unwrap();
@@ -613,26 +619,29 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
         "iperf3 -R -P 8 gpu1 -> gpu0 over 4 x 100G uplinks, leaf0-spine0 down at ~3 s wall (received, fabric Gbit/s per 0.5 s): {}",
         line.join(", ")
     );
-    let mean = |from: f64, to: f64| {
-        let w: Vec<f64> = series
+    // The median interval: a late data plane that catches up delivers a deficit of some
+    // intervals in others (wall time), above what the links carry in fabric time.
+    let median = |from: f64, to: f64| {
+        let mut w: Vec<f64> = series
             .iter()
             .filter(|(t, _)| *t > from && *t <= to)
             .map(|x| x.1)
             .collect();
-        w.iter().sum::<f64>() / w.len() as f64
+        w.sort_by(f64::total_cmp);
+        w[w.len() / 2]
     };
-    let (before, after) = (mean(0.0, 1.5), mean(8.0, 12.0));
-    eprintln!("before {before:.0} Gbit/s, settled after {after:.0} Gbit/s");
+    let (before, after) = (median(0.0, 1.5), median(8.0, 12.0));
+    eprintln!("median interval: before {before:.0} Gbit/s, settled after {after:.0} Gbit/s; the link carried {carried} packets in the 0.5 s before it failed");
     // Never more than the uplinks that are up carry (5 % for iperf3's interval edges).
     assert!(before <= 400.0 * 1.05, "{before}");
     assert!(after <= 300.0 * 1.05, "{after}");
     // Recovered: the flows of the dead link were rehashed onto the links left.
     assert!(after >= 100.0, "{after}");
-    if carried > 0 {
+    if carried > 20 {
         let lost = drops(&f, "link_down") + drops(&f, "no_route");
         assert!(
             lost > 0,
-            "the dead link carried traffic, yet nothing was lost"
+            "the dead link carried {carried} packets in the 0.5 s before, yet nothing was lost"
         );
     }
     f.down();
