@@ -111,16 +111,24 @@ pub fn inspect_head(buf: &[u8], frame_len: usize) -> Result<Headers, Unforwardab
 
 /// Sets CE on an IPv4 packet already accepted by `inspect` and fixes the header checksum.
 pub fn mark_ce(buf: &mut [u8]) {
-    let mut ip = MutableIpv4Packet::new(buf).expect("inspected packet");
-    ip.set_ecn(ECN_CE);
-    let sum = ipv4::checksum(&ip.to_immutable());
-    ip.set_checksum(sum);
+    MutableIpv4Packet::new(buf)
+        .expect("inspected packet")
+        .set_ecn(ECN_CE);
+    set_header_checksum(buf);
+}
+
+/// Recomputes the header checksum of an IPv4 packet (`buf` holds at least its whole
+/// header, as its IHL says).
+pub fn set_header_checksum(buf: &mut [u8]) {
+    let ihl = (buf[0] & 0x0f) as usize * 4;
+    let sum = header_checksum(&buf[..ihl]);
+    buf[10..12].copy_from_slice(&sum.to_be_bytes());
 }
 
 /// The IPv4 header checksum `header` should carry (RFC 791: its checksum field taken as
 /// zero). What `pnet`'s `ipv4::checksum` computes, without its generic byte-at-a-time
-/// walk: it runs on every frame a GPU sends.
-fn header_checksum(header: &[u8]) -> u16 {
+/// walk: it runs on every frame a GPU sends, and on every frame cut or coalesced.
+pub fn header_checksum(header: &[u8]) -> u16 {
     let mut sum = 0u32;
     for (i, w) in header.chunks_exact(2).enumerate() {
         if i != 5 {

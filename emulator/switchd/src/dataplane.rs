@@ -2365,7 +2365,7 @@ mod tun_ports_tests {
         p[32] = 5 << 4;
         p[33] = 0x18;
         p.extend((0..payload).map(|i| i as u8));
-        offload::set_ip_checksum(&mut p);
+        closbox_fabric::packet::set_header_checksum(&mut p);
         p
     }
 

@@ -23,6 +23,7 @@ use std::io::IoSlice;
 use std::ops::Range;
 use std::sync::Arc;
 
+use closbox_fabric::packet::set_header_checksum;
 use closbox_fabric::Frame;
 
 /// `struct virtio_net_hdr` (10 bytes, the host's byte order, as TUNs use it without
@@ -116,14 +117,6 @@ fn fold(mut sum: u32) -> u16 {
     sum as u16
 }
 
-/// Recomputes an IPv4 header's checksum (`ip` starts with a whole header).
-pub fn set_ip_checksum(ip: &mut [u8]) {
-    let sum = pnet_packet::ipv4::Ipv4Packet::new(ip)
-        .map(|h| pnet_packet::ipv4::checksum(&h))
-        .expect("an IPv4 header");
-    ip[10..12].copy_from_slice(&sum.to_be_bytes());
-}
-
 /// The folded pseudo-header sum of an IPv4 packet's transport part of `len` bytes (what
 /// a `CHECKSUM_PARTIAL` packet carries in its checksum field).
 fn pseudo(ip: &[u8], proto: u8, len: usize) -> u16 {
@@ -191,7 +184,7 @@ pub fn segment(
         f.extend_from_slice(&p[..hl]);
         f[2..4].copy_from_slice(&((hl + len) as u16).to_be_bytes());
         f[4..6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
-        set_ip_checksum(&mut f);
+        set_header_checksum(&mut f);
         let seq = seq0.wrapping_add((i * mss) as u32);
         f[ihl + 4..ihl + 8].copy_from_slice(&seq.to_be_bytes());
         let mut fl = flags;
@@ -295,7 +288,7 @@ pub fn coalesced_headers<F: AsRef<Frame>>(frames: &[F]) -> (VnetHdr, Vec<u8>) {
     let total: usize = hl + frames.iter().map(|f| f.as_ref().len() - hl).sum::<usize>();
     let mut h = first[..hl].to_vec();
     h[2..4].copy_from_slice(&(total as u16).to_be_bytes());
-    set_ip_checksum(&mut h);
+    set_header_checksum(&mut h);
     let last = frames[frames.len() - 1].as_ref().head();
     h[ihl + 13] |= last[ihl + 13] & PSH;
     let check = pseudo(&h, TCP, total - ihl);
@@ -404,14 +397,14 @@ mod tests {
         p[34..36].copy_from_slice(&512u16.to_be_bytes());
         p[40..52].copy_from_slice(&[1, 1, 8, 10, 0, 0, 0, 9, 0, 0, 0, 3]);
         p.extend_from_slice(payload);
-        set_ip_checksum(&mut p);
+        set_header_checksum(&mut p);
         fill_checksum(&mut p);
         p
     }
 
     fn checksums_ok(p: &[u8]) -> bool {
         let mut q = p.to_vec();
-        set_ip_checksum(&mut q);
+        set_header_checksum(&mut q);
         fill_checksum(&mut q);
         q == p
     }
@@ -484,7 +477,7 @@ mod tests {
             assert_eq!(f[40..52], sp[40..52], "options kept");
             // IP checksum right; TCP checksum partial: completing it gives the real one.
             let mut ip = f.clone();
-            set_ip_checksum(&mut ip);
+            set_header_checksum(&mut ip);
             assert_eq!(ip[10..12], f[10..12]);
             assert_eq!(be16(f, 36), pseudo(f, TCP, f.len() - 20));
             let mut done = f.clone();
@@ -543,7 +536,7 @@ mod tests {
         // A CE mark on the second frame: not merged with the first.
         let mut marked = frames[1].clone();
         marked.head_mut()[1] |= 0x03;
-        set_ip_checksum(marked.head_mut());
+        set_header_checksum(marked.head_mut());
         assert_eq!(mergeable_run(&[&frames[0], &marked, &frames[2]]), 1);
         // Another flow, a SYN, a short frame first: each alone.
         let mut other_port = tcp(3005, ACK, 0x02, &payload[..3000]);
