@@ -497,14 +497,20 @@ fn flows_show_an_ecmp_collision() {
     let out = closbox(&["flows", "--fabric", "lt-flows", "--json"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let heavy: Vec<&serde_json::Value> = v["flows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|x| x["bytes"].as_u64().unwrap() > 10_000_000)
-        .collect();
-    assert_eq!(heavy.len(), 2, "{v}");
-    for x in &heavy {
+    // The two data flows, found by their ports: both on the shared uplink. Together they
+    // carried the uplink's worth; how they split it is not checked: a tail-drop queue fed
+    // by two input ports can starve one of them (seen: 4 of 248 MB, 1,221 of its 2,779
+    // packets dropped), the port blackout real switches show too (Prakash et al., "The TCP
+    // Outcast Problem", NSDI 2012).
+    let flows = v["flows"].as_array().unwrap();
+    let data = |gpu: &str, sport: u16| {
+        flows
+            .iter()
+            .find(|x| x["src_gpu"] == gpu && x["sport"] == sport)
+            .unwrap_or_else(|| panic!("no flow from {gpu}:{sport} in {v}"))
+    };
+    let (d0, d1) = (data("gpu0", p0), data("gpu1", p1));
+    for x in [d0, d1] {
         let path: Vec<&str> = x["path"]
             .as_array()
             .unwrap()
@@ -513,6 +519,8 @@ fn flows_show_an_ecmp_collision() {
             .collect();
         assert_eq!(&path[1..3], ["leaf0", "spine1"], "{x}");
     }
+    let together = d0["bytes"].as_u64().unwrap() + d1["bytes"].as_u64().unwrap();
+    assert!(together > 100_000_000, "{together} bytes: {v}");
     // `top` showed the shared uplink busy and the other idle, and quit on q.
     eprintln!("{screen}");
     let busy_line = screen
@@ -538,10 +546,20 @@ fn flows_show_an_ecmp_collision() {
         .output()
         .unwrap();
     assert!(!gone.status.success(), "top did not quit on q");
-    let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "2"]);
+    let out = closbox(&["flows", "--fabric", "lt-flows"]);
     let o = text(&out).0;
     eprintln!("{o}");
-    assert_eq!(o.matches("> leaf0 > spine1 >").count(), 2, "{o}");
+    for from in [format!("gpu0:{p0}"), format!("gpu1:{p1}")] {
+        let line = o
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(from.as_str()))
+            .unwrap_or_else(|| panic!("no {from} in\n{o}"));
+        assert!(line.contains(" > leaf0 > spine1 > "), "{line}");
+    }
+    // --top keeps the heaviest.
+    let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "1"]);
+    let o = text(&out).0;
+    assert_eq!(o.matches("> leaf0 > spine1 >").count(), 1, "{o}");
     f.down();
 }
 
