@@ -253,11 +253,16 @@ fn network(s: &mut String, p: &Plan) {
     let g = &n.gpus;
     let _ = writeln!(
         s,
-        "  GPUs               NIC queue {}{}, TCP {}{}",
+        "  GPUs               NIC queue {}{}{}, TCP {}{}",
         Bytes::new(g.nic_buffer_bytes),
         g.nic_ecn
             .as_deref()
             .map_or(String::new(), |e| format!(" (ECN {e})")),
+        if g.nic_scheduler == "fq" {
+            ", flows served in turn (fq)"
+        } else {
+            ", one FIFO"
+        },
         g.tcp_congestion
             .as_deref()
             .unwrap_or("the host's default congestion control"),

@@ -6,6 +6,7 @@
 //! tests drive it with a virtual clock.
 
 pub mod config;
+mod fq;
 pub mod frame;
 pub mod generate;
 pub mod load;

@@ -21,12 +21,15 @@ use std::collections::binary_heap::PeekMut;
 use std::collections::{BinaryHeap, VecDeque};
 use std::net::Ipv4Addr;
 
+use crate::fq::FlowQueues;
 use crate::frame::Frame;
 use crate::load::{Generator, LoadCounters, LoadSpec};
 use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
 use crate::routing::{scale_out_bfs, vertex_latency, PortId, Routes, VertexIdx};
-use crate::topology::{Ecn, FlowControl, HostId, LinkParams, QueueParams, Routing, Topology};
+use crate::topology::{
+    Ecn, FlowControl, HostId, LinkParams, NicScheduler, QueueParams, Routing, Topology,
+};
 use crate::units::{Bandwidth, Bytes, Duration, Instant};
 
 /// Why the fabric dropped a packet.
@@ -265,7 +268,7 @@ pub struct FlowCounters {
 /// Hashes the flow map's keys as they are: they are already mixed 64-bit hashes of the
 /// 5-tuple, and the map is looked up for every packet a GPU sends.
 #[derive(Default)]
-struct MixedKey(u64);
+pub(crate) struct MixedKey(u64);
 
 impl std::hash::Hasher for MixedKey {
     fn finish(&self) -> u64 {
@@ -316,6 +319,8 @@ const DEPART_EVENT: u32 = 1 << 30;
 const PAUSE_EVENT: u32 = 2 << 30;
 const RESUME_EVENT: u32 = 3 << 30;
 const EVENT_KIND: u32 = 3 << 30;
+/// Mixed with a load's index: its flow key in a NIC's flow queues.
+const LOAD_FLOW: u64 = 0x6c6f_6164_0000_0000;
 /// Backlog entry flags.
 const LOST: u8 = 1;
 const SYNTHETIC: u8 = 2;
@@ -361,6 +366,13 @@ struct Port {
     /// Lossless fabrics: admitted packets that have not started (their bytes are in
     /// `backlog_bytes`); they start one by one as the port frees and is not paused.
     waiting: VecDeque<u32>,
+    /// A GPU's NIC with the `fq` scheduler: its admitted packets that have not started,
+    /// a queue per flow (then `waiting` stays empty); they start one by one as the port
+    /// frees, the next one picked fairly among the flows.
+    fq: Option<Box<FlowQueues>>,
+    /// A GPU's NIC with `fq`: bytes it takes off its flow queues ahead of the wire (see
+    /// `nic_ring`); 0 in a lossless fabric.
+    nic_ring: u64,
     /// Stopped by the downstream neighbour, since when.
     paused: Option<Instant>,
     /// A departure event (the port frees) is scheduled.
@@ -494,6 +506,13 @@ impl Fabric {
                 counters: PortCounters::default(),
                 rng: Rng::new(seed, 1 << 40 | i as u64),
                 waiting: VecDeque::new(),
+                fq: (p.from < h && topo.fabric.nic_scheduler == NicScheduler::Fq)
+                    .then(|| Box::new(FlowQueues::new(topo.fabric.mtu))),
+                nic_ring: nic_ring(
+                    topo.links[p.link as usize].params.rate,
+                    topo.fabric.mtu,
+                    topo.fabric.flow_control,
+                ),
                 paused: None,
                 depart_pending: false,
                 ingress_bytes: 0,
@@ -901,6 +920,7 @@ impl Fabric {
                         port.queue.buffer = b;
                     }
                     port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
+                    port.nic_ring = nic_ring(port.link.rate, self.mtu, self.flow_control);
                 }
             }
             Change::Partition(groups) => {
@@ -959,6 +979,7 @@ impl Fabric {
                     port.link = self.topo.links[link as usize].params;
                     port.queue.buffer = buffer;
                     port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
+                    port.nic_ring = nic_ring(port.link.rate, self.mtu, self.flow_control);
                 }
             }
         }
@@ -1207,9 +1228,12 @@ impl Fabric {
         if let Some(since) = port.paused.take() {
             port.counters.paused += now.saturating_since(since);
         }
-        let waiting: Vec<u32> = port.waiting.drain(..).collect();
+        let mut waiting: Vec<u32> = port.waiting.drain(..).collect();
+        if let Some(fq) = &mut port.fq {
+            waiting.extend(fq.drain());
+        }
         self.in_transit -= lost.len() as u64;
-        // Lost on the wire (started), or waiting to start (lossless).
+        // Lost on the wire (started), or waiting to start (lossless, or a NIC's flows).
         let on_wire = lost.into_iter().map(|s| (s, true));
         for (slot, started) in on_wire.chain(waiting.into_iter().map(|s| (s, false))) {
             let pkt = self.release(slot);
@@ -1388,7 +1412,7 @@ impl Fabric {
     fn enqueue(&mut self, now: Instant, port_id: PortId, slot: u32) -> Result<(), DropReason> {
         let lossless = self.flow_control.pause().copied();
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
-        let (len, load, ingress) = (pkt.len, pkt.load, pkt.ingress);
+        let (len, load, ingress, flow) = (pkt.len, pkt.load, pkt.ingress, pkt.flow);
         let port = &mut self.ports[port_id.0 as usize];
         settle(port, now);
         if load == NO_LOAD {
@@ -1412,6 +1436,27 @@ impl Fabric {
         let port = &mut self.ports[port_id.0 as usize];
         port.backlog_bytes += len as u64;
         port.counters.max_queue_bytes = port.counters.max_queue_bytes.max(port.backlog_bytes);
+        if let Some(fq) = &mut port.fq {
+            // A GPU's NIC: straight to the wire if nothing waits and it has room ahead of
+            // the wire, else into its flow's queue (a load is a flow of its own).
+            let ahead = port.backlog_bytes - len as u64;
+            if fq.is_empty()
+                && (ahead == 0 || ahead < port.nic_ring)
+                && port.paused.is_none()
+                && !port.depart_pending
+            {
+                self.transmit(now, port_id, slot);
+            } else {
+                let key = if load == NO_LOAD {
+                    flow
+                } else {
+                    mix(LOAD_FLOW ^ load as u64)
+                };
+                fq.push(key, slot, len);
+                self.nic_start(now, port_id);
+            }
+            return Ok(());
+        }
         let Some(pause) = lossless else {
             self.transmit(now, port_id, slot);
             return Ok(());
@@ -1499,10 +1544,13 @@ impl Fabric {
         }
     }
 
-    /// Lossless: starts port `p`'s next waiting packet at `now` if it is free and not
+    /// Lossless, or a GPU's NIC with `fq`: starts port `p`'s next waiting packet at `now` if it is free and not
     /// paused, or schedules the instant it frees.
     fn try_start(&mut self, now: Instant, p: PortId) {
         let port = &mut self.ports[p.0 as usize];
+        if port.fq.is_some() {
+            return self.nic_start(now, p);
+        }
         if port.paused.is_some() || port.depart_pending {
             return;
         }
@@ -1525,7 +1573,33 @@ impl Fabric {
         }
     }
 
-    /// Lossless: port `p` looks at its waiting packets again when it frees.
+    /// A GPU's NIC with `fq`: takes packets off its flow queues, fairly, while it has
+    /// room ahead of the wire (`nic_ring`; they start back to back), else schedules the
+    /// instant the wire has sent what it took.
+    fn nic_start(&mut self, now: Instant, p: PortId) {
+        let port = &mut self.ports[p.0 as usize];
+        if port.paused.is_some() || port.depart_pending {
+            return;
+        }
+        settle(port, now);
+        loop {
+            let port = &mut self.ports[p.0 as usize];
+            let (ring, backlog) = (port.nic_ring, port.backlog_bytes);
+            let fq = port.fq.as_mut().expect("a NIC's flow queues");
+            if fq.is_empty() {
+                return;
+            }
+            let ahead = backlog - fq.bytes();
+            if ahead > 0 && ahead >= ring {
+                self.schedule_depart(p);
+                return;
+            }
+            let slot = fq.pop().expect("a waiting packet");
+            self.transmit(now, p, slot);
+        }
+    }
+
+    /// Port `p` looks at its waiting packets again when it frees.
     fn schedule_depart(&mut self, p: PortId) {
         let port = &mut self.ports[p.0 as usize];
         port.depart_pending = true;
@@ -1714,7 +1788,8 @@ impl Fabric {
     /// Packets and bytes queued (admitted, not finished) at a port as of the last settle.
     pub fn queued(&self, p: PortId) -> (usize, u64) {
         let port = &self.ports[p.0 as usize];
-        (port.backlog.len(), port.backlog_bytes)
+        let waiting = port.waiting.len() + port.fq.as_ref().map_or(0, |fq| fq.len());
+        (port.backlog.len() + waiting, port.backlog_bytes)
     }
 
     /// Fabric-wide totals as of `now`.
@@ -1739,8 +1814,11 @@ impl Fabric {
                 + self
                     .ports
                     .iter()
-                    .flat_map(|p| p.waiting.iter())
-                    .filter(|&&s| {
+                    .flat_map(|p| {
+                        let fq = p.fq.iter().flat_map(|fq| fq.slots());
+                        p.waiting.iter().copied().chain(fq)
+                    })
+                    .filter(|&s| {
                         self.slots[s as usize]
                             .as_ref()
                             .is_some_and(|p| p.load == NO_LOAD)
@@ -1765,7 +1843,9 @@ impl Fabric {
 
     /// Changes a port's rate from `now` on; packets already scheduled keep their times.
     pub fn set_rate(&mut self, p: PortId, rate: Bandwidth) {
-        self.ports[p.0 as usize].link.rate = rate;
+        let port = &mut self.ports[p.0 as usize];
+        port.link.rate = rate;
+        port.nic_ring = nic_ring(rate, self.mtu, self.flow_control);
     }
 }
 
@@ -1808,6 +1888,18 @@ fn pack(t: Instant, port: u32) -> u128 {
 
 fn unpack(e: u128) -> (Instant, u32) {
     (Instant::from_nanos((e >> 32) as u64), e as u32)
+}
+
+/// Bytes a GPU's NIC with `fq` takes off its flow queues ahead of the wire: what TCP's TSO
+/// autosizing hands a real NIC at once, about 1 ms of line rate, at least two frames and
+/// at most a 64 KiB super-packet (a packet of another flow waits for that much, as behind
+/// a TSO burst). In a lossless fabric one packet at a time, so that a pause stops the NIC
+/// after the frame it is sending.
+fn nic_ring(rate: Bandwidth, mtu: u32, flow_control: FlowControl) -> u64 {
+    if flow_control != FlowControl::Lossy {
+        return 0;
+    }
+    (rate.bps() / 8 / 1000).clamp(2 * mtu as u64, 64 << 10)
 }
 
 /// Retires packets that finished by `now`.

@@ -71,6 +71,8 @@ pub struct NetworkPlan {
 pub struct GpuPlan {
     pub nic_buffer_bytes: u64,
     pub nic_ecn: Option<String>,
+    /// "fq" (a queue per flow, served fairly) or "fifo".
+    pub nic_scheduler: &'static str,
     /// The congestion control every GPU's TCP uses; `None`: the host's default.
     pub tcp_congestion: Option<String>,
     pub tcp_ecn: bool,
@@ -125,6 +127,7 @@ impl NetworkPlan {
         let gpus = GpuPlan {
             nic_buffer_bytes: f.nic_queue.buffer.get(),
             nic_ecn: f.nic_queue.ecn.map(ecn_words),
+            nic_scheduler: f.nic_scheduler.name(),
             tcp_congestion: f.host_tcp.congestion.clone(),
             tcp_ecn: f.host_tcp.ecn,
         };

@@ -135,6 +135,26 @@ pub struct QueueParams {
     pub ecn: Option<Ecn>,
 }
 
+/// How a GPU's NIC serves its flows (`[nic] scheduler`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NicScheduler {
+    /// A queue per flow, served fairly, new (sparse) flows first: a host's `fq_codel`
+    /// (see `fq`). An ACK or a small message waits behind the frame on the wire.
+    #[default]
+    Fq,
+    /// One FIFO: every packet waits behind the host's whole backlog.
+    Fifo,
+}
+
+impl NicScheduler {
+    pub fn name(self) -> &'static str {
+        match self {
+            NicScheduler::Fq => "fq",
+            NicScheduler::Fifo => "fifo",
+        }
+    }
+}
+
 /// Settings shared by the switches of one tier.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SwitchParams {
@@ -282,6 +302,8 @@ pub struct FabricParams {
     pub l2_overhead: u32,
     /// The GPU NIC's egress queue.
     pub nic_queue: QueueParams,
+    /// How the GPU NIC's egress queue picks the next packet.
+    pub nic_scheduler: NicScheduler,
     /// TCP settings of the GPUs' own network stacks.
     pub host_tcp: HostTcp,
     /// The most memory the fabric's held packets may take (buffers plus per-packet

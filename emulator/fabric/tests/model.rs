@@ -1602,3 +1602,71 @@ fn a_link_failure_on_a_lossless_fabric_keeps_its_accounts() {
         );
     }
 }
+
+/// Deliveries at `dst`, in order: arrival times (ns).
+fn arrivals_at(d: &[Delivery], dst: u32) -> Vec<u64> {
+    d.iter()
+        .filter(|d| d.dst.0 == dst)
+        .map(|d| d.at.as_nanos())
+        .collect()
+}
+
+#[test]
+fn a_gpus_nic_sends_a_small_packet_of_another_flow_ahead_of_its_backlog() {
+    // 200 frames of 1000 B to gpu1 queued at gpu0's NIC (8304 ns each at 1 Gbit/s), then
+    // a 64 B packet to gpu2.
+    let small = |scheduler: &str| {
+        let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
+        let mut f = Fabric::new(&t);
+        for _ in 0..200 {
+            assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+        }
+        assert_eq!(send(&mut f, &t, 100, (0, 2), 2, 0, 64), Verdict::Accepted);
+        let d = run(&mut f);
+        assert_eq!(arrivals_at(&d, 1).len(), 200);
+        arrivals_at(&d, 2)[0]
+    };
+    // fq: it waits for what the NIC took ahead of the wire (a TSO burst: 64 KiB at
+    // 1 Gbit/s, 66 frames) and the backlogged flow's first round (a quantum of one MTU,
+    // 1500 B: two frames, its deficit going negative as in fq_codel), then 2 × 816 ns of
+    // its own serialization (NIC and switch port).
+    assert_eq!(small("fq"), 68 * 8304 + 2 * 816);
+    // fifo: behind all 200.
+    assert_eq!(small("fifo"), 200 * 8304 + 2 * 816);
+}
+
+#[test]
+fn a_gpus_nic_shares_its_line_rate_among_its_flows() {
+    // Two bulk flows from gpu0, to gpu1 and gpu2, 400 frames each, the first queued whole
+    // before the second.
+    let run_with = |scheduler: &str| {
+        let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
+        let mut f = Fabric::new(&t);
+        for _ in 0..400 {
+            assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+        }
+        for _ in 0..400 {
+            assert_eq!(send(&mut f, &t, 0, (0, 2), 2, 0, 1000), Verdict::Accepted);
+        }
+        let d = run(&mut f);
+        let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
+        assert_eq!(all_drops(&c), 0);
+        let (a, b) = (arrivals_at(&d, 1), arrivals_at(&d, 2));
+        assert_eq!((a.len(), b.len()), (400, 400));
+        // The NIC busy back to back either way: the last frame arrives after 800 frame
+        // times and the switch hop.
+        assert_eq!(a[399].max(b[399]), 801 * 8304);
+        // Frames of each flow between 100 and 300 frame times.
+        let window = |x: &[u64]| {
+            x.iter()
+                .filter(|&&t| (100 * 8304..300 * 8304).contains(&t))
+                .count()
+        };
+        (window(&a), window(&b))
+    };
+    // fq: once the first flow's burst has left, they alternate: 100 each.
+    let (a, b) = run_with("fq");
+    assert!(a.abs_diff(100) <= 1 && b.abs_diff(100) <= 1, "{a} {b}");
+    // fifo: the second waits for all of the first.
+    assert_eq!(run_with("fifo"), (200, 0));
+}

@@ -11,7 +11,9 @@ use std::path::Path;
 use toml::Spanned;
 
 use crate::generate::{Builder, Settings};
-use crate::topology::{FabricParams, Ipv4Net, LinkClass, QueueParams, Tier, Topology};
+use crate::topology::{
+    FabricParams, Ipv4Net, LinkClass, NicScheduler, QueueParams, Tier, Topology,
+};
 use crate::units::{Bytes, Duration, TimeScale};
 
 /// A topology file that cannot be used, with where and why.
@@ -319,6 +321,19 @@ fn fabric_params(
             ecn: None,
         },
     )?;
+    let nic_scheduler = match nic.and_then(|n| n.scheduler.as_ref()) {
+        None => NicScheduler::default(),
+        Some(v) => match v.get_ref().as_str() {
+            "fq" => NicScheduler::Fq,
+            "fifo" => NicScheduler::Fifo,
+            other => {
+                return Err(cx.err(
+                    v,
+                    format!("`scheduler` {other:?} is not a NIC scheduler (\"fq\" or \"fifo\")"),
+                ))
+            }
+        },
+    };
     let congestion = match nic.and_then(|n| n.tcp_congestion.as_ref()) {
         Some(c) => {
             let v = c.get_ref();
@@ -348,6 +363,7 @@ fn fabric_params(
         mtu,
         l2_overhead,
         nic_queue,
+        nic_scheduler,
         // Settled in `build` once the ports are known.
         packet_memory: Bytes::new(0),
         detection: duration(cx, &f.failure_detection, "failure_detection")?
@@ -519,6 +535,17 @@ gpus_per_leaf = 4
         assert_eq!(t.fabric.host_tcp.congestion, None);
         let e = err(&format!("{LS}[nic]\ntcp_congestion = \"no-such\"\n"));
         assert!(e.starts_with("t.toml:10:18: "), "{e}");
+    }
+
+    #[test]
+    fn a_nic_serves_its_flows_fairly_unless_the_file_says_fifo() {
+        let t = parse(LS, "t.toml").unwrap();
+        assert_eq!(t.fabric.nic_scheduler, NicScheduler::Fq);
+        let t = parse(&format!("{LS}[nic]\nscheduler = \"fifo\"\n"), "t.toml").unwrap();
+        assert_eq!(t.fabric.nic_scheduler, NicScheduler::Fifo);
+        let e = err(&format!("{LS}[nic]\nscheduler = \"wfq\"\n"));
+        assert!(e.starts_with("t.toml:10:13: "), "{e}");
+        assert!(e.contains("\"wfq\" is not a NIC scheduler"), "{e}");
     }
 
     #[test]

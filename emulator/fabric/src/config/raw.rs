@@ -87,6 +87,7 @@ pub(super) struct RawQueue {
     pub(super) tcp_congestion: Option<Spanned<String>>,
     pub(super) tcp_ecn: Option<bool>,
     pub(super) tcp_slow_start_after_idle: Option<bool>,
+    pub(super) scheduler: Option<Spanned<String>>,
 }
 
 #[derive(Clone, Deserialize, Default)]
