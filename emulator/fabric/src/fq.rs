@@ -5,10 +5,10 @@
 //! sender no backpressure, so it is held here); an ACK or a small message of another flow
 //! waits behind the frame on the wire, not behind the whole backlog.
 //!
-//! Granularity is the frame (the model's packet), with a quantum of one MTU: a real NIC
-//! with TSO sends a whole super-packet (up to 64 KiB) once fq_codel dequeued it, so there
-//! a new flow may wait for up to that burst. The model holds no super-packets: it serves
-//! flows frame by frame.
+//! A flow's quantum (what it may send per round) is set by the model to the NIC's TSO
+//! burst: fq_codel dequeues a whole super-packet (up to 64 KiB) at once, so flows take
+//! turns by bursts, not frames; the model holds frames, and a flow sends frames until it
+//! has spent its quantum.
 //!
 //! Allocation-free once warm: queues that empty are kept for the next new flow.
 
@@ -47,7 +47,7 @@ pub(crate) struct FlowQueues {
 }
 
 impl FlowQueues {
-    /// `quantum`: bytes a flow may send per round (one MTU).
+    /// `quantum`: bytes a flow may send per round.
     pub(crate) fn new(quantum: u32) -> FlowQueues {
         FlowQueues {
             quantum: quantum.max(1) as i64,
@@ -59,6 +59,11 @@ impl FlowQueues {
             len: 0,
             bytes: 0,
         }
+    }
+
+    /// Bytes a flow may send per round from now on.
+    pub(crate) fn set_quantum(&mut self, quantum: u64) {
+        self.quantum = quantum.max(1) as i64;
     }
 
     pub(crate) fn is_empty(&self) -> bool {

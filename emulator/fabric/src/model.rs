@@ -371,7 +371,7 @@ struct Port {
     /// frees, the next one picked fairly among the flows.
     fq: Option<Box<FlowQueues>>,
     /// A GPU's NIC with `fq`: bytes it takes off its flow queues ahead of the wire (see
-    /// `nic_ring`); 0 in a lossless fabric.
+    /// `Port::size_nic`).
     nic_ring: u64,
     /// Stopped by the downstream neighbour, since when.
     paused: Option<Instant>,
@@ -485,7 +485,7 @@ impl Fabric {
         let routes = Routes::new(topo);
         let h = topo.hosts.len() as u32;
         let seed = topo.fabric.seed;
-        let ports = routes
+        let mut ports = routes
             .ports
             .iter()
             .enumerate()
@@ -508,11 +508,7 @@ impl Fabric {
                 waiting: VecDeque::new(),
                 fq: (p.from < h && topo.fabric.nic_scheduler == NicScheduler::Fq)
                     .then(|| Box::new(FlowQueues::new(topo.fabric.mtu))),
-                nic_ring: nic_ring(
-                    topo.links[p.link as usize].params.rate,
-                    topo.fabric.mtu,
-                    topo.fabric.flow_control,
-                ),
+                nic_ring: 0,
                 paused: None,
                 depart_pending: false,
                 ingress_bytes: 0,
@@ -523,7 +519,11 @@ impl Fabric {
                     topo.fabric.l2_overhead,
                 ),
             })
-            .collect();
+            .collect::<Vec<Port>>();
+        let lossless = topo.fabric.flow_control != FlowControl::Lossy;
+        for port in &mut ports {
+            port.size_nic(topo.fabric.mtu, lossless);
+        }
         assert!(
             routes.ports.len() < (1 << 29),
             "port numbers fit below the event flags"
@@ -920,7 +920,7 @@ impl Fabric {
                         port.queue.buffer = b;
                     }
                     port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
-                    port.nic_ring = nic_ring(port.link.rate, self.mtu, self.flow_control);
+                    port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
                 }
             }
             Change::Partition(groups) => {
@@ -979,7 +979,7 @@ impl Fabric {
                     port.link = self.topo.links[link as usize].params;
                     port.queue.buffer = buffer;
                     port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
-                    port.nic_ring = nic_ring(port.link.rate, self.mtu, self.flow_control);
+                    port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
                 }
             }
         }
@@ -1574,7 +1574,7 @@ impl Fabric {
     }
 
     /// A GPU's NIC with `fq`: takes packets off its flow queues, fairly, while it has
-    /// room ahead of the wire (`nic_ring`; they start back to back), else schedules the
+    /// room ahead of the wire (`Port::size_nic`; they start back to back), else schedules the
     /// instant the wire has sent what it took.
     fn nic_start(&mut self, now: Instant, p: PortId) {
         let port = &mut self.ports[p.0 as usize];
@@ -1845,7 +1845,7 @@ impl Fabric {
     pub fn set_rate(&mut self, p: PortId, rate: Bandwidth) {
         let port = &mut self.ports[p.0 as usize];
         port.link.rate = rate;
-        port.nic_ring = nic_ring(rate, self.mtu, self.flow_control);
+        port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
     }
 }
 
@@ -1890,16 +1890,25 @@ fn unpack(e: u128) -> (Instant, u32) {
     (Instant::from_nanos((e >> 32) as u64), e as u32)
 }
 
-/// Bytes a GPU's NIC with `fq` takes off its flow queues ahead of the wire: what TCP's TSO
-/// autosizing hands a real NIC at once, about 1 ms of line rate, at least two frames and
-/// at most a 64 KiB super-packet (a packet of another flow waits for that much, as behind
-/// a TSO burst). In a lossless fabric one packet at a time, so that a pause stops the NIC
-/// after the frame it is sending.
-fn nic_ring(rate: Bandwidth, mtu: u32, flow_control: FlowControl) -> u64 {
-    if flow_control != FlowControl::Lossy {
-        return 0;
-    }
+/// A TSO burst at `rate`: what TCP's TSO autosizing hands a real NIC at once, about 1 ms
+/// of line rate, at least two frames and at most a 64 KiB super-packet.
+fn tso_burst(rate: Bandwidth, mtu: u32) -> u64 {
     (rate.bps() / 8 / 1000).clamp(2 * mtu as u64, 64 << 10)
+}
+
+impl Port {
+    /// Sizes a GPU NIC's flow scheduling to its link rate: a flow sends a TSO burst per
+    /// round (`tso_burst`), as a host's fq_codel dequeues a whole super-packet at once; in
+    /// a lossy fabric the NIC takes a burst ahead of the wire (its ring: a packet of
+    /// another flow waits for that much, as behind a TSO burst), in a lossless one a frame
+    /// at a time, so that a pause stops it after the frame it is sending.
+    fn size_nic(&mut self, mtu: u32, lossless: bool) {
+        let burst = tso_burst(self.link.rate, mtu);
+        self.nic_ring = if lossless { 0 } else { burst };
+        if let Some(fq) = &mut self.fq {
+            fq.set_quantum(burst);
+        }
+    }
 }
 
 /// Retires packets that finished by `now`.

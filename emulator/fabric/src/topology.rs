@@ -138,12 +138,14 @@ pub struct QueueParams {
 /// How a GPU's NIC serves its flows (`[nic] scheduler`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum NicScheduler {
-    /// A queue per flow, served fairly, new (sparse) flows first: a host's `fq_codel`
-    /// (see `fq`). An ACK or a small message waits behind the frame on the wire.
+    /// One FIFO: every packet waits behind the host's whole backlog. The default: the
+    /// shipped configs and the predictions are calibrated with it (see docs/design.md).
     #[default]
-    Fq,
-    /// One FIFO: every packet waits behind the host's whole backlog.
     Fifo,
+    /// A queue per flow, served in turn by TSO bursts, new (sparse) flows first: a host's
+    /// `fq_codel` (see `fq`). An ACK or a small message waits behind the burst the NIC
+    /// took, not behind the host's whole backlog.
+    Fq,
 }
 
 impl NicScheduler {

@@ -1626,47 +1626,52 @@ fn a_gpus_nic_sends_a_small_packet_of_another_flow_ahead_of_its_backlog() {
         assert_eq!(arrivals_at(&d, 1).len(), 200);
         arrivals_at(&d, 2)[0]
     };
-    // fq: it waits for what the NIC took ahead of the wire (a TSO burst: 64 KiB at
-    // 1 Gbit/s, 66 frames) and the backlogged flow's first round (a quantum of one MTU,
-    // 1500 B: two frames, its deficit going negative as in fq_codel), then 2 × 816 ns of
-    // its own serialization (NIC and switch port).
-    assert_eq!(small("fq"), 68 * 8304 + 2 * 816);
+    // fq: a TSO burst at 1 Gbit/s is 64 KiB (66 frames of 1000 B). The small packet waits
+    // for the burst the NIC took ahead of the wire and the bulk flow's first round (it
+    // came first, and a flow sends a burst per round), then 2 × 816 ns of its own
+    // serialization (NIC and switch port).
+    assert_eq!(small("fq"), 132 * 8304 + 2 * 816);
     // fifo: behind all 200.
     assert_eq!(small("fifo"), 200 * 8304 + 2 * 816);
 }
 
 #[test]
 fn a_gpus_nic_shares_its_line_rate_among_its_flows() {
-    // Two bulk flows from gpu0, to gpu1 and gpu2, 400 frames each, the first queued whole
-    // before the second.
+    // Two bulk flows from gpu0, to gpu1 and gpu2, 1000 frames each, the first queued
+    // whole before the second.
     let run_with = |scheduler: &str| {
         let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
         let mut f = Fabric::new(&t);
-        for _ in 0..400 {
+        for _ in 0..1000 {
             assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
         }
-        for _ in 0..400 {
+        for _ in 0..1000 {
             assert_eq!(send(&mut f, &t, 0, (0, 2), 2, 0, 1000), Verdict::Accepted);
         }
         let d = run(&mut f);
         let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
         assert_eq!(all_drops(&c), 0);
         let (a, b) = (arrivals_at(&d, 1), arrivals_at(&d, 2));
-        assert_eq!((a.len(), b.len()), (400, 400));
-        // The NIC busy back to back either way: the last frame arrives after 800 frame
+        assert_eq!((a.len(), b.len()), (1000, 1000));
+        // The NIC busy back to back either way: the last frame arrives after 2000 frame
         // times and the switch hop.
-        assert_eq!(a[399].max(b[399]), 801 * 8304);
-        // Frames of each flow between 100 and 300 frame times.
-        let window = |x: &[u64]| {
-            x.iter()
-                .filter(|&&t| (100 * 8304..300 * 8304).contains(&t))
-                .count()
-        };
-        (window(&a), window(&b))
+        assert_eq!(a[999].max(b[999]), 2001 * 8304);
+        (a, b)
     };
-    // fq: once the first flow's burst has left, they alternate: 100 each.
+    // fq: they take turns by bursts (66 frames): between 100 and 1500 frame times each
+    // gets half, within a burst.
     let (a, b) = run_with("fq");
-    assert!(a.abs_diff(100) <= 1 && b.abs_diff(100) <= 1, "{a} {b}");
+    let window = |x: &[u64]| {
+        x.iter()
+            .filter(|&&t| (100 * 8304..1500 * 8304).contains(&t))
+            .count()
+    };
+    let (wa, wb) = (window(&a), window(&b));
+    assert!(
+        wa.abs_diff(700) <= 66 && wb.abs_diff(700) <= 66,
+        "{wa} {wb}"
+    );
     // fifo: the second waits for all of the first.
-    assert_eq!(run_with("fifo"), (200, 0));
+    let (a, b) = run_with("fifo");
+    assert!(b[0] > a[999], "{} {}", b[0], a[999]);
 }

@@ -538,11 +538,11 @@ gpus_per_leaf = 4
     }
 
     #[test]
-    fn a_nic_serves_its_flows_fairly_unless_the_file_says_fifo() {
+    fn a_nic_is_one_fifo_unless_the_file_says_fq() {
         let t = parse(LS, "t.toml").unwrap();
-        assert_eq!(t.fabric.nic_scheduler, NicScheduler::Fq);
-        let t = parse(&format!("{LS}[nic]\nscheduler = \"fifo\"\n"), "t.toml").unwrap();
         assert_eq!(t.fabric.nic_scheduler, NicScheduler::Fifo);
+        let t = parse(&format!("{LS}[nic]\nscheduler = \"fq\"\n"), "t.toml").unwrap();
+        assert_eq!(t.fabric.nic_scheduler, NicScheduler::Fq);
         let e = err(&format!("{LS}[nic]\nscheduler = \"wfq\"\n"));
         assert!(e.starts_with("t.toml:10:13: "), "{e}");
         assert!(e.contains("\"wfq\" is not a NIC scheduler"), "{e}");
