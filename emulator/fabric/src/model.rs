@@ -367,8 +367,8 @@ struct Port {
     /// `backlog_bytes`); they start one by one as the port frees and is not paused.
     waiting: VecDeque<u32>,
     /// A GPU's NIC with the `fq` scheduler: its admitted packets that have not started,
-    /// a queue per flow (then `waiting` stays empty); they start one by one as the port
-    /// frees, the next one picked fairly among the flows.
+    /// a queue per flow (then `waiting` stays empty), taken off in turn as the NIC has
+    /// room ahead of the wire (`nic_ring`).
     fq: Option<Box<FlowQueues>>,
     /// A GPU's NIC with `fq`: bytes it takes off its flow queues ahead of the wire (see
     /// `Port::size_nic`).
@@ -1544,8 +1544,8 @@ impl Fabric {
         }
     }
 
-    /// Lossless, or a GPU's NIC with `fq`: starts port `p`'s next waiting packet at `now` if it is free and not
-    /// paused, or schedules the instant it frees.
+    /// Lossless: starts port `p`'s next waiting packet at `now` if it is free and not
+    /// paused, or schedules the instant it frees (a GPU's NIC with `fq`: `nic_start`).
     fn try_start(&mut self, now: Instant, p: PortId) {
         let port = &mut self.ports[p.0 as usize];
         if port.fq.is_some() {
@@ -1574,8 +1574,8 @@ impl Fabric {
     }
 
     /// A GPU's NIC with `fq`: takes packets off its flow queues, fairly, while it has
-    /// room ahead of the wire (`Port::size_nic`; they start back to back), else schedules the
-    /// instant the wire has sent what it took.
+    /// room ahead of the wire (`Port::size_nic`; they start back to back), else schedules
+    /// the instant the wire has sent what it took.
     fn nic_start(&mut self, now: Instant, p: PortId) {
         let port = &mut self.ports[p.0 as usize];
         if port.paused.is_some() || port.depart_pending {
@@ -1891,9 +1891,10 @@ fn unpack(e: u128) -> (Instant, u32) {
 }
 
 /// A TSO burst at `rate`: what TCP's TSO autosizing hands a real NIC at once, about 1 ms
-/// of line rate, at least two frames and at most a 64 KiB super-packet.
+/// of line rate, at most a 64 KiB super-packet, and at least two frames (which wins with
+/// frames above 32 KiB).
 fn tso_burst(rate: Bandwidth, mtu: u32) -> u64 {
-    (rate.bps() / 8 / 1000).clamp(2 * mtu as u64, 64 << 10)
+    (rate.bps() / 8 / 1000).min(64 << 10).max(2 * mtu as u64)
 }
 
 impl Port {

@@ -1675,3 +1675,21 @@ fn a_gpus_nic_shares_its_line_rate_among_its_flows() {
     let (a, b) = run_with("fifo");
     assert!(b[0] > a[999], "{} {}", b[0], a[999]);
 }
+
+#[test]
+fn a_nic_with_flow_queues_takes_jumbo_frames() {
+    // Frames above 32 KiB: the NIC's burst is two of them, whatever the rate.
+    let t = topo(&format!(
+        "{}[nic]\nscheduler = \"fq\"\n",
+        SWITCH2.replace("[topology]", "mtu = 65535\n[topology]")
+    ));
+    let mut f = Fabric::new(&t);
+    for _ in 0..4 {
+        assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 60_000), Verdict::Accepted);
+    }
+    assert_eq!(send(&mut f, &t, 0, (0, 2), 2, 0, 100), Verdict::Accepted);
+    let d = run(&mut f);
+    assert_eq!(arrivals_at(&d, 1).len(), 4);
+    // Behind the two frames the NIC took, not all four.
+    assert!(arrivals_at(&d, 2)[0] < arrivals_at(&d, 1)[3]);
+}
