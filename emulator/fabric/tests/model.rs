@@ -1611,16 +1611,26 @@ fn arrivals_at(d: &[Delivery], dst: u32) -> Vec<u64> {
         .collect()
 }
 
+/// `SWITCH2` with its GPUs' NICs on `scheduler`, and a backlog queued at gpu0's NIC at
+/// time 0: per (`dst`, `frames`), that many 1000 B packets to gpu `dst` (one flow each).
+fn nic_backlog(scheduler: &str, backlog: &[(u32, usize)]) -> (Topology, Fabric) {
+    let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
+    let mut f = Fabric::new(&t);
+    for &(dst, frames) in backlog {
+        for _ in 0..frames {
+            let v = send(&mut f, &t, 0, (0, dst), dst as u16, 0, 1000);
+            assert_eq!(v, Verdict::Accepted);
+        }
+    }
+    (t, f)
+}
+
 #[test]
 fn a_gpus_nic_sends_a_small_packet_of_another_flow_ahead_of_its_backlog() {
     // 200 frames of 1000 B to gpu1 queued at gpu0's NIC (8304 ns each at 1 Gbit/s), then
     // a 64 B packet to gpu2.
     let small = |scheduler: &str| {
-        let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
-        let mut f = Fabric::new(&t);
-        for _ in 0..200 {
-            assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
-        }
+        let (t, mut f) = nic_backlog(scheduler, &[(1, 200)]);
         assert_eq!(send(&mut f, &t, 100, (0, 2), 2, 0, 64), Verdict::Accepted);
         let d = run(&mut f);
         assert_eq!(arrivals_at(&d, 1).len(), 200);
@@ -1640,14 +1650,7 @@ fn a_gpus_nic_shares_its_line_rate_among_its_flows() {
     // Two bulk flows from gpu0, to gpu1 and gpu2, 1000 frames each, the first queued
     // whole before the second.
     let run_with = |scheduler: &str| {
-        let t = topo(&format!("{SWITCH2}[nic]\nscheduler = \"{scheduler}\"\n"));
-        let mut f = Fabric::new(&t);
-        for _ in 0..1000 {
-            assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
-        }
-        for _ in 0..1000 {
-            assert_eq!(send(&mut f, &t, 0, (0, 2), 2, 0, 1000), Verdict::Accepted);
-        }
+        let (_, mut f) = nic_backlog(scheduler, &[(1, 1000), (2, 1000)]);
         let d = run(&mut f);
         let c = f.port_counters(Instant::from_nanos(u64::MAX / 2));
         assert_eq!(all_drops(&c), 0);
