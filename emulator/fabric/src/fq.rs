@@ -3,7 +3,8 @@
 //! CoDel drop law), which is what a host's default qdisc does with several sockets'
 //! packets. A flow's backlog stands for what its socket has not sent yet (a TUN gives the
 //! sender no backpressure, so it is held here); an ACK or a small message of another flow
-//! waits behind the frame on the wire, not behind the whole backlog.
+//! waits behind what the NIC already took ahead of the wire (`Port::size_nic` in the
+//! model), not behind the whole backlog.
 //!
 //! A flow's quantum (what it may send per round) is set by the model to the NIC's TSO
 //! burst: fq_codel dequeues a whole super-packet (up to 64 KiB) at once, so flows take
