@@ -135,10 +135,15 @@ pub fn header_checksum(header: &[u8]) -> u16 {
             sum += u16::from_be_bytes([w[0], w[1]]) as u32;
         }
     }
+    !fold(sum)
+}
+
+/// Folds a 32-bit sum of 16-bit words into their 16-bit ones'-complement sum (RFC 1071).
+pub fn fold(mut sum: u32) -> u16 {
     while sum > 0xffff {
         sum = (sum & 0xffff) + (sum >> 16);
     }
-    !(sum as u16)
+    sum as u16
 }
 
 /// Rewrites the TTL of an IPv4 packet already accepted by `inspect` to `ttl`, updating
@@ -155,10 +160,8 @@ pub fn rewrite_ttl(buf: &mut [u8], ttl: u8) {
     let m = u16::from_be_bytes([old, buf[9]]) as u32;
     let m2 = u16::from_be_bytes([ttl, buf[9]]) as u32;
     let hc = u16::from_be_bytes([buf[10], buf[11]]) as u32;
-    let mut sum = (!hc & 0xffff) + (!m & 0xffff) + m2;
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    buf[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    let sum = (!hc & 0xffff) + (!m & 0xffff) + m2;
+    buf[10..12].copy_from_slice(&(!fold(sum)).to_be_bytes());
 }
 
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.

@@ -23,7 +23,7 @@ use std::io::IoSlice;
 use std::ops::Range;
 use std::sync::Arc;
 
-use closbox_fabric::packet::set_header_checksum;
+use closbox_fabric::packet::{fold, set_header_checksum};
 use closbox_fabric::Frame;
 
 /// `struct virtio_net_hdr` (10 bytes, the host's byte order, as TUNs use it without
@@ -108,13 +108,6 @@ fn be16(b: &[u8], i: usize) -> u16 {
 
 fn be32(b: &[u8], i: usize) -> u32 {
     u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
-}
-
-fn fold(mut sum: u32) -> u16 {
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    sum as u16
 }
 
 /// The folded pseudo-header sum of an IPv4 packet's transport part of `len` bytes (what
