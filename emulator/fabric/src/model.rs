@@ -409,6 +409,16 @@ struct InFlight {
     ttl: u8,
 }
 
+/// What `transmit` needs of a packet: read from its slot apart from sending it (see
+/// `Fabric::nic_start`).
+#[derive(Clone, Copy)]
+struct ToSend {
+    slot: u32,
+    len: u32,
+    load: u32,
+    wire_bits: u64,
+}
+
 struct VertexState {
     routing: Routing,
     hash_seed: u64,
@@ -431,7 +441,14 @@ pub struct Fabric {
     in_transit: u64,
     next_packet: u64,
     now: Instant,
-    deliveries: VecDeque<Delivery>,
+    /// Packets delivered and not polled yet, with the TTL their bytes get when polled:
+    /// a packet's headers were last touched when it entered, often long ago, and the
+    /// caller's loop over `poll_delivery` fetches them together (one read of memory
+    /// after another, overlapped) where the event loop would wait for each in turn.
+    deliveries: VecDeque<(Delivery, u8)>,
+    /// Reused by `nic_start`.
+    nic_burst: Vec<u32>,
+    nic_sent: Vec<ToSend>,
     /// Drops that are no port's: at a GPU's ingress, at a switch (TTL), the memory budget.
     vertex_drops: Drops,
     /// Bytes charged for the packets the fabric holds (`charge`), and the most it may.
@@ -554,6 +571,8 @@ impl Fabric {
             next_packet: 0,
             now: Instant::ZERO,
             deliveries: VecDeque::new(),
+            nic_burst: Vec::new(),
+            nic_sent: Vec::new(),
             vertex_drops: Drops::default(),
             memory_used: 0,
             memory_limit: topo.fabric.packet_memory.get(),
@@ -862,16 +881,16 @@ impl Fabric {
                     let _ = self.forward(t, v, slot);
                 }
             } else if v < self.hosts {
-                let mut pkt = self.release(slot);
-                packet::rewrite_ttl(pkt.data.head_mut(), pkt.ttl);
+                let pkt = self.release(slot);
                 debug_assert_eq!(pkt.dst.0, v);
                 self.delivered += 1;
-                self.deliveries.push_back(Delivery {
+                let d = Delivery {
                     at: t,
                     src: pkt.src,
                     dst: pkt.dst,
                     data: pkt.data,
-                });
+                };
+                self.deliveries.push_back((d, pkt.ttl));
             } else {
                 // Drops inside the fabric are counted on the port.
                 let _ = self.forward(t, v, slot);
@@ -1298,7 +1317,9 @@ impl Fabric {
     /// The next packet that has arrived at its GPU, in arrival order.
     #[must_use]
     pub fn poll_delivery(&mut self) -> Option<Delivery> {
-        self.deliveries.pop_front()
+        let (mut d, ttl) = self.deliveries.pop_front()?;
+        packet::rewrite_ttl(d.data.head_mut(), ttl);
+        Some(d)
     }
 
     /// Routes the packet in `slot`, standing at vertex `v` at time `now`, onto an egress
@@ -1590,20 +1611,30 @@ impl Fabric {
             return;
         }
         settle(port, now);
-        loop {
-            let port = &mut self.ports[p.0 as usize];
-            let (ring, backlog) = (port.nic_ring, port.backlog_bytes);
-            let fq = port.fq.as_mut().expect("a NIC's flow queues");
-            if fq.is_empty() {
-                return;
-            }
+        let (ring, backlog) = (port.nic_ring, port.backlog_bytes);
+        let fq = port.fq.as_mut().expect("a NIC's flow queues");
+        // The packets it takes (what it sends does not leave the backlog before `now`).
+        let mut burst = std::mem::take(&mut self.nic_burst);
+        while !fq.is_empty() {
             let ahead = backlog - fq.bytes();
             if ahead > 0 && ahead >= ring {
-                self.schedule_depart(p);
-                return;
+                break;
             }
-            let slot = fq.pop().expect("a waiting packet");
-            self.transmit(now, p, slot);
+            burst.push(fq.pop().expect("a waiting packet"));
+        }
+        let more = !fq.is_empty();
+        // Their slots are read in a pass of their own, then they are sent: they waited in
+        // the queue and are often out of the cache, and independent reads in a short loop
+        // are fetched together, where `transmit` would wait for each in turn.
+        let mut sent = std::mem::take(&mut self.nic_sent);
+        sent.extend(burst.drain(..).map(|slot| self.to_send(slot)));
+        for s in sent.drain(..) {
+            self.transmit_read(now, p, s);
+        }
+        self.nic_burst = burst;
+        self.nic_sent = sent;
+        if more {
+            self.schedule_depart(p);
         }
     }
 
@@ -1686,8 +1717,31 @@ impl Fabric {
     /// Serializes the packet in `slot` on `port_id` (from when the port frees) and
     /// schedules its arrival at the next vertex, or loses it on the wire.
     fn transmit(&mut self, now: Instant, port_id: PortId, slot: u32) {
+        let sent = self.to_send(slot);
+        self.transmit_read(now, port_id, sent);
+    }
+
+    /// What `transmit` reads of the packet in `slot`.
+    #[inline]
+    fn to_send(&self, slot: u32) -> ToSend {
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
-        let (len, wire_bits, id, load) = (pkt.len, pkt.wire_bits, pkt.id, pkt.load);
+        ToSend {
+            slot,
+            len: pkt.len,
+            load: pkt.load,
+            wire_bits: pkt.wire_bits,
+        }
+    }
+
+    /// `transmit`, with the packet's slot already read.
+    #[inline]
+    fn transmit_read(&mut self, now: Instant, port_id: PortId, sent: ToSend) {
+        let ToSend {
+            slot,
+            len,
+            load,
+            wire_bits,
+        } = sent;
         let synthetic = load != NO_LOAD;
         let port = &mut self.ports[port_id.0 as usize];
         // Back to back: the serialization remainder carries over, so long runs are exact.
@@ -1708,7 +1762,7 @@ impl Fabric {
         if let Some(t) = &mut self.trace {
             t.push(TraceEntry {
                 port: port_id,
-                packet: id,
+                packet: self.slots[slot as usize].as_ref().expect("live slot").id,
                 start,
                 finish,
                 dropped: lost.then_some(DropReason::Loss),
