@@ -870,10 +870,11 @@ impl Ports for TunPorts {
             at += len;
         }
         for o in out.drain(..) {
+            // Heads of frames cut from super-packets, and small packets copied whole (ACKs).
             // (Frames handed to a writer thread left `Frame::default()` behind.)
-            if o.data.shared().is_some() && self.heads.len() < HEADS_KEPT {
+            if self.offload && self.heads.len() < HEADS_KEPT {
                 let h = o.data.into_head();
-                if h.capacity() <= MAX_HEAD {
+                if (1..=MAX_HEAD).contains(&h.capacity()) {
                     self.heads.push(h);
                 }
             }

@@ -139,8 +139,9 @@ fn tcp_headers(p: &[u8]) -> Option<(usize, usize)> {
 /// Cuts what a TUN handed over (`buf[pkt]`, after its virtio header `hdr`) into the
 /// frames the fabric carries, appended to `out`: each frame's headers are copied and
 /// fixed up, its payload stays where it was read (a slice of `buf`, shared). A packet
-/// without GSO is one frame, as it is (copied: it is at most an MTU). A frame's headers
-/// go into a buffer taken from `heads` when it has one (`Frame::into_head`).
+/// without GSO (most often an ACK) is one frame, as it is (copied: it is at most an MTU).
+/// A frame's headers, or such a packet, go into a buffer taken from `heads` when it has
+/// one (`Frame::into_head`).
 pub fn segment(
     hdr: &VnetHdr,
     buf: &Arc<Vec<u8>>,
@@ -150,7 +151,11 @@ pub fn segment(
 ) -> Result<(), SegmentError> {
     match hdr.gso_type & !GSO_ECN {
         GSO_NONE => {
-            out.push(Frame::from(buf[pkt].to_vec()));
+            // An ACK or another small packet, copied whole: into a reused head.
+            let mut f = heads.pop().unwrap_or_default();
+            f.clear();
+            f.extend_from_slice(&buf[pkt]);
+            out.push(Frame::from(f));
             return Ok(());
         }
         GSO_TCPV4 => {}
