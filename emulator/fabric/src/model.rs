@@ -946,8 +946,7 @@ impl Fabric {
                     if let Some(b) = buffer {
                         port.queue.buffer = b;
                     }
-                    port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
-                    port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
+                    self.link_changed(p);
                 }
             }
             Change::Partition(groups) => {
@@ -1005,8 +1004,7 @@ impl Fabric {
                     settle(port, now);
                     port.link = self.topo.links[link as usize].params;
                     port.queue.buffer = buffer;
-                    port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
-                    port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
+                    self.link_changed(p);
                 }
             }
         }
@@ -1903,11 +1901,13 @@ impl Fabric {
         self.ports[p.0 as usize].link
     }
 
-    /// Changes a port's rate from `now` on; packets already scheduled keep their times.
-    pub fn set_rate(&mut self, p: PortId, rate: Bandwidth) {
+    /// What port `p` derives from its link (PFC headroom, a NIC's flow scheduling), after
+    /// the link changed.
+    fn link_changed(&mut self, p: PortId) {
+        let lossless = self.flow_control != FlowControl::Lossy;
         let port = &mut self.ports[p.0 as usize];
-        port.link.rate = rate;
-        port.size_nic(self.mtu, self.flow_control != FlowControl::Lossy);
+        port.headroom = headroom_bytes(&port.link, port.next_latency, self.l2_overhead);
+        port.size_nic(self.mtu, lossless);
     }
 }
 
