@@ -151,7 +151,8 @@ pub fn segment(
 ) -> Result<(), SegmentError> {
     match hdr.gso_type & !GSO_ECN {
         GSO_NONE => {
-            // An ACK or another small packet, copied whole: into a reused head.
+            // An ACK or another packet without GSO, copied whole: into a reused head (one
+            // longer than the head grows it, and is not kept for reuse after).
             let mut f = heads.pop().unwrap_or_default();
             f.clear();
             f.extend_from_slice(&buf[pkt]);
