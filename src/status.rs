@@ -201,11 +201,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if s.behind {
         let _ = writeln!(
             o,
-            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): this box cannot keep up with the configured rates; {}",
+            "  WARNING   packets leave the fabric late (recent p99 above {:.0} µs): {}",
             s.behind_threshold_us,
             closbox_switchd::dataplane::behind_advice(
                 st.time_scale.get(),
-                s.full_load_time_scale
+                s.full_load_time_scale,
+                s.cpu_recent.as_ref(),
+                s.realtime
             )
         );
     } else if !s.deadlocked.is_empty() {
@@ -215,6 +217,15 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     }
     if !s.scheduling.is_empty() {
         let _ = writeln!(o, "  data plane {}", s.scheduling);
+    }
+    if let Some(c) = &s.cpu_recent {
+        let _ = writeln!(
+            o,
+            "  cpu       last {:.1} s: busy {:.0} % of a CPU, waited {:.1} ms for one",
+            c.window_s,
+            c.busy * 100.0,
+            c.waited_ms
+        );
     }
     let _ = writeln!(
         o,

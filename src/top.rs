@@ -177,7 +177,10 @@ fn draw(f: &mut Frame, v: &View) {
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
                 )
             } else if s.behind {
-                let hint = if s.full_load_time_scale > s.time_scale.get() {
+                let preempted = !s.realtime && s.cpu_recent.is_some_and(|c| c.preempted());
+                let hint = if preempted {
+                    "BEHIND (waited for a CPU: up --realtime)".to_owned()
+                } else if s.full_load_time_scale > s.time_scale.get() {
                     format!("BEHIND (time_scale {}+ estimated)", s.full_load_time_scale)
                 } else {
                     "BEHIND (raise time_scale)".to_owned()

@@ -462,7 +462,20 @@ fn realtime_data_plane_with_its_safety_valve() {
     assert!((1000.0..1100.0).contains(&got), "{got} µs one way");
     let bps = iperf_goodput(&f, 2);
     assert!(bps > 0.5e9, "{bps} bit/s");
-    let sched = f.status()["scheduling"].as_str().unwrap().to_owned();
+    let st = f.status();
+    // What the thread did over the last seconds (the flow's 2 s among them), read from the
+    // kernel's schedstat: it ran, at most a CPU's worth (its busiest half second too).
+    let cpu = &st["cpu_recent"];
+    let (window, busy, peak) = (
+        cpu["window_s"].as_f64().unwrap_or_else(|| panic!("{cpu}")),
+        cpu["busy"].as_f64().unwrap(),
+        cpu["peak_busy"].as_f64().unwrap(),
+    );
+    assert!((0.25..12.0).contains(&window), "{cpu}");
+    assert!(busy > 0.01 && busy <= peak && peak <= 1.05, "{cpu}");
+    assert!(cpu["waited_ms"].as_f64().unwrap() >= 0.0, "{cpu}");
+    assert_eq!(st["realtime"], true);
+    let sched = st["scheduling"].as_str().unwrap().to_owned();
     let fell: u64 = sched
         .rsplit(": ")
         .next()
@@ -474,10 +487,12 @@ fn realtime_data_plane_with_its_safety_valve() {
     // Without the flag: the normal class.
     let f = TestFabric::up("lt-rt", &leaf_spine_4("1Gbit", "0ns"));
     assert_eq!(dataplane_policy("lt-rt.toml"), 0, "SCHED_OTHER");
-    assert!(f.status()["scheduling"]
+    let st = f.status();
+    assert!(st["scheduling"]
         .as_str()
         .unwrap()
         .starts_with("normal class"));
+    assert_eq!(st["realtime"], false);
     f.down();
 }
 

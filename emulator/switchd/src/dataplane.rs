@@ -304,6 +304,13 @@ pub struct Status {
     /// How the data-plane thread is scheduled (`closbox up --realtime`).
     #[serde(default)]
     pub scheduling: String,
+    /// Started with `--realtime` (the thread may be in the normal class for a while: the
+    /// safety valve, or real time refused; `scheduling` says).
+    #[serde(default)]
+    pub realtime: bool,
+    /// The data-plane thread over about the last `WINDOW` (see `CpuUse`).
+    #[serde(default)]
+    pub cpu_recent: Option<CpuUse>,
 }
 
 /// A synthetic load, for `status` and predictions.
@@ -375,9 +382,30 @@ pub struct PortStatus {
     pub max_ingress_bytes: u64,
 }
 
-/// What to do about a fabric that runs late at `time_scale`, given the scale from which
-/// `closbox plan` estimates the box carries every GPU at full rate (0: unknown).
-pub fn behind_advice(time_scale: f64, full_load: f64) -> String {
+/// Why a fabric runs late at `time_scale` and what to do about it, given the scale from
+/// which `closbox plan` estimates the box carries every GPU at full rate (0: unknown), and
+/// what the data plane's thread did meanwhile (`cpu`; `realtime`: `up --realtime`).
+pub fn behind_advice(
+    time_scale: f64,
+    full_load: f64,
+    cpu: Option<&CpuUse>,
+    realtime: bool,
+) -> String {
+    if let Some(c) = cpu.filter(|c| c.preempted() && !realtime) {
+        return format!(
+            "the data plane's thread was busy only {:.0} % of a CPU but waited {:.0} ms for one in the last {:.1} s (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU, or raise time_scale (the same wall-clock delays then shift fabric time less)",
+            c.busy * 100.0,
+            c.waited_ms,
+            c.window_s
+        );
+    }
+    format!(
+        "this box cannot keep up with the configured rates; {}",
+        time_scale_advice(time_scale, full_load)
+    )
+}
+
+fn time_scale_advice(time_scale: f64, full_load: f64) -> String {
     if full_load > time_scale {
         format!(
             "raise time_scale to at least {full_load} (`closbox plan`'s estimate for every GPU at full rate on this box; more where small frames each wake a GPU's process: `up --time-scale auto` measures it), or lower the rates"
@@ -417,6 +445,60 @@ impl Lateness {
     }
 }
 
+/// The data plane's thread over the recent window (`status`): how busy it was and how
+/// long it was runnable but kept off a CPU (its run-queue delay, from the kernel's
+/// schedstat). Late writes from a busy thread mean the box cannot do the work in time;
+/// from a thread that was not busy but waited, they mean the scheduler gave its CPU to
+/// other processes (the GPUs' own, under load), which `--realtime` prevents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuUse {
+    pub window_s: f64,
+    /// Share of one CPU it ran, over the window and in its busiest slot (half a second).
+    pub busy: f64,
+    #[serde(default)]
+    pub peak_busy: f64,
+    pub waited_ms: f64,
+}
+
+impl CpuUse {
+    /// Busy for less than this share of a CPU, the thread had time to spare.
+    pub const SATURATED: f64 = 0.9;
+    /// Waiting for a CPU this share of the window or more is the scheduler's doing (one
+    /// flow at a third of this box's speed, normal class: 2.3 % and write lateness p99
+    /// 0.7–1.1 ms; in the real-time class 0.5 % and 59 µs; bursts beyond the box's speed,
+    /// late from work alone: 0.3 %).
+    pub const WAITED_SHARE: f64 = 0.01;
+
+    /// Never saturated in the window (not even in a slot: a job that saturated it for a
+    /// second and ended is work-bound), but kept off a CPU for a noticeable share of it.
+    pub fn preempted(&self) -> bool {
+        self.peak_busy < Self::SATURATED
+            && self.waited_ms / 1e3 >= Self::WAITED_SHARE * self.window_s
+    }
+
+    /// From (wall, run ns, run-queue wait ns) samples of the thread, oldest first (at
+    /// least two); the busiest slot among intervals of at least `min_slot`.
+    fn of(samples: &[(StdInstant, u64, u64)], min_slot: StdDuration) -> CpuUse {
+        let share = |a: &(StdInstant, u64, u64), b: &(StdInstant, u64, u64)| {
+            let span = b.0.saturating_duration_since(a.0).as_secs_f64();
+            b.1.saturating_sub(a.1) as f64 / 1e9 / span.max(1e-9)
+        };
+        let (first, last) = (samples[0], samples[samples.len() - 1]);
+        let busy = share(&first, &last);
+        let peak_busy = samples
+            .windows(2)
+            .filter(|w| w[1].0.saturating_duration_since(w[0].0) >= min_slot)
+            .map(|w| share(&w[0], &w[1]))
+            .fold(busy, f64::max);
+        CpuUse {
+            window_s: last.0.saturating_duration_since(first.0).as_secs_f64(),
+            busy,
+            peak_busy,
+            waited_ms: last.2.saturating_sub(first.2) as f64 / 1e6,
+        }
+    }
+}
+
 /// Where packets enter and leave the fabric (one port per GPU), and the wall clock they
 /// do it by: TUN devices and the system clock in the daemon (`TunPorts`), in-memory
 /// queues and a virtual clock in tests. The loop above it (reading, the model,
@@ -439,6 +521,11 @@ pub trait Ports {
     fn send(&mut self, out: &mut Vec<Outgoing>);
     /// Writes done since the last call, a line per frame: (lateness in wall ns, failed).
     fn finished(&mut self, done: &mut Vec<(u64, bool)>);
+    /// The calling (data-plane) thread's CPU time and run-queue wait so far, in ns, where
+    /// the clock is the real one (`None` with a virtual clock).
+    fn thread_cpu(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// A packet leaving the fabric.
@@ -888,6 +975,10 @@ impl Ports for TunPorts {
             done.extend(rx.try_iter());
         }
     }
+
+    fn thread_cpu(&self) -> Option<(u64, u64)> {
+        sys::thread_cpu_ns().ok()
+    }
 }
 
 pub struct DataPlane<P: Ports> {
@@ -930,6 +1021,9 @@ pub struct DataPlane<P: Ports> {
     realtime: Option<Realtime>,
     /// `Status::full_load_time_scale`.
     full_load: f64,
+    /// The thread's (wall, CPU ns, run-queue wait ns), sampled each window slot, the
+    /// last `WINDOW` of them (`CpuUse`).
+    cpu: std::collections::VecDeque<(StdInstant, u64, u64)>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -1001,6 +1095,7 @@ impl<P: Ports> DataPlane<P> {
             behind_ns,
             full_load: closbox_fabric::plan::TimeScaleHint::of(topo).for_load,
             realtime: None,
+            cpu: Default::default(),
         }
     }
 
@@ -1101,6 +1196,7 @@ impl<P: Ports> DataPlane<P> {
         if !self.handle_ctl() {
             return false;
         }
+        self.sample_cpu(wall);
         self.rotate_window(wall);
         // No departure pending: sleep until input, or a second for housekeeping.
         let next = [
@@ -1379,6 +1475,44 @@ impl<P: Ports> DataPlane<P> {
         self.done = done;
     }
 
+    /// A sample of the thread's CPU use each window slot (a file read every 0.5 s).
+    fn sample_cpu(&mut self, wall: StdInstant) {
+        let slot = WINDOW / WINDOW_SLOTS as u32;
+        if self
+            .cpu
+            .back()
+            .is_some_and(|s| wall.saturating_duration_since(s.0) < slot)
+        {
+            return;
+        }
+        let Some((run, wait)) = self.ports.thread_cpu() else {
+            return;
+        };
+        self.cpu.push_back((wall, run, wait));
+        // The oldest kept is the youngest at least `WINDOW` old.
+        while self
+            .cpu
+            .get(1)
+            .is_some_and(|s| wall.saturating_duration_since(s.0) >= WINDOW)
+        {
+            self.cpu.pop_front();
+        }
+    }
+
+    /// The thread's CPU use from the oldest sample kept (about `WINDOW` ago) to now;
+    /// `None` before a slot has passed, or with a virtual clock.
+    fn cpu_recent(&self, wall: StdInstant) -> Option<CpuUse> {
+        let first = self.cpu.front()?;
+        let slot = WINDOW / WINDOW_SLOTS as u32;
+        if wall.saturating_duration_since(first.0) < slot {
+            return None;
+        }
+        let (run, wait) = self.ports.thread_cpu()?;
+        let mut samples: Vec<_> = self.cpu.iter().copied().collect();
+        samples.push((wall, run, wait));
+        Some(CpuUse::of(&samples, slot / 2))
+    }
+
     fn rotate_window(&mut self, wall: StdInstant) {
         if wall.duration_since(self.checked) < WINDOW {
             return;
@@ -1400,11 +1534,16 @@ impl<P: Ports> DataPlane<P> {
                 .is_none_or(|w| wall.duration_since(w) > StdDuration::from_secs(30));
             if quiet {
                 tracing::warn!(
-                    "fabric {}: packets leave {:.0} µs late (p99, last {} s): this box cannot keep up with the configured rates; {}",
+                    "fabric {}: packets leave {:.0} µs late (p99, last {} s): {}",
                     self.name,
                     p99 as f64 / 1e3,
                     WINDOW.as_secs(),
-                    behind_advice(self.time_scale.get(), self.full_load)
+                    behind_advice(
+                        self.time_scale.get(),
+                        self.full_load,
+                        self.cpu_recent(wall).as_ref(),
+                        self.realtime.is_some()
+                    )
                 );
                 self.warned = Some(wall);
             }
@@ -1719,6 +1858,8 @@ impl<P: Ports> DataPlane<P> {
             deadlocked,
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
             scheduling: self.scheduling(),
+            realtime: self.realtime.is_some(),
+            cpu_recent: self.cpu_recent(wall),
         }
     }
 
@@ -2248,21 +2389,92 @@ mod tests {
     #[test]
     fn advice_for_a_late_fabric_names_the_time_scale_to_try() {
         // leaf-spine-16's file at real time: plan's estimate for a full load is 5.
-        let a = behind_advice(1.0, 5.0);
-        assert!(a.starts_with("raise time_scale to at least 5 "), "{a}");
+        let a = behind_advice(1.0, 5.0, None, false);
+        assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
         // Already at or above the estimate (8 gloo ranks on leaf-spine-16 were still late
         // at 5, on time at 20): the traffic costs more than the estimate assumes.
-        let a = behind_advice(10.0, 5.0);
-        assert!(a.starts_with("raise time_scale above 10 "), "{a}");
+        let a = behind_advice(10.0, 5.0, None, false);
+        assert!(
+            a.starts_with(
+                "this box cannot keep up with the configured rates; raise time_scale above 10 "
+            ),
+            "{a}"
+        );
         assert!(a.contains("estimated 5 for every GPU"), "{a}");
         // From a daemon that did not say.
-        let a = behind_advice(1.0, 0.0);
+        let a = behind_advice(1.0, 0.0, None, false);
         assert!(
-            a.starts_with("raise time_scale (`up --time-scale auto`"),
+            a.ends_with("; raise time_scale (`up --time-scale auto` measures what this box needs), or lower the rates"),
             "{a}"
         );
         let (p, _) = plane(TWO);
         assert_eq!(p.full_load, 1.0, "2 GPUs of 1 Gbit/s: real time holds");
+    }
+
+    #[test]
+    fn a_thread_kept_off_its_cpu_is_told_to_use_realtime_a_busy_one_time_scale() {
+        let use_of = |busy: f64, waited_ms: f64| CpuUse {
+            window_s: 5.0,
+            busy,
+            peak_busy: busy,
+            waited_ms,
+        };
+        // One flow at a third of the box's speed, normal class (measured: 68 % busy,
+        // 115 ms waiting, p99 lateness 0.7 ms).
+        let waited = use_of(0.68, 115.0);
+        assert!(waited.preempted());
+        let a = behind_advice(1.0, 5.0, Some(&waited), false);
+        assert!(
+            a.contains("busy only 68 % of a CPU but waited 115 ms"),
+            "{a}"
+        );
+        assert!(a.contains("`closbox up --realtime`"), "{a}");
+        // Already asked for: the time-scale advice.
+        let a = behind_advice(1.0, 5.0, Some(&waited), true);
+        assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
+        // Saturated (it waited too, but it had no time to spare), or bursts beyond the
+        // box's speed (13 ms waiting): the work is the cause.
+        // A job that saturated it for a while and ended (8 gloo ranks: busy 40 % over
+        // the window, 58 ms waiting): work-bound too.
+        let ended = CpuUse {
+            peak_busy: 0.99,
+            ..use_of(0.4, 58.0)
+        };
+        for c in [use_of(0.98, 200.0), use_of(0.66, 13.0), ended] {
+            assert!(!c.preempted(), "{c:?}");
+            let a = behind_advice(1.0, 5.0, Some(&c), false);
+            assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
+        }
+    }
+
+    #[test]
+    fn cpu_use_is_taken_from_samples_over_the_window_and_its_busiest_slot() {
+        let t0 = StdInstant::now();
+        let at = |ms: u64| t0 + StdDuration::from_millis(ms);
+        let slot = StdDuration::from_millis(250);
+        let c = CpuUse::of(
+            &[(at(0), 1_000, 50), (at(5000), 2_500_001_000, 60_000_050)],
+            slot,
+        );
+        assert_eq!(c.window_s, 5.0);
+        assert!((c.busy - 0.5).abs() < 1e-6, "{c:?}");
+        assert!((c.peak_busy - 0.5).abs() < 1e-6, "{c:?}");
+        assert_eq!(c.waited_ms, 60.0);
+        assert!(c.preempted());
+        // The same CPU time in its first half second: saturated then, work-bound.
+        let c = CpuUse::of(
+            &[
+                (at(0), 0, 0),
+                (at(500), 480_000_000, 10_000_000),
+                (at(4900), 2_500_000_000, 60_000_000),
+                // A short last interval does not count as a slot.
+                (at(5000), 2_600_000_000, 60_000_000),
+            ],
+            slot,
+        );
+        assert!((c.busy - 0.52).abs() < 1e-6, "{c:?}");
+        assert!((c.peak_busy - 0.96).abs() < 1e-6, "{c:?}");
+        assert!(!c.preempted(), "{c:?}");
     }
 
     #[test]
