@@ -361,6 +361,22 @@ fn metrics_pass_promtool_and_equal_status() {
         ),
         1.0
     );
+    // The data-plane thread's CPU use over the recent window, once it has a half second
+    // behind it (sampled every half second): a share of one CPU, and of the window spent
+    // waiting for one.
+    let key = "closbox_dataplane_busy{fabric=\"lt-met\"}";
+    let mut body = body;
+    for _ in 0..50 {
+        if body.contains(key) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        body = scrape(addr, None);
+    }
+    let busy = sample(&body, key);
+    assert!((0.0..=1.05).contains(&busy), "{busy}");
+    let wait = sample(&body, "closbox_dataplane_cpu_wait{fabric=\"lt-met\"}");
+    assert!((0.0..=1.0).contains(&wait), "{wait}");
     // Prometheus itself asks for OpenMetrics, and gets it.
     let om = scrape(
         addr,

@@ -458,6 +458,22 @@ pub fn encode(s: &Status) -> String {
         None,
         f64::from(u8::from(s.behind)),
     );
+    if let Some(c) = &s.cpu_recent {
+        gauge_f(
+            &mut reg,
+            "dataplane_busy",
+            "Share of a CPU the data-plane thread ran, over the recent window",
+            None,
+            c.busy,
+        );
+        gauge_f(
+            &mut reg,
+            "dataplane_cpu_wait",
+            "Share of the recent window the data-plane thread was runnable but waiting for a CPU",
+            None,
+            c.waited_ms / 1e3 / c.window_s.max(1e-9),
+        );
+    }
     reg.register_with_unit(
         "write_lateness",
         "How late packets left the fabric (write start minus scheduled departure, wall time)",
