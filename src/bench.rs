@@ -15,7 +15,7 @@ use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op, Output};
 use closbox_fabric::{TimeScale, Topology};
 use closbox_switchd::control::{self, Reply, Request, Status};
-use closbox_switchd::dataplane::Lateness;
+use closbox_switchd::dataplane::{CpuUse, Lateness};
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
 
@@ -181,6 +181,8 @@ pub struct RunHealth {
     /// ports) during the run, and the ports deadlocked at its end.
     pauses: Option<(String, u64, f64)>,
     deadlocked: Vec<String>,
+    /// What the data plane's thread did during the run (from a daemon that says).
+    cpu: Option<CpuUse>,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -289,6 +291,13 @@ impl RunHealth {
                 )
             }),
             deadlocked: after.deadlocked.iter().map(|d| d.0.clone()).collect(),
+            cpu: before.thread_cpu_ns.zip(after.thread_cpu_ns).map(|(b, a)| {
+                CpuUse::over(
+                    after.uptime_s - before.uptime_s,
+                    a.0.saturating_sub(b.0),
+                    a.1.saturating_sub(b.1),
+                )
+            }),
         }
     }
 
@@ -473,13 +482,23 @@ impl RunHealth {
             ))
         } else {
             late.map(|l| {
+                // A thread with time to spare that waited for a CPU: the scheduler's
+                // doing (`CpuUse::preempted`), which the real-time class prevents.
+                let waited = match self.cpu.filter(CpuUse::preempted) {
+                    Some(c) => format!(
+                        "the data plane's thread was busy only {:.0} % of a CPU during the run but waited {:.0} ms for one (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU; or ",
+                        c.busy * 100.0,
+                        c.waited_ms
+                    ),
+                    None => String::new(),
+                };
                 (
                     format!(
                         "{}: lateness may add up to {:.2} µs ({} sequential steps × the latest of {} messages' lateness while they ran) to operations of {:.2} µs",
                         l.what, l.added_us, l.steps, l.parallel, l.op_us
                     ),
                     format!(
-                        "time_scale {} would have held them under {:.0} % (it is wall time: it shrinks in fabric time as time_scale grows), or use fewer GPUs or larger sizes",
+                        "{waited}time_scale {} would have held them under {:.0} % (it is wall time: it shrinks in fabric time as time_scale grows), or use fewer GPUs or larger sizes",
                         l.holding,
                         LATENESS_SHARE * 100.0
                     ),
@@ -1051,6 +1070,7 @@ mod tests {
             buckets_after: h.buckets(),
             pauses: None,
             deadlocked: Vec::new(),
+            cpu: None,
         }
     }
 
@@ -1070,6 +1090,30 @@ mod tests {
         assert!(f.contains("raise time_scale (the GPUs offered more"), "{f}");
         assert!(!f.contains("would have held"), "{f}");
         assert!(!health(100.0, 1.0, 0).footer(None).contains("WARNING"));
+    }
+
+    #[test]
+    fn a_late_run_whose_data_plane_waited_for_a_cpu_is_pointed_to_realtime() {
+        let mut h = health(100.0, 778.2, 0);
+        let late = h.late_whole(180.3, 14, 8).expect("late");
+        // 10 s of run, 6 s on a CPU and 250 ms waiting: not saturated, kept off its CPU.
+        h.cpu = Some(CpuUse::over(10.0, 6_000_000_000, 250_000_000));
+        let f = h.footer(Some(&late));
+        assert!(
+            f.contains("busy only 60 % of a CPU during the run but waited 250 ms"),
+            "{f}"
+        );
+        assert!(
+            f.contains(
+                "`closbox up --realtime` keeps it on a CPU; or time_scale 2000 would have held"
+            ),
+            "{f}"
+        );
+        // Saturated: the time scale alone.
+        h.cpu = Some(CpuUse::over(10.0, 9_800_000_000, 250_000_000));
+        let f = h.footer(Some(&late));
+        assert!(!f.contains("--realtime"), "{f}");
+        assert!(f.contains("time_scale 2000 would have held"), "{f}");
     }
 
     #[test]

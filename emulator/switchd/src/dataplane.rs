@@ -311,6 +311,10 @@ pub struct Status {
     /// The data-plane thread over about the last `WINDOW` (see `CpuUse`).
     #[serde(default)]
     pub cpu_recent: Option<CpuUse>,
+    /// The data-plane thread's CPU time and run-queue wait since it started, ns: clients
+    /// diff two snapshots for a run (`CpuUse::over`).
+    #[serde(default)]
+    pub thread_cpu_ns: Option<(u64, u64)>,
 }
 
 /// A synthetic load, for `status` and predictions.
@@ -474,6 +478,18 @@ impl CpuUse {
     pub fn preempted(&self) -> bool {
         self.peak_busy < Self::SATURATED
             && self.waited_ms / 1e3 >= Self::WAITED_SHARE * self.window_s
+    }
+
+    /// Over `window_s` of wall time in which the thread ran `run_ns` and waited `wait_ns`
+    /// (two `Status::thread_cpu_ns` apart); no slots, so the busiest is the average.
+    pub fn over(window_s: f64, run_ns: u64, wait_ns: u64) -> CpuUse {
+        let busy = run_ns as f64 / 1e9 / window_s.max(1e-9);
+        CpuUse {
+            window_s,
+            busy,
+            peak_busy: busy,
+            waited_ms: wait_ns as f64 / 1e6,
+        }
     }
 
     /// From (wall, run ns, run-queue wait ns) samples of the thread, oldest first (at
@@ -1860,6 +1876,7 @@ impl<P: Ports> DataPlane<P> {
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
             cpu_recent: self.cpu_recent(wall),
+            thread_cpu_ns: self.ports.thread_cpu(),
         }
     }
 
