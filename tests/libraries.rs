@@ -210,9 +210,12 @@ fn netpipe_through_open_mpi_and_mpich() {
             imp,
             &[prog, "-i", "-l", "1", "-u", "1048576", "-o", "/dev/null"],
         );
+        // NetPIPE's own verdict ("Integrity check failed: Expecting …"); not any "failed"
+        // (hydra's cleanup after MPICH's known MPI_Finalize hang prints "assert (!closed)
+        // failed" once the results are in).
         let passed = integrity.matches("Integrity check passed").count();
         assert!(
-            passed >= 30 && !integrity.contains("failed"),
+            passed >= 30 && !integrity.contains("Integrity check failed"),
             "{imp}: {passed} sizes checked\n{integrity}"
         );
         // One message size, `reps` round trips, no perturbation: NetPIPE's arguments.
