@@ -181,7 +181,8 @@ pub struct RunHealth {
     /// ports) during the run, and the ports deadlocked at its end.
     pauses: Option<(String, u64, f64)>,
     deadlocked: Vec<String>,
-    /// What the data plane's thread did during the run (from a daemon that says).
+    /// What the data plane's thread did during the run (from a daemon that says, and not
+    /// started with `--realtime`).
     cpu: Option<CpuUse>,
 }
 
@@ -291,13 +292,18 @@ impl RunHealth {
                 )
             }),
             deadlocked: after.deadlocked.iter().map(|d| d.0.clone()).collect(),
-            cpu: before.thread_cpu_ns.zip(after.thread_cpu_ns).map(|(b, a)| {
-                CpuUse::over(
-                    after.uptime_s - before.uptime_s,
-                    a.0.saturating_sub(b.0),
-                    a.1.saturating_sub(b.1),
-                )
-            }),
+            // Already in the real-time class (`up --realtime`): nothing to advise there.
+            cpu: before
+                .thread_cpu_ns
+                .zip(after.thread_cpu_ns)
+                .filter(|_| !after.realtime)
+                .map(|(b, a)| {
+                    CpuUse::over(
+                        after.uptime_s - before.uptime_s,
+                        a.0.saturating_sub(b.0),
+                        a.1.saturating_sub(b.1),
+                    )
+                }),
         }
     }
 
