@@ -218,13 +218,6 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if !s.scheduling.is_empty() {
         let _ = writeln!(o, "  data plane {}", s.scheduling);
     }
-    if s.wake_margin_us > 0.0 {
-        let _ = writeln!(
-            o,
-            "  wake-ups  polls from {:.0} µs before a departure (how late this box's timed wake-ups come, p90)",
-            s.wake_margin_us
-        );
-    }
     if let Some(c) = &s.cpu_recent {
         let _ = writeln!(
             o,

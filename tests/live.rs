@@ -360,15 +360,27 @@ fn tcp_goodput_matches_link_rate() {
 /// ~35 µs late by this VM (halt polling gives up after ~100 µs), which is the host's
 /// latency, not the fabric's.
 fn one_way_us(f: &TestFabric, seconds: u32) -> f64 {
+    // The polling client and the sleeping server on CPUs of their own (the first and the
+    // last): a server woken on the CPU its client spins on waits for the client's time
+    // slice. On one 2-core VM, unpinned, a third of the runs measured a 1 ms path's median
+    // ~370 µs long (the rest within 5 µs of each other); pinned apart, 8 of 8 within 13 µs.
+    let last = std::thread::available_parallelism().map_or(1, |n| n.get()) - 1;
+    let server_cpu = last.to_string();
     let mut server = f.spawn(
         "gpu3",
-        &["sockperf", "sr", "-i", "198.18.0.4", "-p", "11111"],
+        &[
+            "taskset",
+            "-c",
+            &server_cpu,
+            "sockperf",
+            "sr",
+            "-i",
+            "198.18.0.4",
+            "-p",
+            "11111",
+        ],
     );
     wait_for_port(f, "gpu3", 11111);
-    // The polling client on CPU 0 only: the fabric's thread and the sleeping server share
-    // the rest, so that waking the server needs no other CPU (on a VM, waking an idle
-    // virtual CPU costs the host's latency, and more after a longer sleep: on one 2-core
-    // VM a free client's medians drifted 30-50 µs between runs, a pinned one's 5).
     let out = f.exec(
         "gpu0",
         &[
@@ -482,9 +494,6 @@ fn realtime_data_plane_with_its_safety_valve() {
     assert!(busy > 0.01 && busy <= peak && peak <= 1.05, "{cpu}");
     assert!(cpu["waited_ms"].as_f64().unwrap() >= 0.0, "{cpu}");
     assert_eq!(st["realtime"], true);
-    // The margin the loop polls in before a departure, from its own timed wake-ups.
-    let margin = st["wake_margin_us"].as_f64().unwrap();
-    assert!((40.0..=400.0).contains(&margin), "{margin}");
     let sched = st["scheduling"].as_str().unwrap().to_owned();
     let fell: u64 = sched
         .rsplit(": ")

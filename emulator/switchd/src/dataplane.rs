@@ -2,10 +2,8 @@
 //! model with the wall clock (scaled by `time_scale`), and writes each packet to its
 //! destination TUN at its departure time.
 //!
-//! Waiting: `epoll_pwait2` with a nanosecond timeout until a margin before the next
+//! Waiting: `epoll_pwait2` with a nanosecond timeout until `SPIN` before the next
 //! departure (timer slack 1 ns), then polling the TUNs without blocking until it is due.
-//! The margin is how late this box's timed wake-ups come (`Wakes`: the p90 of the
-//! thread's own recent ones, at least `SPIN`).
 //! Each write's lateness (actual − scheduled, wall time) goes into a histogram: it is the
 //! fidelity signal, and status warns when it says the box cannot keep up.
 
@@ -26,49 +24,9 @@ use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
 
-/// How long before a departure the loop stops sleeping and polls, at least (covers the
-/// ~25 µs a timer wakeup overshot on the first VM of this class; `Wakes` measures the
-/// box it runs on).
+/// How long before a departure the loop stops sleeping and polls (covers the ~25 µs a
+/// timer wakeup overshoots on this class of VM).
 const SPIN: StdDuration = StdDuration::from_micros(40);
-/// At most (a box whose wake-ups come later than this is not one to time µs on: the
-/// thread would poll for most of every gap).
-const MAX_SPIN: StdDuration = StdDuration::from_micros(400);
-/// Timed wake-ups the margin is taken from.
-const WAKES: usize = 32;
-
-/// How late the thread's timed waits return (the timer's and the scheduler's delay, and
-/// on a VM the host's in waking an idle virtual CPU): the last `WAKES` of them, and the
-/// margin before a departure at which the loop stops sleeping — their p90, at least
-/// `SPIN`, at most `MAX_SPIN`. On a VM whose wake-ups came 45–70 µs late at the median
-/// (p90 57–128 µs), a fixed 40 µs left writes 10–15 µs late at the median at light load.
-#[derive(Debug)]
-struct Wakes {
-    late_ns: [u32; WAKES],
-    n: usize,
-    spin: StdDuration,
-}
-
-impl Wakes {
-    fn new() -> Wakes {
-        Wakes {
-            late_ns: [0; WAKES],
-            n: 0,
-            spin: SPIN,
-        }
-    }
-
-    /// A timed wait returned `late` after its deadline.
-    fn record(&mut self, late: StdDuration) {
-        self.late_ns[self.n % WAKES] = late.as_nanos().min(u32::MAX as u128) as u32;
-        self.n += 1;
-        // Taken again every 8 wake-ups, once there are enough.
-        if self.n >= WAKES && self.n % 8 == 0 {
-            let mut v = self.late_ns;
-            let p90 = *v.select_nth_unstable(WAKES * 9 / 10).1;
-            self.spin = StdDuration::from_nanos(p90 as u64).clamp(SPIN, MAX_SPIN);
-        }
-    }
-}
 /// Packets read from one TUN before looking at the others (fairness).
 const READ_BATCH: usize = 64;
 /// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
@@ -357,9 +315,6 @@ pub struct Status {
     /// diff two snapshots for a run (`CpuUse::over`).
     #[serde(default)]
     pub thread_cpu_ns: Option<(u64, u64)>,
-    /// How long before a departure the data plane stops sleeping and polls (`Wakes`), µs.
-    #[serde(default)]
-    pub wake_margin_us: f64,
 }
 
 /// A synthetic load, for `status` and predictions.
@@ -1082,7 +1037,6 @@ pub struct DataPlane<P: Ports> {
     realtime: Option<Realtime>,
     /// `Status::full_load_time_scale`.
     full_load: f64,
-    wakes: Wakes,
     /// The thread's (wall, CPU ns, run-queue wait ns), sampled each window slot, the
     /// last `WINDOW` of them (`CpuUse`).
     cpu: std::collections::VecDeque<(StdInstant, u64, u64)>,
@@ -1158,7 +1112,6 @@ impl<P: Ports> DataPlane<P> {
             full_load: closbox_fabric::plan::TimeScaleHint::of(topo).for_load,
             realtime: None,
             cpu: Default::default(),
-            wakes: Wakes::new(),
         }
     }
 
@@ -1274,25 +1227,18 @@ impl<P: Ports> DataPlane<P> {
             Some(t) => self
                 .wall_of(t)
                 .saturating_duration_since(self.ports.now())
-                .saturating_sub(self.wakes.spin),
+                .saturating_sub(SPIN),
             None => StdDuration::from_secs(1),
         };
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
-        let began = self.ports.now();
+        let began = self.realtime.is_some().then(|| self.ports.now());
         if let Err(e) = self.ports.wait(timeout, &mut ready) {
             tracing::error!("waiting for input: {e}");
             self.io_errors += 1;
         }
-        let woke = self.ports.now();
-        // A wait that ran out (no input, nothing made it return sooner): how late.
-        if timeout > StdDuration::ZERO && ready.is_empty() {
-            if let Some(late) = woke.checked_duration_since(began + timeout) {
-                self.wakes.record(late);
-            }
-        }
-        if let Some(rt) = &mut self.realtime {
-            if let Some(on) = rt.after_wait(began, woke) {
+        if let (Some(rt), Some(began)) = (&mut self.realtime, began) {
+            if let Some(on) = rt.after_wait(began, self.ports.now()) {
                 self.set_realtime(on);
             }
         }
@@ -1931,7 +1877,6 @@ impl<P: Ports> DataPlane<P> {
             realtime: self.realtime.is_some(),
             cpu_recent: self.cpu_recent(wall),
             thread_cpu_ns: self.ports.thread_cpu(),
-            wake_margin_us: self.wakes.spin.as_nanos() as f64 / 1e3,
         }
     }
 
@@ -2517,40 +2462,6 @@ mod tests {
             let a = behind_advice(1.0, 5.0, Some(&c), false);
             assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
         }
-    }
-
-    #[test]
-    fn the_wake_margin_is_the_p90_of_recent_wake_ups_within_bounds() {
-        let us = StdDuration::from_micros;
-        let mut w = Wakes::new();
-        assert_eq!(w.spin, SPIN);
-        // Too few to judge: the floor stays.
-        for _ in 0..WAKES - 1 {
-            w.record(us(100));
-        }
-        assert_eq!(w.spin, SPIN);
-        // 29 of the last 32 on time-ish, 3 late: the p90 is on time, the floor holds.
-        let mut w = Wakes::new();
-        for i in 0..WAKES {
-            w.record(if i < 29 { us(10) } else { us(100) });
-        }
-        assert_eq!(w.spin, SPIN);
-        // 4 of 32 late (more than a tenth): the margin covers them.
-        let mut w = Wakes::new();
-        for i in 0..WAKES {
-            w.record(if i < 28 { us(10) } else { us(100) });
-        }
-        assert_eq!(w.spin, us(100));
-        // A box that wakes milliseconds late: the ceiling.
-        for _ in 0..WAKES {
-            w.record(StdDuration::from_millis(3));
-        }
-        assert_eq!(w.spin, MAX_SPIN);
-        // It comes back down as wake-ups improve (the oldest are forgotten).
-        for _ in 0..WAKES {
-            w.record(us(60));
-        }
-        assert_eq!(w.spin, us(60));
     }
 
     #[test]
