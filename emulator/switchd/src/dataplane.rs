@@ -1515,15 +1515,16 @@ impl<P: Ports> DataPlane<P> {
         }
     }
 
-    /// The thread's CPU use from the oldest sample kept (about `WINDOW` ago) to now;
-    /// `None` before a slot has passed, or with a virtual clock.
-    fn cpu_recent(&self, wall: StdInstant) -> Option<CpuUse> {
+    /// The thread's CPU use from the oldest sample kept (about `WINDOW` ago) to `now`
+    /// (its CPU and run-queue wait ns at `wall`, `Ports::thread_cpu`); `None` before a
+    /// slot has passed, or with a virtual clock.
+    fn cpu_recent(&self, wall: StdInstant, now: Option<(u64, u64)>) -> Option<CpuUse> {
         let first = self.cpu.front()?;
         let slot = WINDOW / WINDOW_SLOTS as u32;
         if wall.saturating_duration_since(first.0) < slot {
             return None;
         }
-        let (run, wait) = self.ports.thread_cpu()?;
+        let (run, wait) = now?;
         let mut samples: Vec<_> = self.cpu.iter().copied().collect();
         samples.push((wall, run, wait));
         Some(CpuUse::of(&samples, slot / 2))
@@ -1557,7 +1558,7 @@ impl<P: Ports> DataPlane<P> {
                     behind_advice(
                         self.time_scale.get(),
                         self.full_load,
-                        self.cpu_recent(wall).as_ref(),
+                        self.cpu_recent(wall, self.ports.thread_cpu()).as_ref(),
                         self.realtime.is_some()
                     )
                 );
@@ -1763,6 +1764,8 @@ impl<P: Ports> DataPlane<P> {
     /// A snapshot of counters and lateness (what `closbox status` shows).
     pub fn status(&mut self) -> Status {
         let wall = self.ports.now();
+        // One read of the thread's schedstat for both the window and the totals.
+        let thread_cpu = self.ports.thread_cpu();
         let now = self.fabric_now(wall);
         let totals = self.model.totals(now);
         let elapsed = now.as_nanos().max(1) as f64;
@@ -1875,8 +1878,8 @@ impl<P: Ports> DataPlane<P> {
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
-            cpu_recent: self.cpu_recent(wall),
-            thread_cpu_ns: self.ports.thread_cpu(),
+            cpu_recent: self.cpu_recent(wall, thread_cpu),
+            thread_cpu_ns: thread_cpu,
         }
     }
 
