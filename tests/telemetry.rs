@@ -223,14 +223,15 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     // Capture drops, from the file's interface statistics.
     let stats = read_with("capinfos", &[path]);
     eprintln!("port sw0->gpu0: {tx} sent, {dropped} dropped; capture: {in_file} packets, {commented} marked dropped\n{err}");
+    // "…; N more not kept (the capture fell behind; counted …)": the number before it
+    // (the message has a "; " of its own, so it is not split on that).
     let not_kept: u64 = err
-        .split("; ")
-        .find_map(|s| {
-            s.strip_suffix(
-                " more not kept (the capture fell behind; counted in the file's statistics)\n",
-            )
-        })
-        .map_or(0, |n| n.parse().unwrap());
+        .find(" more not kept (the capture fell behind")
+        .map_or(0, |end| {
+            let head = &err[..end];
+            let start = head.rfind(' ').map_or(0, |i| i + 1);
+            head[start..].parse().unwrap()
+        });
     assert!(stats.contains("Number of interfaces in file: 1"), "{stats}");
     assert!(dropped > 0, "an incast into a 256 KiB buffer drops");
     // Every packet the port sent or dropped while the capture ran is in the file, or
