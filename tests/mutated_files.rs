@@ -1,0 +1,175 @@
+//! The shipped topology and scenario files, mutated at random (seeded): lines dropped,
+//! repeated, cut short or taken from another file, values replaced by hostile ones, digits
+//! changed. Every mutant is either accepted (and then planned and modelled without a panic)
+//! or refused with an error that says where (file:line:col). Needs no root.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+
+use closbox_fabric::rng::Rng;
+use closbox_fabric::ConfigError;
+
+/// Values put in place of a key's value: wrong types, zero, huge, negative, not numbers,
+/// units at their limits, and words that name things of another kind.
+const VALUES: &[&str] = &[
+    "0",
+    "-1",
+    "1",
+    "7",
+    "65",
+    "4294967296",
+    "18446744073709551615",
+    "1e308",
+    "nan",
+    "inf",
+    "-0.5",
+    "1.5",
+    "true",
+    "[]",
+    "{}",
+    "\"\"",
+    "\"x\"",
+    "\"0Gbit\"",
+    "\"1bit\"",
+    "\"100Tbit\"",
+    "\"0us\"",
+    "\"1ns\"",
+    "\"1000000h\"",
+    "\"0B\"",
+    "\"1B\"",
+    "\"9999999999GiB\"",
+    "\"auto\"",
+    "\"ecmp\"",
+    "\"fq\"",
+    "\"pfc\"",
+    "\"credit\"",
+    "{ k = \"0B\" }",
+    "{ k = \"1GiB\" }",
+    "\"leaf-spine\"",
+    "\"single-switch\"",
+    "\"custom\"",
+    "\"spine0\"",
+    "\"gpu0\"",
+    "\"*\"",
+    "\"link-flap\"",
+    "\"switch-down\"",
+    "\"partition\"",
+    "\"load\"",
+];
+
+fn mutate(rng: &mut Rng, text: &str, others: &[String]) -> String {
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    for _ in 0..1 + rng.below(3) {
+        if lines.is_empty() {
+            break;
+        }
+        let i = rng.below(lines.len() as u32) as usize;
+        match rng.below(6) {
+            0 => {
+                lines.remove(i);
+            }
+            1 => {
+                let at = rng.below(lines.len() as u32) as usize;
+                lines.insert(at, lines[i].clone());
+            }
+            2 => {
+                let other: Vec<&str> = others[rng.below(others.len() as u32) as usize]
+                    .lines()
+                    .collect();
+                if !other.is_empty() {
+                    lines.insert(i, other[rng.below(other.len() as u32) as usize].into());
+                }
+            }
+            3 => {
+                let digits: String = lines[i]
+                    .chars()
+                    .map(|c| match c.is_ascii_digit() && rng.below(3) == 0 {
+                        true => char::from(b'0' + rng.below(10) as u8),
+                        false => c,
+                    })
+                    .collect();
+                lines[i] = digits;
+            }
+            4 => {
+                let cut = rng.below(lines[i].len() as u32 + 1) as usize;
+                if lines[i].is_char_boundary(cut) {
+                    lines[i].truncate(cut);
+                }
+            }
+            _ => {
+                if let Some(eq) = lines[i].find('=') {
+                    let v = VALUES[rng.below(VALUES.len() as u32) as usize];
+                    lines[i] = format!("{}= {v}", &lines[i][..eq]);
+                }
+            }
+        }
+    }
+    lines.join("\n")
+}
+
+fn files(dir: &str) -> Vec<String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect()
+}
+
+/// Runs `check` on `n` mutants of `bases`; fails on any panic or unpositioned error.
+fn mutants(seed: u64, n: usize, bases: &[String], check: impl Fn(&str) -> Result<(), ConfigError>) {
+    let mut rng = Rng::new(seed, 0);
+    let (mut accepted, mut refused) = (0, 0);
+    for i in 0..n {
+        let base = &bases[rng.below(bases.len() as u32) as usize];
+        let text = mutate(&mut rng, base, bases);
+        match panic::catch_unwind(AssertUnwindSafe(|| check(&text))) {
+            Ok(Ok(())) => accepted += 1,
+            Ok(Err(e)) => {
+                assert!(
+                    e.position.is_some() && e.to_string().starts_with("mutant.toml:"),
+                    "mutant {i}: error without a position: {e}\n{text}"
+                );
+                refused += 1;
+            }
+            Err(_) => panic!("mutant {i} panicked (message above):\n{text}"),
+        }
+    }
+    eprintln!("{n} mutants: {accepted} accepted, {refused} refused");
+    // Both outcomes occur, or the mutations test little.
+    assert!(
+        accepted > n / 20 && refused > n / 20,
+        "{accepted} accepted, {refused} refused"
+    );
+}
+
+#[test]
+fn mutated_topology_files_are_accepted_or_refused_with_a_position() {
+    let bases = files("configs");
+    assert!(bases.len() >= 5, "the shipped topology files");
+    mutants(1, 4000, &bases, |text| {
+        let topo = closbox_fabric::parse(text, "mutant.toml")?;
+        if topo.hosts.len() <= 4096 {
+            let _ = closbox_fabric::plan::Plan::of(&topo);
+            let _ = closbox_fabric::Fabric::new(&topo);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn mutated_scenario_files_are_accepted_or_refused_with_a_position() {
+    let topo =
+        closbox_fabric::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.toml"))
+            .unwrap();
+    let bases = files("configs/chaos");
+    assert!(bases.len() >= 3, "the shipped scenario files");
+    mutants(2, 4000, &bases, |text| {
+        closbox_switchd::scenario::parse(text, "mutant.toml", &topo).map(|_| ())
+    });
+}
