@@ -85,7 +85,7 @@ pub fn up(
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
-    realtime: bool,
+    sched: closbox_switchd::Scheduling,
 ) -> anyhow::Result<()> {
     let mut topo = closbox_fabric::load(file)?;
     match time_scale {
@@ -99,9 +99,9 @@ pub fn up(
     closbox_switchd::require_root("closbox up")?;
     if detach {
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
-        return up_detached(file, &name, metrics, time_scale, realtime);
+        return up_detached(file, &name, metrics, time_scale, sched);
     }
-    closbox_switchd::run_fabric(&topo, file, log_to, metrics, realtime, |st, took| {
+    closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, |st, took| {
         let how = if log_to.is_some() {
             format!(
                 "detached daemon pid {}; `closbox down {}` to stop",
@@ -131,7 +131,7 @@ fn up_detached(
     name: &FabricName,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
-    realtime: bool,
+    sched: closbox_switchd::Scheduling,
 ) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
@@ -157,8 +157,11 @@ fn up_detached(
         if let Some(k) = time_scale {
             cmd.arg("--time-scale").arg(k.to_string());
         }
-        if realtime {
+        if sched.realtime {
             cmd.arg("--realtime");
+        }
+        if sched.idle_poll {
+            cmd.arg("--idle-poll");
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -61,6 +61,13 @@ enum Command {
         /// without sleeping.
         #[arg(long)]
         realtime: bool,
+        /// Keep idle CPUs polling instead of halting while the fabric is up (a CPU
+        /// latency of 0 asked of the kernel through /dev/cpu_dma_latency, dropped at down
+        /// or however the daemon ends). Where idle CPUs halt (VMs), a wake-up of the data
+        /// plane or of a GPU's process then takes microseconds, not tens of them. Costs
+        /// the CPUs' idle time: power, and on a VM the host's CPU.
+        #[arg(long)]
+        idle_poll: bool,
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
@@ -721,8 +728,19 @@ fn main() -> ExitCode {
             metrics,
             time_scale,
             realtime,
-        } => live::up(&file, detach, log_to.as_deref(), metrics, time_scale, realtime)
-            .map(|()| ExitCode::SUCCESS),
+            idle_poll,
+        } => live::up(
+            &file,
+            detach,
+            log_to.as_deref(),
+            metrics,
+            time_scale,
+            closbox_switchd::Scheduling {
+                realtime,
+                idle_poll,
+            },
+        )
+        .map(|()| ExitCode::SUCCESS),
         Command::Down { fabric, all } => {
             live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
         }

@@ -515,6 +515,61 @@ fn realtime_data_plane_with_its_safety_valve() {
     f.down();
 }
 
+/// `up --idle-poll`: the daemon asks the kernel for a CPU latency of 0 (idle CPUs poll)
+/// for as long as it runs, says so in `status`, and the request goes with the daemon,
+/// whether taken down or killed.
+#[test]
+fn idle_poll_is_held_while_the_fabric_is_up_and_released_however_it_ends() {
+    use closbox_switchd::sys::cpu_latency_target;
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let before = cpu_latency_target().expect("/dev/cpu_dma_latency");
+    let body = leaf_spine_4("1Gbit", "0ns");
+    let f = TestFabric::up_with("lt-idle", &body, &["--idle-poll"]);
+    assert_eq!(cpu_latency_target().unwrap(), 0, "while up");
+    let st = f.status();
+    assert_eq!(st["idle_poll"], true);
+    let sched = st["scheduling"].as_str().unwrap();
+    assert!(sched.contains("idle CPUs poll"), "{sched}");
+    // The fabric works as ever.
+    assert!(one_way_us(&f, 2) > 0.0);
+    f.down();
+    assert_eq!(cpu_latency_target().unwrap(), before, "after down");
+    // A daemon killed outright: the kernel drops its request with its files.
+    let f = TestFabric::up_with("lt-idle", &body, &["--idle-poll"]);
+    assert_eq!(cpu_latency_target().unwrap(), 0);
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-idle/state.json").unwrap())
+            .unwrap();
+    let daemon = state["daemon_pid"].as_u64().unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &daemon.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{daemon}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        cpu_latency_target().unwrap(),
+        before,
+        "after the daemon was killed"
+    );
+    f.down();
+    // Without the flag nothing is asked.
+    let f = TestFabric::up("lt-idle", &body);
+    assert_eq!(
+        cpu_latency_target().unwrap(),
+        before,
+        "up without --idle-poll"
+    );
+    assert_eq!(f.status()["idle_poll"], false);
+    f.down();
+}
+
 /// Unmodified torch.distributed (gloo) all-reduce across 8 GPUs through the fabric.
 #[test]
 fn torch_gloo_all_reduce_runs_unmodified() {

@@ -308,6 +308,9 @@ pub struct Status {
     /// safety valve, or real time refused; `scheduling` says).
     #[serde(default)]
     pub realtime: bool,
+    /// Started with `--idle-poll`: idle CPUs poll instead of halting while it is up.
+    #[serde(default)]
+    pub idle_poll: bool,
     /// The data-plane thread over about the last `WINDOW` (see `CpuUse`).
     #[serde(default)]
     pub cpu_recent: Option<CpuUse>,
@@ -1035,6 +1038,8 @@ pub struct DataPlane<P: Ports> {
     behind_ns: u64,
     /// `--realtime` (None: the normal class at nice −15).
     realtime: Option<Realtime>,
+    /// `--idle-poll`: the daemon holds a CPU latency of 0 (for `status`).
+    idle_poll: bool,
     /// `Status::full_load_time_scale`.
     full_load: f64,
     /// The thread's (wall, CPU ns, run-queue wait ns), sampled each window slot, the
@@ -1111,8 +1116,16 @@ impl<P: Ports> DataPlane<P> {
             behind_ns,
             full_load: closbox_fabric::plan::TimeScaleHint::of(topo).for_load,
             realtime: None,
+            idle_poll: false,
             cpu: Default::default(),
         }
+    }
+
+    /// Says in `status` that idle CPUs poll while the fabric is up (the daemon holds the
+    /// request; see `Scheduling::idle_poll`).
+    pub fn idle_poll(mut self, on: bool) -> Self {
+        self.idle_poll = on;
+        self
     }
 
     /// Runs the data-plane thread in the real-time FIFO class (`RT_PRIORITY`), with the
@@ -1151,7 +1164,7 @@ impl<P: Ports> DataPlane<P> {
     /// How the data-plane thread is scheduled, for `status`.
     fn scheduling(&self) -> String {
         let normal = format!("normal class, nice {DATAPLANE_NICE}");
-        match &self.realtime {
+        let thread = match &self.realtime {
             None => normal,
             Some(Realtime {
                 refused: Some(e), ..
@@ -1163,6 +1176,10 @@ impl<P: Ports> DataPlane<P> {
                 rt.fallbacks,
                 if rt.on { "" } else { ", now" }
             ),
+        };
+        match self.idle_poll {
+            true => format!("{thread}; idle CPUs poll (CPU latency 0 held while up)"),
+            false => thread,
         }
     }
 
@@ -1878,6 +1895,7 @@ impl<P: Ports> DataPlane<P> {
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
+            idle_poll: self.idle_poll,
             cpu_recent: self.cpu_recent(wall, thread_cpu),
             thread_cpu_ns: thread_cpu,
         }

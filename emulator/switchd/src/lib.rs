@@ -93,6 +93,17 @@ pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
     })
 }
 
+/// How the data plane gets a CPU (`closbox up --realtime`, `--idle-poll`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scheduling {
+    /// The data-plane thread in the real-time FIFO class, with its safety valve.
+    pub realtime: bool,
+    /// Idle CPUs poll instead of halting while the fabric is up (a PM QoS CPU latency of
+    /// 0, held by the daemon): a wake-up of the data plane, or of a GPU's process, then
+    /// does not wait for a halted CPU to be woken (tens of µs on a VM).
+    pub idle_poll: bool,
+}
+
 /// Brings the fabric up and runs its daemon in this process until SIGINT/SIGTERM or a
 /// stop request, then tears everything down. `ready` is called once the fabric carries
 /// traffic, with the time setup took.
@@ -101,7 +112,7 @@ pub fn run_fabric(
     config: &Path,
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
-    realtime: bool,
+    sched: Scheduling,
     ready: impl FnOnce(&State, Duration),
 ) -> anyhow::Result<()> {
     require_root("closbox up")?;
@@ -136,6 +147,16 @@ pub fn run_fabric(
     }
     // Bound before anything is created: a taken address fails `up` cleanly.
     let metrics = metrics.map(metrics::bind).transpose()?;
+    // Held to the end of teardown (the calibration below measures with it); the kernel
+    // drops the request when the daemon exits, whatever ends it.
+    let _cpu_latency = sched
+        .idle_poll
+        .then(|| {
+            sys::hold_cpu_latency(0).context(
+                "--idle-poll: asking the kernel to keep idle CPUs polling (/dev/cpu_dma_latency)",
+            )
+        })
+        .transpose()?;
     if let Some(old) = State::load(&name)? {
         tracing::warn!("fabric {name}: a previous run left state behind; cleaning it up");
         state::kill_gpu_processes(&old, Duration::from_secs(2));
@@ -181,15 +202,16 @@ pub fn run_fabric(
     // time_scale = "auto": measured now, through this fabric's own data path.
     let calibrated;
     let (topo, tuns) = if topo.fabric.time_scale_auto {
-        let (choice, tuns) = match calibrate::choose(topo, &st, tuns, offload, writers, realtime) {
-            Ok(r) => r,
-            Err(e) => {
-                if let Err(e2) = teardown(&st) {
-                    tracing::error!("cleaning up after a failed calibration: {e2:#}");
+        let (choice, tuns) =
+            match calibrate::choose(topo, &st, tuns, offload, writers, sched.realtime) {
+                Ok(r) => r,
+                Err(e) => {
+                    if let Err(e2) = teardown(&st) {
+                        tracing::error!("cleaning up after a failed calibration: {e2:#}");
+                    }
+                    return Err(e.context(format!("choosing fabric {name}'s time_scale")));
                 }
-                return Err(e.context(format!("choosing fabric {name}'s time_scale")));
-            }
-        };
+            };
         tracing::info!(
             "fabric {name}: time_scale auto → {}: {}",
             choice.time_scale,
@@ -212,7 +234,8 @@ pub fn run_fabric(
         TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
         ctl_rx,
     )
-    .realtime(realtime);
+    .realtime(sched.realtime)
+    .idle_poll(sched.idle_poll);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;

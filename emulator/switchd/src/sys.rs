@@ -334,6 +334,29 @@ fn parse_schedstat(s: &str) -> io::Result<(u64, u64)> {
     }
 }
 
+/// The kernel's PM QoS CPU latency interface: a request (µs an idle CPU may take to wake)
+/// held for as long as the file is open.
+const CPU_LATENCY: &str = "/dev/cpu_dma_latency";
+
+/// Asks the kernel to keep the CPUs' idle wake-up latency at `us` µs while the returned
+/// file is open; at 0 idle CPUs poll instead of halting. The kernel drops the request when
+/// the file is closed, however the process ends.
+pub fn hold_cpu_latency(us: i32) -> io::Result<std::fs::File> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().write(true).open(CPU_LATENCY)?;
+    f.write_all(&us.to_ne_bytes())?;
+    Ok(f)
+}
+
+/// The idle wake-up latency the kernel keeps now (the smallest request held), µs;
+/// 2,000,000,000 when nobody asked for one.
+pub fn cpu_latency_target() -> io::Result<i32> {
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    std::fs::File::open(CPU_LATENCY)?.read_exact(&mut b)?;
+    Ok(i32::from_ne_bytes(b))
+}
+
 /// Puts the calling thread in the real-time FIFO class at `priority` (1–99): it runs
 /// whenever it is runnable, ahead of every normal thread.
 pub fn set_thread_fifo(priority: i32) -> io::Result<()> {
