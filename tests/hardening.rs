@@ -510,3 +510,196 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     assert_eq!(names, ["gpu1->sw0", "sw0->gpu1"]);
     f.down();
 }
+
+/// A random control request (seeded): every command, with names that exist and names that
+/// do not, numbers at and beyond their types' limits, wrong types, other API versions; a
+/// tenth of them with random bytes overwritten.
+fn random_request(rng: &mut closbox_fabric::rng::Rng) -> Vec<u8> {
+    use serde_json::{json, Value};
+    const NAMES: &[&str] = &[
+        "gpu0", "gpu1", "gpu3", "leaf0", "leaf1", "spine0", "spine1", "nope", "", "gpu99999",
+    ];
+    const PORTS: &[&str] = &["leaf0->spine0", "gpu0->leaf0", "spine1->leaf1", "x", ""];
+    fn pick<'a>(rng: &mut closbox_fabric::rng::Rng, v: &[&'a str]) -> &'a str {
+        v[rng.below(v.len() as u32) as usize]
+    }
+    fn number(rng: &mut closbox_fabric::rng::Rng) -> Value {
+        let choices = [
+            json!(0),
+            json!(1),
+            json!(7),
+            json!(100_000),
+            json!(1_000_000_000u64),
+            json!(u32::MAX),
+            json!(u64::MAX),
+            json!(-1),
+            json!(1.5),
+            json!(null),
+            json!("x"),
+            json!(true),
+        ];
+        choices[rng.below(choices.len() as u32) as usize].clone()
+    }
+    fn change(rng: &mut closbox_fabric::rng::Rng) -> Value {
+        const KINDS: &[&str] = &[
+            "link-down",
+            "link-up",
+            "link-set",
+            "link-reset",
+            "switch-down",
+            "switch-up",
+            "gpu-down",
+            "gpu-up",
+            "link-flap",
+            "partition",
+            "heal",
+            "load",
+            "load-stop",
+            "incast",
+            "bogus",
+        ];
+        let mut c = serde_json::Map::new();
+        c.insert("change".into(), json!(pick(rng, KINDS)));
+        for k in ["a", "b", "name", "from", "to"] {
+            if rng.below(10) < 6 {
+                c.insert(k.into(), json!(pick(rng, NAMES)));
+            }
+        }
+        for k in [
+            "index",
+            "rate_bps",
+            "delay_ns",
+            "loss",
+            "buffer_bytes",
+            "down_ns",
+            "up_ns",
+            "count",
+            "packet_bytes",
+            "for_ns",
+            "on_ns",
+            "off_ns",
+            "id",
+            "bytes",
+            "every_ns",
+        ] {
+            if rng.below(10) < 4 {
+                c.insert(k.into(), number(rng));
+            }
+        }
+        if rng.below(4) == 0 {
+            let groups: Vec<Vec<&str>> = (0..rng.below(4))
+                .map(|_| (0..rng.below(4)).map(|_| pick(rng, NAMES)).collect())
+                .collect();
+            c.insert("groups".into(), json!(groups));
+        }
+        if rng.below(4) == 0 {
+            let from: Vec<&str> = (0..rng.below(5)).map(|_| pick(rng, NAMES)).collect();
+            c.insert("from".into(), json!(from));
+        }
+        Value::Object(c)
+    }
+    const CMDS: &[&str] = &[
+        "status", "change", "events", "schedule", "cancel", "flows", "record", "capture", "bogus",
+    ];
+    let cmd = pick(rng, CMDS);
+    let mut r = match cmd {
+        "change" => change(rng),
+        _ => json!({}),
+    };
+    let o = r.as_object_mut().unwrap();
+    o.insert("cmd".into(), json!(cmd));
+    o.insert(
+        "v".into(),
+        [json!(1), json!(1), json!(1), json!(0), json!(2)][rng.below(5) as usize].clone(),
+    );
+    match cmd {
+        "schedule" => {
+            let items: Vec<Value> = (0..rng.below(6))
+                .map(|_| json!([number(rng), change(rng)]))
+                .collect();
+            o.insert("items".into(), json!(items));
+        }
+        "cancel" => {
+            o.insert("timeline".into(), number(rng));
+        }
+        "record" | "capture" => {
+            let ports: Vec<&str> = (0..rng.below(4)).map(|_| pick(rng, PORTS)).collect();
+            o.insert("ports".into(), json!(ports));
+            for k in ["interval_ns", "duration_ns", "snaplen", "count"] {
+                if rng.below(10) < 7 {
+                    o.insert(k.into(), number(rng));
+                }
+            }
+            o.insert("drops".into(), json!(rng.below(2) == 0));
+        }
+        _ => {}
+    }
+    let mut line = serde_json::to_vec(&r).unwrap();
+    if rng.below(10) == 0 {
+        for _ in 0..1 + rng.below(5) {
+            let i = rng.below(line.len() as u32) as usize;
+            line[i] = rng.below(256) as u8;
+        }
+    }
+    line.push(b'\n');
+    line
+}
+
+/// The control socket under 1,500 random requests (`random_request`): each gets one reply
+/// line; the daemon keeps running (the same pid) and is taken down cleanly afterwards.
+#[test]
+fn random_control_requests_are_answered_and_the_daemon_lives() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    use std::io::{BufRead as _, BufReader, Write as _};
+    use std::os::unix::net::UnixStream;
+    let body = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n";
+    let f = TestFabric::up("lt-ctlfuzz", body);
+    let sock = "/run/closbox/fabrics/lt-ctlfuzz/control.sock";
+    let pid = |st: &serde_json::Value| st["daemon_pid"].as_u64();
+    let state = || -> serde_json::Value {
+        serde_json::from_slice(
+            &std::fs::read("/run/closbox/fabrics/lt-ctlfuzz/state.json").unwrap(),
+        )
+        .unwrap()
+    };
+    let daemon = pid(&state()).expect("daemon pid");
+    let mut rng = closbox_fabric::rng::Rng::new(3, 0);
+    let (mut answered, mut errors) = (0, 0);
+    for i in 0..1500 {
+        let req = random_request(&mut rng);
+        let mut conn = UnixStream::connect(sock).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        conn.write_all(&req).unwrap();
+        let _ = conn.shutdown(std::net::Shutdown::Write);
+        let mut line = String::new();
+        // Captures and recordings stream after their line; the first line is the reply.
+        let _ = BufReader::new(&conn).read_line(&mut line);
+        let reply: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| {
+            panic!(
+                "request {i} {:?}: reply {line:?} is not JSON: {e}",
+                String::from_utf8_lossy(&req)
+            )
+        });
+        answered += 1;
+        if reply["reply"] == "error" {
+            errors += 1;
+        }
+    }
+    eprintln!("{answered} random requests answered, {errors} with an error");
+    assert!(
+        errors > 100 && errors < answered,
+        "{errors} errors of {answered}"
+    );
+    assert_eq!(
+        pid(&state()),
+        Some(daemon),
+        "the daemon is the one that came up"
+    );
+    let out = closbox(&["status", "lt-ctlfuzz", "--json"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    f.down();
+}
