@@ -7,7 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    closbox, leaf_spine_4, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric,
+    closbox, leaf_spine_4, leftovers, root_or_skip, scratch_dir, serial, text, wait_for_port,
+    TestFabric,
 };
 
 #[test]
@@ -567,6 +568,38 @@ fn idle_poll_is_held_while_the_fabric_is_up_and_released_however_it_ends() {
         "up without --idle-poll"
     );
     assert_eq!(f.status()["idle_poll"], false);
+    f.down();
+}
+
+/// A TCP flow with IP options (a 60-byte IP header) beside a plain one to the same GPU:
+/// every byte arrives and the daemon lives (coalescing read the plain flow's shorter
+/// frames at the optioned flow's header offsets and panicked the data plane).
+#[test]
+fn tcp_with_ip_options_beside_another_flow_is_carried() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-ipopt", &leaf_spine_4("100Gbit", "0ns"));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/ip_options.py");
+    let counts = scratch_dir().join("ip_options.txt");
+    let mut server = f.spawn(
+        "gpu3",
+        &[
+            "/usr/bin/python3",
+            script,
+            "server",
+            counts.to_str().unwrap(),
+        ],
+    );
+    wait_for_port(&f, "gpu3", 7002);
+    let sent = f.exec("gpu0", &["/usr/bin/python3", script, "client", "gpu3"]);
+    assert!(server.wait().unwrap().success(), "the server");
+    let (sent, got) = (text(&sent).0, std::fs::read_to_string(&counts).unwrap());
+    assert_eq!(sent.trim(), got.trim(), "bytes sent and received per port");
+    assert!(!sent.contains("=0"), "{sent}");
+    let st = f.status();
+    assert_eq!(st["io_errors"], 0);
     f.down();
 }
 

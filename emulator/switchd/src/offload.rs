@@ -241,14 +241,15 @@ pub fn mergeable_run<F: AsRef<Frame>>(frames: &[F]) -> usize {
     for frame in &frames[1..] {
         let frame = frame.as_ref();
         let f = frame.head();
-        let Some((i2, t2)) = tcp_headers(f) else {
+        // Headers of another size end the run before anything is read at the first
+        // frame's offsets (a frame with fewer header bytes may be shorter than them).
+        let Some((i2, t2)) = tcp_headers(f).filter(|&h| h == (ihl, thl)) else {
             break;
         };
+        debug_assert_eq!(i2 + t2, hl);
         let len = frame.len() - hl;
         let fl = f[ihl + 13];
-        let same = i2 == ihl
-            && t2 == thl
-            && len > 0
+        let same = len > 0
             && len <= mss
             && total + len <= MAX_IP
             && be32(f, ihl + 4) == seq
@@ -547,6 +548,18 @@ mod tests {
         // A pure ACK (no payload) does not start a run.
         let ack: Frame = tcp(5, ACK, 0, &[]).into();
         assert_eq!(mergeable_run(&[&ack, &ack]), 1);
+        // A frame with IP options (a 60-byte IP header) and then one without, shorter
+        // than the first one's headers: not merged (this read past the second frame and
+        // panicked the data plane, found by fuzzing the write path).
+        let mut opts = tcp(5, ACK, 0, &payload[..3000]);
+        opts.splice(20..20, [1u8; 40]);
+        opts[0] = 0x4f;
+        let total = opts.len() as u16;
+        opts[2..4].copy_from_slice(&total.to_be_bytes());
+        set_header_checksum(&mut opts);
+        let short: Frame = tcp(3005, ACK, 0, &[]).into();
+        assert_eq!(mergeable_run(&[&Frame::from(opts.clone()), &short]), 1);
+        assert_eq!(mergeable_run(&[&Frame::from(opts.clone()), &ack]), 1);
     }
 
     #[test]
