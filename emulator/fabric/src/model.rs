@@ -1244,8 +1244,18 @@ impl Fabric {
     fn flush(&mut self, p: PortId, now: Instant) {
         let port = &mut self.ports[p.0 as usize];
         let lost: Vec<u32> = port.transit.drain(..).map(|(_, slot)| slot).collect();
-        // Lost on the wire (configured loss) were already counted; the rest of the
-        // backlog is in `transit` too.
+        // What finished serializing is counted as sent (or lost on the wire); a packet
+        // lost on the wire (configured loss) whose serialization had not finished is
+        // counted as lost now, as `settle` would have; the rest of the backlog is in
+        // `transit` too.
+        settle(port, now);
+        for &(_, _, flags) in &port.backlog {
+            match (flags & LOST != 0, flags & SYNTHETIC != 0) {
+                (true, false) => port.counters.drops.add(DropReason::Loss),
+                (true, true) => port.counters.load_drops += 1,
+                _ => {}
+            }
+        }
         port.backlog.clear();
         port.backlog_bytes = 0;
         port.busy_until = now;
