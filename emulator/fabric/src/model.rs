@@ -382,6 +382,10 @@ struct Port {
     /// stop.
     ingress_bytes: u64,
     xoff_sent: bool,
+    /// When the last pause or resume sent to this port arrives: the next one arrives no
+    /// earlier (control frames do not overtake one another on a link whose delay was
+    /// lowered meanwhile; a resume ahead of its pause left the port paused for good).
+    control_at: Instant,
     /// `headroom_bytes` of this port's link and next latency (kept off the per-packet
     /// path; recomputed when the link changes).
     headroom: u64,
@@ -530,6 +534,7 @@ impl Fabric {
                 depart_pending: false,
                 ingress_bytes: 0,
                 xoff_sent: false,
+                control_at: Instant::from_nanos(0),
                 headroom: headroom_bytes(
                     &topo.links[p.link as usize].params,
                     vertex_latency(topo, p.to),
@@ -1508,7 +1513,8 @@ impl Fabric {
                 match self.flow_control {
                     // The pause frame reaches the upstream port a link delay later.
                     FlowControl::Pfc(_) => {
-                        let at = now + q.link.delay;
+                        let at = (now + q.link.delay).max(q.control_at);
+                        q.control_at = at;
                         self.events.push(Reverse(pack(at, PAUSE_EVENT | ingress)));
                     }
                     // The sender counts its credits: it stops at once.
@@ -1663,7 +1669,8 @@ impl Fabric {
         port.ingress_bytes -= len as u64;
         if port.xoff_sent && port.ingress_bytes <= xon {
             port.xoff_sent = false;
-            let at = now + port.link.delay;
+            let at = (now + port.link.delay).max(port.control_at);
+            port.control_at = at;
             self.events.push(Reverse(pack(at, RESUME_EVENT | q.0)));
         }
     }

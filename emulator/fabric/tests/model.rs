@@ -1388,6 +1388,47 @@ fn pause_stops_the_upstream_port_after_the_link_delay_and_resume_follows_xon() {
     }
 }
 
+/// A resume does not overtake its pause when the link's delay is lowered in between: the
+/// pause crosses the old 50 µs, the switch drains to `xon` 25 µs later and sends the
+/// resume over the new 0 µs — it arrives after the pause, and the port runs again (it
+/// had stayed paused for good; found by `random_chaos_under_traffic_keeps_every_account`).
+#[test]
+fn a_resume_does_not_overtake_its_pause_on_a_link_made_shorter() {
+    let t = topo(
+        "flow_control = \"pfc\"\nxoff = \"4000B\"\nxon = \"2000B\"\n[topology]\nkind = \"custom\"\n[switches.leaf]\nlatency = \"0ns\"\n[[switch]]\nname = \"s\"\ntier = \"leaf\"\n[[host]]\nname = \"gpu0\"\n[[host]]\nname = \"gpu1\"\n[[link]]\na = \"gpu0\"\nb = \"s\"\nrate = \"10Gbit\"\ndelay = \"50us\"\n[[link]]\na = \"gpu1\"\nb = \"s\"\nrate = \"1Gbit\"\ndelay = \"1us\"\n",
+    );
+    let mut f = Fabric::new(&t);
+    for i in 0..6u16 {
+        assert_eq!(send(&mut f, &t, 0, (0, 1), i, 0, 1000), Verdict::Accepted);
+    }
+    // The ingress reaches xoff at ~54 µs (the pause lands at ~104 µs); at 60 µs the link
+    // becomes 0 µs long; xon at ~79 µs.
+    let link = link_between(&t, &f, "gpu0", "s");
+    f.advance(Instant::from_nanos(60_000));
+    assert!(f.apply(
+        Instant::from_nanos(60_000),
+        Change::SetLink {
+            link,
+            rate: None,
+            delay: Some(Duration::from_nanos(0)),
+            loss: None,
+            buffer: None,
+        }
+    ));
+    let mut got = 0;
+    while let Some(t) = f.poll_timeout() {
+        f.advance(t);
+        while f.poll_delivery().is_some() {
+            got += 1;
+        }
+    }
+    assert_eq!(got, 6);
+    let nic = port(&t, &f, "gpu0", "s");
+    let c = f.port_counters(Instant::from_nanos(10_000_000));
+    assert!(c[nic.0 as usize].pause_events >= 1, "the pause arrived");
+    assert!(f.paused_ports().is_empty(), "{:?}", f.paused_ports());
+}
+
 /// 7 GPUs burst into one under a leaf with a 64 KiB buffer: lossy, the leaf's port to the
 /// victim tail-drops; lossless, nothing is dropped, the senders' NICs are paused and
 /// absorb the burst, and every packet arrives.
