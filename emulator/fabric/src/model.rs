@@ -1255,10 +1255,8 @@ impl Fabric {
         // `transit` too.
         settle(port, now);
         for &(_, _, flags) in &port.backlog {
-            match (flags & LOST != 0, flags & SYNTHETIC != 0) {
-                (true, false) => port.counters.drops.add(DropReason::Loss),
-                (true, true) => port.counters.load_drops += 1,
-                _ => {}
+            if flags & LOST != 0 {
+                count_lost(&mut port.counters, flags);
             }
         }
         port.backlog.clear();
@@ -2001,8 +1999,7 @@ fn settle(port: &mut Port, now: Instant) {
         port.backlog.pop_front();
         port.backlog_bytes -= len as u64;
         match (flags & LOST != 0, flags & SYNTHETIC != 0) {
-            (true, false) => port.counters.drops.add(DropReason::Loss),
-            (true, true) => port.counters.load_drops += 1,
+            (true, _) => count_lost(&mut port.counters, flags),
             (false, false) => {
                 port.counters.tx_packets += 1;
                 port.counters.tx_bytes += len as u64;
@@ -2012,6 +2009,16 @@ fn settle(port: &mut Port, now: Instant) {
                 port.counters.load_tx_bytes += len as u64;
             }
         }
+    }
+}
+
+/// A packet lost on the wire (`LOST`), counted on its port: a GPU's as a loss drop, a
+/// load's among the load's drops.
+fn count_lost(c: &mut PortCounters, flags: u8) {
+    if flags & SYNTHETIC != 0 {
+        c.load_drops += 1;
+    } else {
+        c.drops.add(DropReason::Loss);
     }
 }
 
