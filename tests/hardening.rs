@@ -317,10 +317,7 @@ fn daemon_memory_stays_within_its_bound_under_a_flood() {
     let plan = closbox(&["plan", f.config.to_str().unwrap(), "--json"]);
     let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
     let bound = plan["daemon_memory"]["total"].as_u64().unwrap();
-    let st: serde_json::Value =
-        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-flood/state.json").unwrap())
-            .unwrap();
-    let daemon = st["daemon_pid"].as_u64().unwrap() as u32;
+    let daemon = f.daemon_pid() as u32;
     let flood = "import socket, time\n\
                  s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
                  end = time.time() + 3\n\
@@ -658,14 +655,7 @@ fn random_control_requests_are_answered_and_the_daemon_lives() {
     let body = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n";
     let f = TestFabric::up("lt-ctlfuzz", body);
     let sock = "/run/closbox/fabrics/lt-ctlfuzz/control.sock";
-    let pid = |st: &serde_json::Value| st["daemon_pid"].as_u64();
-    let state = || -> serde_json::Value {
-        serde_json::from_slice(
-            &std::fs::read("/run/closbox/fabrics/lt-ctlfuzz/state.json").unwrap(),
-        )
-        .unwrap()
-    };
-    let daemon = pid(&state()).expect("daemon pid");
+    let daemon = f.daemon_pid();
     let mut rng = closbox_fabric::rng::Rng::new(3, 0);
     let (mut answered, mut errors) = (0, 0);
     for i in 0..1500 {
@@ -694,11 +684,7 @@ fn random_control_requests_are_answered_and_the_daemon_lives() {
         errors > 100 && errors < answered,
         "{errors} errors of {answered}"
     );
-    assert_eq!(
-        pid(&state()),
-        Some(daemon),
-        "the daemon is the one that came up"
-    );
+    assert_eq!(f.daemon_pid(), daemon, "the daemon is the one that came up");
     let out = closbox(&["status", "lt-ctlfuzz", "--json"]);
     assert!(out.status.success(), "{:?}", text(&out));
     f.down();

@@ -191,10 +191,7 @@ fn down_cleans_up_after_sigkill_and_two_fabrics_coexist() {
     // A process left running inside a GPU, then the daemon killed with SIGKILL.
     let mut sleeper = a.spawn("gpu1", &["sleep", "300"]);
     std::thread::sleep(Duration::from_millis(200));
-    let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-a/state.json").unwrap())
-            .unwrap();
-    let pid = state["daemon_pid"].as_i64().unwrap();
+    let pid = a.daemon_pid();
     assert!(std::process::Command::new("kill")
         .args(["-9", &pid.to_string()])
         .status()
@@ -541,10 +538,7 @@ fn idle_poll_is_held_while_the_fabric_is_up_and_released_however_it_ends() {
     // A daemon killed outright: the kernel drops its request with its files.
     let f = TestFabric::up_with("lt-idle", &body, &["--idle-poll"]);
     assert_eq!(cpu_latency_target().unwrap(), 0);
-    let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read("/run/closbox/fabrics/lt-idle/state.json").unwrap())
-            .unwrap();
-    let daemon = state["daemon_pid"].as_u64().unwrap();
+    let daemon = f.daemon_pid();
     let killed = std::process::Command::new("kill")
         .args(["-KILL", &daemon.to_string()])
         .status()

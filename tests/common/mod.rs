@@ -152,6 +152,15 @@ impl TestFabric {
         self.fabric().spawn(gpu, cmd).expect("closbox exec")
     }
 
+    /// The pid of the fabric's daemon, from its state file.
+    pub fn daemon_pid(&self) -> u64 {
+        let path = format!("/run/closbox/fabrics/{}/state.json", self.name);
+        let st: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        st["daemon_pid"]
+            .as_u64()
+            .expect("daemon_pid in the state file")
+    }
+
     /// `closbox status --json` of this fabric (busy ports only), as JSON.
     pub fn status(&self) -> serde_json::Value {
         let out = closbox(&["status", &self.name, "--json"]);
