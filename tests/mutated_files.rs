@@ -3,6 +3,8 @@
 //! changed. Every mutant is either accepted (and then planned and modelled without a panic)
 //! or refused with an error that says where (file:line:col). Needs no root.
 
+mod common;
+
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 
@@ -108,14 +110,7 @@ fn mutate(rng: &mut Rng, text: &str, others: &[String]) -> String {
 }
 
 fn files(dir: &str) -> Vec<String> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
-    let mut names: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
-        .collect();
-    names.sort();
-    names
+    common::toml_files(dir)
         .iter()
         .map(|p| std::fs::read_to_string(p).unwrap())
         .collect()

@@ -21,6 +21,18 @@ pub fn text(o: &Output) -> (String, String) {
     )
 }
 
+/// The `.toml` files in `dir` (relative to the repository), in name order.
+pub fn toml_files(dir: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    files
+}
+
 /// Live tests measure timing: they run one at a time.
 pub fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
