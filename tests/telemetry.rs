@@ -385,6 +385,48 @@ fn metrics_pass_promtool_and_equal_status() {
     );
     assert!(om.ends_with("# EOF\n"), "{om}");
     assert!(om.contains("# TYPE closbox_port_tx_packets counter"));
+    // A client that sends its request head a byte at a time (each within any per-read
+    // timeout) is cut off, not waited for as long as it trickles: the one metrics thread
+    // serves scrapes again (the head would take over a minute; the daemon allows 2 s).
+    {
+        use std::io::{Read, Write};
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        slow.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        // Without the blank line that ends a head: nothing here may be answered.
+        let request = format!(
+            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{}",
+            "X-Pad: y\r\n".repeat(30)
+        );
+        let mut cut_off = false;
+        for b in request.as_bytes() {
+            if slow.write_all(&[*b]).is_err() {
+                cut_off = true;
+                break;
+            }
+            let mut r = [0u8; 64];
+            match slow.read(&mut r) {
+                Ok(0) => {
+                    cut_off = true;
+                    break;
+                }
+                Ok(_) => panic!("answered an incomplete request head"),
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => {
+                    cut_off = true;
+                    break;
+                }
+            }
+        }
+        assert!(
+            cut_off,
+            "a client trickling {} bytes, one per 200 ms, was served to the end",
+            request.len()
+        );
+        assert!(scrape(addr, None).contains("closbox_packets_delivered_total"));
+    }
     f.down();
 }
 

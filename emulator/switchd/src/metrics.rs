@@ -2,14 +2,14 @@
 //! answers with the fabric's counters in the OpenMetrics text format, encoded by
 //! `prometheus-client` from a status snapshot (the same numbers as `status --json`).
 //!
-//! One thread, one connection at a time, each bounded by timeouts: a scrape every few
-//! seconds is the whole load.
+//! One thread, one connection at a time, each bounded by a deadline (a client trickling
+//! its request a byte at a time is cut off): a scrape every few seconds is the whole load.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -46,13 +46,23 @@ pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> any
     Ok(())
 }
 
+/// The time a client has to send its request head, and a response to be written: the
+/// one thread serves one connection at a time, so a client that sends slowly (a byte now
+/// and then) must not keep scrapes waiting longer.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+
 fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyhow::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let deadline = Instant::now() + REQUEST_DEADLINE;
+    conn.set_write_timeout(Some(REQUEST_DEADLINE))?;
     // The request head, up to 8 KiB.
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("request head not complete within {REQUEST_DEADLINE:?}");
+        }
+        conn.set_read_timeout(Some(left))?;
         let n = conn.read(&mut buf)?;
         if n == 0 {
             break;
