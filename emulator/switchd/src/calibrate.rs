@@ -23,7 +23,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -46,9 +46,16 @@ const MAX_TRIALS: usize = 10;
 /// A trial: ramp-up, then the measured window.
 const RAMP: Duration = Duration::from_millis(150);
 const WINDOW: Duration = Duration::from_millis(300);
-/// Exchanges per GPU wanted for a mean, and the longest an exchange trial measures.
+/// Exchanges per GPU wanted for a mean (at the timing's first and second scales), and the longest an exchange trial measures.
 const EXCHANGES_PER_PAIR: usize = 20;
+const EXCHANGES_AT_HIGH_SCALE: usize = 5;
 const EXCHANGE_WINDOW_MAX: Duration = Duration::from_secs(2);
+/// The second timing scale is this many times the first at most (at least `TIMING_MIN_RATIO`)
+/// and keeps an exchange under `TIMING_EXCHANGE_MAX` of wall time: the box's noise in the
+/// two wall times is divided by the scales' difference.
+const TIMING_MAX_RATIO: f64 = 100.0;
+const TIMING_MIN_RATIO: f64 = 10.0;
+const TIMING_EXCHANGE_MAX: Duration = Duration::from_millis(50);
 /// First port of the calibration streams (inside the GPUs, before any user job runs).
 const PORT: u16 = 47_000;
 
@@ -267,12 +274,15 @@ impl Trials<'_> {
 
     /// The timing criterion, after the throughput one chose `k`: what the box adds to a
     /// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
-    /// once, as in a collective's step) are timed at `k` and at ten times `k`: the wall time
-    /// of an exchange is `scale × F + O`, F the fabric's own time for it and O what the box
-    /// adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared cores,
-    /// the data plane's lateness), so two scales give both. O shrinks in fabric time as the
-    /// scale grows: the choice is the smallest 1-2-5 scale at which O is at most `STEP_SHARE`
-    /// of F, if that is above `k`.
+    /// once, as in a collective's step) are timed at `k` and at a scale 10–100 times `k`: the
+    /// wall time of an exchange is `scale × F + O`, F the fabric's own time for it and O what
+    /// the box adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared
+    /// cores, the data plane's lateness), so two scales give both. O is not quite the same
+    /// at both (tens of µs apart on this class of box: waits of different lengths wake
+    /// differently), and that difference lands in F divided by the scales' difference: the
+    /// second scale is as high as keeps an exchange within `TIMING_EXCHANGE_MAX` of wall
+    /// time, up to 100 × `k`. O shrinks in fabric time as the scale grows: the choice is the
+    /// smallest 1-2-5 scale at which O is at most `STEP_SHARE` of F, if that is above `k`.
     fn timing(
         &self,
         tuns: Vec<OwnedFd>,
@@ -283,16 +293,22 @@ impl Trials<'_> {
         let k = k.min(TimeScale::MAX);
         let size = (topo.fabric.mtu as usize).saturating_sub(52).max(1);
         let ka = k;
-        let kb = (k * 10.0).min(TimeScale::MAX);
-        if m < 2 || kb <= ka {
+        if m < 2 || ka >= TimeScale::MAX {
             return Ok((Choice { time_scale: k, why }, tuns));
         }
-        let ((ta, pa), tuns) = self.exchanges(tuns, ka, size)?;
-        let ((tb, pb), tuns) = self.exchanges(tuns, kb, size)?;
+        let ((ta, pa), tuns) = self.exchanges(tuns, ka, size, EXCHANGES_PER_PAIR, WINDOW)?;
+        // ta bounds the fabric's part at ka from above: the second scale keeps an exchange
+        // (at most ta × ratio) within the wall-time bound.
+        let ratio = (TIMING_EXCHANGE_MAX.as_secs_f64() / ta.max(1e-9))
+            .clamp(TIMING_MIN_RATIO, TIMING_MAX_RATIO);
+        let kb = (ka * ratio).min(TimeScale::MAX);
+        // Each exchange at kb is mostly fabric time, the same every time: a few will do.
+        let ((tb, pb), tuns) =
+            self.exchanges(tuns, kb, size, EXCHANGES_AT_HIGH_SCALE, Duration::ZERO)?;
         let f = (tb - ta) / (kb - ka);
         let o = ta - ka * f;
         tracing::info!(
-            "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
+            "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb:.0} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
             m / 2,
             ta * 1e6,
             tb * 1e6,
@@ -485,26 +501,33 @@ impl Trials<'_> {
 
     /// One exchange trial at `scaled`: m GPUs in pairs, both of a pair sending `size` bytes
     /// to the other at once and waiting for the other's (a step of a collective), over and
-    /// over. Returns the mean wall time of an exchange (s: a side's time alone depends on its
-    /// phase against the other's) and the write lateness p99 (µs).
+    /// over, until each side has done `wanted` exchanges and `min_window` has passed. Returns
+    /// the mean wall time of an exchange (s) and the write lateness p99 (µs). Each side times
+    /// its own exchanges, from the end of its first counted one to the end of an even
+    /// number of them later: a window's edges would cut exchanges, and at high scales a trial
+    /// holds only a few of them; and the two sides of a pair keep the phase they started
+    /// with, so that each side's exchanges alternate between one-way time + φ and − φ.
     fn exchanges(
         &self,
         tuns: Vec<OwnedFd>,
         scaled: f64,
         size: usize,
+        wanted: usize,
+        min_window: Duration,
     ) -> anyhow::Result<((f64, f64), Vec<OwnedFd>)> {
         let m = self.m;
         let plane = self.plane(tuns, scaled)?;
         let stop = Arc::new(AtomicBool::new(false));
         let counting = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicU64::new(0));
+        // Per side: when its exchanges ended while counting.
+        let sides: Arc<Mutex<Vec<Vec<Instant>>>> = Arc::new(Mutex::new(vec![Vec::new(); m]));
         let mut threads = Vec::new();
         let mut setup = Ok(());
         // Pairs only (a GPU in one exchange at a time); an odd last GPU sits out.
         for i in (0..m - m % 2).step_by(2) {
-            let side = || {
-                let (stop, counting, done) =
-                    (Arc::clone(&stop), Arc::clone(&counting), Arc::clone(&done));
+            let side = |s: usize| {
+                let (stop, counting, sides) =
+                    (Arc::clone(&stop), Arc::clone(&counting), Arc::clone(&sides));
                 move |mut conn: TcpStream| {
                     let _ = conn.set_nodelay(true);
                     let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
@@ -531,7 +554,9 @@ impl Trials<'_> {
                             }
                         }
                         if counting.load(Ordering::Relaxed) {
-                            done.fetch_add(1, Ordering::Relaxed);
+                            if let Ok(mut sides) = sides.lock() {
+                                sides[s].push(Instant::now());
+                            }
                         }
                     }
                     // Unblock the peer's read and write.
@@ -543,30 +568,31 @@ impl Trials<'_> {
                 PORT + 100 + i as u16,
                 &stop,
                 &mut threads,
-                side(),
-                side(),
+                side(i),
+                side(i + 1),
             );
             if setup.is_err() {
                 break;
             }
         }
         let mut lateness = (None, None);
-        let mut window = Duration::ZERO;
         if setup.is_ok() {
             std::thread::sleep(RAMP);
             lateness.0 = plane.status();
             counting.store(true, Ordering::Relaxed);
-            // Enough exchanges for a mean even when each takes milliseconds of wall time.
             let started = Instant::now();
-            let enough = (EXCHANGES_PER_PAIR * m) as u64;
+            // `wanted` exchanges after the first counted end.
+            let enough =
+                |sides: &[Vec<Instant>]| sides[..m - m % 2].iter().all(|s| s.len() > wanted);
             while started.elapsed() < EXCHANGE_WINDOW_MAX {
-                std::thread::sleep(Duration::from_millis(20));
-                if started.elapsed() >= WINDOW && done.load(Ordering::Relaxed) >= enough {
+                std::thread::sleep(Duration::from_millis(10));
+                if started.elapsed() >= min_window
+                    && sides.lock().map(|s| enough(&s)).unwrap_or(false)
+                {
                     break;
                 }
             }
             counting.store(false, Ordering::Relaxed);
-            window = started.elapsed();
             lateness.1 = plane.status();
         }
         stop.store(true, Ordering::Relaxed);
@@ -575,10 +601,24 @@ impl Trials<'_> {
         }
         let tuns = plane.stop()?;
         setup?;
-        let count = done.load(Ordering::Relaxed);
-        anyhow::ensure!(count > 0, "no exchange completed at time_scale {scaled}");
-        // Every GPU of a pair in lock step: the wall time of one step.
-        let step = window.as_secs_f64() * (m - m % 2) as f64 / count as f64;
-        Ok(((step, p99_between(lateness.0, lateness.1)), tuns))
+        let sides = sides
+            .lock()
+            .map_err(|_| anyhow::anyhow!("an exchange thread panicked"))?;
+        let (span, intervals) = sides.iter().fold((0.0, 0), |(t, n), ends| {
+            let even = ends.len().saturating_sub(1) & !1;
+            match even {
+                0 => (t, n),
+                _ => (t + (ends[even] - ends[0]).as_secs_f64(), n + even),
+            }
+        });
+        anyhow::ensure!(
+            intervals > 0,
+            "fewer than three exchanges completed at time_scale {scaled} in {} s",
+            EXCHANGE_WINDOW_MAX.as_secs()
+        );
+        Ok((
+            (span / intervals as f64, p99_between(lateness.0, lateness.1)),
+            tuns,
+        ))
     }
 }
