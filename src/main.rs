@@ -136,7 +136,7 @@ enum Command {
         bucket: usize,
         /// Forward + backward compute per step, in ms of fabric time [default: the
         /// predicted time of the step's all-reduces on this fabric, so that overlap can
-        /// hide up to half the step].
+        /// hide up to half the step]. At most an hour.
         #[arg(long, conflicts_with_all = ["flops", "gpu_tflops"], value_parser = non_negative, allow_negative_numbers = true)]
         compute_ms: Option<f64>,
         /// Model FLOPs per step per GPU (with --gpu-tflops instead of --compute-ms).
@@ -624,6 +624,9 @@ fn number(s: &str) -> Result<f64, String> {
         .ok_or_else(|| format!("{s:?} is not a number"))
 }
 
+/// `train`'s compute per step at most (ms of fabric time): an hour.
+const MAX_COMPUTE_MS: f64 = 3_600_000.0;
+
 fn positive(s: &str) -> Result<f64, String> {
     number(s).and_then(|v| {
         if v > 0.0 {
@@ -979,6 +982,16 @@ fn main() -> ExitCode {
                 (None, Some(f), Some(t)) => Some(f / (t * 1e12) * 1e3),
                 _ => None,
             };
+            if let Some(ms) = compute_ms.filter(|&ms| ms.is_nan() || ms > MAX_COMPUTE_MS) {
+                let given = if flops.is_some() {
+                    "--flops / --gpu-tflops"
+                } else {
+                    "--compute-ms"
+                };
+                return Err(usage(format!(
+                    "{given}: {ms:e} ms of compute per step; at most {MAX_COMPUTE_MS} ms (one hour of fabric time)"
+                )));
+            }
             if model % 4 != 0 || bucket % 4 != 0 {
                 return Err(usage(
                     "--model and --bucket must be whole numbers of f32 elements (multiples of 4 bytes)",

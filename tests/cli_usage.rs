@@ -49,6 +49,15 @@ fn train_and_run_options_are_checked_before_anything_runs() {
         (vec!["train", "--model", "1M,2M"], "takes one size"),
         (vec!["train", "--compute-ms", "-1"], "must not be negative"),
         (vec!["train", "--flops", "1e12"], "--gpu-tflops"),
+        // Compute per step beyond any Duration (the agents panicked on it).
+        (
+            vec!["train", "--compute-ms", "1e300"],
+            "--compute-ms: 1e300 ms of compute per step; at most 3600000 ms",
+        ),
+        (
+            vec!["train", "--flops", "1e12", "--gpu-tflops", "1e-300"],
+            "--flops / --gpu-tflops",
+        ),
         (
             vec!["run", "--timeout", "0", "--", "true"],
             "must be above 0",

@@ -119,11 +119,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if compute_ms.is_nan() || compute_ms < 0.0 {
                 anyhow::bail!("--compute-ms must be non-negative");
             }
+            let compute = Duration::try_from_secs_f64(compute_ms / 1e3)
+                .map_err(|_| anyhow::anyhow!("--compute-ms {compute_ms}: too long"))?;
             for &ov in modes {
                 let spec = train::Spec {
                     model_bytes,
                     bucket_bytes,
-                    compute: Duration::from_secs_f64(compute_ms / 1e3),
+                    compute,
                     steps,
                     overlap: ov,
                     algo: algo(&a)?,
