@@ -893,9 +893,8 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
     let compute_ms = a.compute_ms.unwrap_or_else(|| {
-        buckets
+        bucket_times_ms(&mut predictor, a.algo, &buckets)
             .iter()
-            .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
             .sum()
     });
     let args: Vec<String> = [
@@ -946,10 +945,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         .as_ref()
         .and_then(|h| h.late_whole(shortest, steps, sel.len()));
     let behind = late.is_some() || ran.health.as_ref().is_some_and(|h| h.tun_drops > 0);
-    let comm: Vec<f64> = buckets
-        .iter()
-        .map(|&b| predictor.predict(Op::AllReduce, a.algo, b, 0) * 1e3)
-        .collect();
+    let comm = bucket_times_ms(&mut predictor, a.algo, &buckets);
     let predicted: Vec<f64> = reports
         .iter()
         .map(|r| predict_step(compute_ms, &comm, r.overlap))
@@ -1023,6 +1019,23 @@ fn bucket_sizes(model: usize, bucket: usize) -> Vec<usize> {
     schedule::buckets(model / F32, bucket / F32)
         .into_iter()
         .map(|b| b * F32)
+        .collect()
+}
+
+/// Each bucket's predicted all-reduce time (ms), one prediction per distinct size: the
+/// buckets are all of one size but the last, and there can be millions of them.
+fn bucket_times_ms(predictor: &mut Predictor, algo: Algo, buckets: &[usize]) -> Vec<f64> {
+    let mut known: Vec<(usize, f64)> = Vec::new();
+    buckets
+        .iter()
+        .map(|&b| match known.iter().find(|(size, _)| *size == b) {
+            Some(&(_, ms)) => ms,
+            None => {
+                let ms = predictor.predict(Op::AllReduce, algo, b, 0) * 1e3;
+                known.push((b, ms));
+                ms
+            }
+        })
         .collect()
 }
 
