@@ -129,10 +129,20 @@ fn read(file: &Path) -> anyhow::Result<Recorded> {
         if f.len() != 4 {
             return Err(bad());
         }
+        // Fabric seconds, bytes and a share: finite and not negative (a float parser also
+        // takes "nan", "inf" and "-1", which no recording holds and no axis can show).
+        let number = |v: &str, what: &str| match v.parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+            _ => Err(crate::usage(format!(
+                "{}:{}: {what} {v:?} is not a number ≥ 0",
+                file.display(),
+                n + 1
+            ))),
+        };
         let (t, q, u) = (
-            f[0].parse::<f64>().map_err(|_| bad())?,
-            f[2].parse::<f64>().map_err(|_| bad())?,
-            f[3].parse::<f64>().map_err(|_| bad())?,
+            number(f[0], "fabric_time_s")?,
+            number(f[2], "queue_bytes")?,
+            number(f[3], "utilization")?,
         );
         series.entry(f[1].to_owned()).or_default().push((t, q, u));
     }

@@ -1,6 +1,7 @@
 //! Hostile topology files: size bombs, special files, values that would wrap or mislead.
 //! `closbox plan` must refuse each with a positioned error, without panicking, hanging or
-//! allocating much (peak RSS measured per run). Needs no root.
+//! allocating much (peak RSS measured per run). And hostile `closbox record` files for
+//! `closbox plot`. Needs no root.
 #![allow(unsafe_code)] // wait4 for the child's peak RSS
 
 mod common;
@@ -23,13 +24,18 @@ struct Run {
     took: Duration,
 }
 
-/// Runs `closbox plan FILE`; a run still going after 60 s is a hang, and fails the test.
+/// Runs `closbox plan FILE`.
 fn plan(file: &Path) -> Run {
+    run(&["plan", file.to_str().unwrap()])
+}
+
+/// Runs closbox with `args`; a run still going after 60 s is a hang, and fails the test.
+fn run(args: &[&str]) -> Run {
     let started = Instant::now();
     // Reaped by wait4 below (for its rusage), not by Child::wait.
     #[allow(clippy::zombie_processes)]
     let mut child = Command::new(env!("CARGO_BIN_EXE_closbox"))
-        .args(["plan", file.to_str().unwrap()])
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -59,7 +65,7 @@ fn plan(file: &Path) -> Run {
         if started.elapsed() > Duration::from_secs(60) {
             // SAFETY: signalling our own child.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("closbox plan {} hung", file.display());
+            panic!("closbox {args:?} hung");
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -263,5 +269,32 @@ fn accepted_but_wrong_values_are_refused_with_positions() {
         ),
     ] {
         refused(name, &write("wrong.toml", &text), expect);
+    }
+}
+
+/// `closbox plot` of a recording whose numbers no recording holds (not a number, infinite,
+/// beyond f64, negative): refused with the file's line, not drawn (an infinite or NaN time
+/// hung the axis code; a NaN value drew "NaN" into the SVG).
+#[test]
+fn plot_refuses_numbers_no_recording_holds() {
+    let out = dir().join("plot.svg");
+    let good = "# closbox record: fabric x, 1 ports, every 1ms of fabric time (time_scale 1)\n\
+                fabric_time_s,port,queue_bytes,utilization\n\
+                0.001,sw0->gpu0,1500,0.5\n";
+    let file = write("good.csv", &format!("{good}0.002,sw0->gpu0,3000,1.0\n"));
+    let r = run(&["plot", file.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    for value in ["nan", "NaN", "inf", "-inf", "1e309", "-1", "-0.5"] {
+        for (field, row) in [
+            ("fabric_time_s", format!("{value},sw0->gpu0,3000,1.0")),
+            ("queue_bytes", format!("0.002,sw0->gpu0,{value},1.0")),
+            ("utilization", format!("0.002,sw0->gpu0,3000,{value}")),
+        ] {
+            let file = write("hostile.csv", &format!("{good}{row}\n"));
+            let r = run(&["plot", file.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+            assert_eq!(r.code, Some(2), "{row}: {}", r.stderr);
+            let at = format!("{}:4: {field} \"{value}\"", file.display());
+            assert!(r.stderr.contains(&at), "{row}: {}", r.stderr);
+        }
     }
 }
