@@ -1,7 +1,8 @@
 //! The shipped topology and scenario files, mutated at random (seeded): lines dropped,
 //! repeated, cut short or taken from another file, values replaced by hostile ones, digits
 //! changed. Every mutant is either accepted (and then planned and modelled without a panic)
-//! or refused with an error that says where (file:line:col). Needs no root.
+//! or refused with an error that says where (file:line:col), and predicted without a
+//! hang. Needs no root.
 
 mod common;
 
@@ -152,6 +153,34 @@ fn mutated_topology_files_are_accepted_or_refused_with_a_position() {
         if topo.hosts.len() <= 4096 {
             let _ = closbox_fabric::plan::Plan::of(&topo);
             let _ = closbox_fabric::Fabric::new(&topo);
+        }
+        Ok(())
+    });
+}
+
+/// The predictions `bench` and `train` print, on accepted mutants (up to 64 GPUs): every
+/// operation and algorithm, sizes from one element to 16 GiB, finite and not negative, and
+/// made at all (a "1B" link rate — 8 bit/s — made the fluid simulation loop for ever).
+#[test]
+fn mutated_topology_files_are_predicted() {
+    use closbox_agents::{Algo, Op};
+    let bases = files("configs");
+    mutants(2, 400, &bases, |text| {
+        let topo = closbox_fabric::parse(text, "mutant.toml")?;
+        let n = topo.hosts.len() as u32;
+        if n == 0 || n > 64 {
+            return Ok(());
+        }
+        for channels in [1, 3] {
+            let p = closbox_predict::Predictor::new(&topo, (0..n).collect(), channels);
+            for op in Op::ALL {
+                for algo in [Algo::Auto, Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Hier] {
+                    for size in [4, 1 << 20, 1 << 34] {
+                        let t = p.predict(op, algo, size, (n - 1) as usize);
+                        assert!(t.is_finite() && t >= 0.0, "{op:?} {algo:?} {size} B: {t}");
+                    }
+                }
+            }
         }
         Ok(())
     });

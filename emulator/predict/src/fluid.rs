@@ -85,8 +85,11 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
         let mut k = 0;
         while k < active.len() {
             let i = active[k];
-            // Done when what is left would take less than a picosecond.
-            if remaining[i] <= rate[i] * 1e-12 {
+            // Done when what is left would take less than a picosecond, or less than
+            // `now` can resolve: after hours of fabric time (slow links, large sizes) a
+            // rounding remainder's end time rounds to `now` itself, and it would never
+            // end.
+            if remaining[i] <= rate[i] * 1e-12 || now + remaining[i] / rate[i] <= now {
                 active.remove(k);
                 sim.sent(i, now);
                 changed = true;
@@ -312,5 +315,28 @@ mod tests {
             ],
         );
         assert!(close(got, 2.0), "{got}");
+    }
+    #[test]
+    fn transfers_ending_after_years_of_fabric_time_still_end() {
+        // 8 bit/s and 3 B/s ports (a "1B" rate is a valid one): by the third transfer
+        // `now` is ~4e9 s, where the remainder left by subtracting rate × dt ends within
+        // less than now's resolution; it looped for ever. Each transfer here waits for the
+        // one before it to be sent, so they run one after another.
+        let a = 2_017_744_408.0 + 2.0 / 3.0;
+        let b = 263_701_168.0 + 1.0 / 3.0;
+        let c = 2_111_009_482.0 + 1.0 / 3.0;
+        let transfers = [
+            t(&[0], a, 4e-6, &[]),
+            t(&[1], b, 3.5e-6, &[Dep::Sent(0)]),
+            t(&[0], c, 3.6e-6, &[Dep::Sent(1)]),
+            t(&[1], b, 2e-6, &[Dep::Sent(2)]),
+        ];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(makespan(&[1.0, 3.0], &transfers)));
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("makespan did not end");
+        let want = a + b / 3.0 + c + b / 3.0 + 2e-6;
+        assert!((got - want).abs() <= 1e-6 * want, "{got} against {want}");
     }
 }
