@@ -13,16 +13,20 @@ use closbox_switchd::state::FabricName;
 
 use crate::live;
 
-/// Copies a daemon's stream (capture, recording) to `out` until the daemon ends it; once
-/// `stop` is set (a signal), asks the daemon to end it by shutting down our side.
+/// Copies a daemon's stream (capture, recording) to `out` (named `dest` in errors) until
+/// the daemon ends it, then flushes `out`; once `stop` is set (a signal), asks the daemon
+/// to end it by shutting down our side.
 pub fn copy_stream(
     stream: &mut std::io::BufReader<std::os::unix::net::UnixStream>,
     out: &mut dyn Write,
+    dest: &str,
     stop: &std::sync::atomic::AtomicBool,
-) -> std::io::Result<()> {
+) -> anyhow::Result<()> {
+    let daemon = "reading from the daemon";
     stream
         .get_ref()
-        .set_read_timeout(Some(std::time::Duration::from_millis(200)))?;
+        .set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .context(daemon)?;
     let mut buf = vec![0u8; 1 << 16];
     let mut asked = false;
     loop {
@@ -31,8 +35,10 @@ pub fn copy_stream(
             asked = true;
         }
         match stream.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(n) => out.write_all(&buf[..n])?,
+            Ok(0) => break,
+            Ok(n) => out
+                .write_all(&buf[..n])
+                .with_context(|| format!("writing {dest}"))?,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -40,9 +46,10 @@ pub fn copy_stream(
                         | std::io::ErrorKind::TimedOut
                         | std::io::ErrorKind::Interrupted
                 ) => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(e).context(daemon),
         }
     }
+    out.flush().with_context(|| format!("writing {dest}"))
 }
 
 /// Which ports to capture.
@@ -168,8 +175,12 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         }
     );
     // Copy the stream; a signal asks the daemon to end (it then writes the statistics).
-    copy_stream(&mut stream, &mut out, &stop).context("reading the capture from the daemon")?;
-    out.flush()?;
+    let dest = if to_stdout {
+        "the capture to stdout".to_owned()
+    } else {
+        a.file.display().to_string()
+    };
+    copy_stream(&mut stream, &mut out, &dest, &stop)?;
     drop(out);
     let size = std::fs::metadata(a.file).map_or(u64::MAX, |m| m.len());
     if !to_stdout && size <= 256 << 20 {

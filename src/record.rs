@@ -86,9 +86,7 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
-    crate::capture::copy_stream(&mut stream, &mut out, &stop)
-        .context("reading the recording from the daemon")?;
-    out.flush()?;
+    crate::capture::copy_stream(&mut stream, &mut out, &a.file.display().to_string(), &stop)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -53,6 +53,30 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     );
     let out = closbox(&["capture", "--fabric", "lt-cap", "-w", "/dev/null"]);
     assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    // A file that cannot be written is named as such (it read "No space left on device",
+    // or was blamed on reading from the daemon), for captures and recordings alike.
+    for args in [
+        &["capture", "--port", "sw0->gpu0", "--duration", "1ms", "-w"][..],
+        &["record", "--duration", "1ms", "-o"][..],
+    ] {
+        let out = closbox(
+            &[
+                &args[..1],
+                &["--fabric", "lt-cap"],
+                &args[1..],
+                &["/dev/full"],
+            ]
+            .concat(),
+        );
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {:?}", text(&out));
+        assert!(
+            text(&out)
+                .1
+                .contains("writing /dev/full: No space left on device"),
+            "{args:?}: {:?}",
+            text(&out)
+        );
+    }
 
     let mut cap = Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args([
