@@ -159,10 +159,15 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         .iter()
         .map(|(r, c)| format!("{r} {}", thousands(*c)))
         .collect();
-    drop_list.push(match s.tun_tx_dropped {
-        Some(d) => format!("tun_kernel {}", thousands(d)),
-        None => "tun_kernel ?".into(),
-    });
+    for (what, count) in [
+        ("tun_kernel", s.tun_tx_dropped),
+        ("gpu_kernel", s.gpu_rx_dropped),
+    ] {
+        drop_list.push(match count {
+            Some(d) => format!("{what} {}", thousands(d)),
+            None => format!("{what} ?"),
+        });
+    }
     let _ = writeln!(o, "  drops     {}", drop_list.join("  "));
     if !s.flow_control.is_empty() && s.flow_control != "none" {
         let paused: Vec<&PortStatus> = s.ports.iter().filter(|p| p.pause_events > 0).collect();

@@ -597,6 +597,50 @@ fn tcp_with_ip_options_beside_another_flow_is_carried() {
     f.down();
 }
 
+/// Packets the fabric delivered that a GPU's own kernel dropped (here: its interface set
+/// down from inside the GPU) are counted as `gpu_kernel`, not lost from every account
+/// (they showed as delivered, with no drop anywhere).
+#[test]
+fn packets_a_gpus_kernel_drops_are_counted() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-gpudrop", &leaf_spine_4("1Gbit", "1us"));
+    let ok = |o: &std::process::Output| assert!(o.status.success(), "{:?}", text(o));
+    ok(&f.exec("gpu1", &["ip", "link", "set", "cb0", "down"]));
+    let lost = f.exec(
+        "gpu0",
+        &[
+            "ping",
+            "-c",
+            "5",
+            "-i",
+            "0.05",
+            "-W",
+            "1",
+            "-q",
+            "198.18.0.2",
+        ],
+    );
+    assert!(
+        text(&lost).0.contains("5 packets transmitted, 0 received"),
+        "{:?}",
+        text(&lost)
+    );
+    ok(&f.exec("gpu1", &["ip", "link", "set", "cb0", "up"]));
+    ok(&f.exec("gpu0", &["ping", "-c", "1", "-W", "5", "-q", "198.18.0.2"]));
+    let st = f.status();
+    assert_eq!(st["gpu_rx_dropped"], 5, "{st}");
+    assert_eq!(
+        st["delivered"], 7,
+        "5 requests into the down interface, one there and back"
+    );
+    let (o, _) = text(&closbox(&["status", "lt-gpudrop"]));
+    assert!(o.contains("tun_kernel 0  gpu_kernel 5"), "{o}");
+    f.down();
+}
+
 /// Unmodified torch.distributed (gloo) all-reduce across 8 GPUs through the fabric.
 #[test]
 fn torch_gloo_all_reduce_runs_unmodified() {

@@ -507,12 +507,15 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
         Ok(s) => s,
         Err(_) => return Reply::error("the data plane did not answer within 5 s"),
     };
-    let drops: Result<u64, _> = state
+    let drops: Result<Vec<_>, _> = state
         .gpus
         .iter()
-        .map(|g| crate::netns::tun_tx_dropped(g, &state.tun))
-        .sum();
-    s.tun_tx_dropped = drops.ok();
+        .map(|g| crate::netns::tun_dropped(g, &state.tun))
+        .collect();
+    if let Ok(d) = drops {
+        s.tun_tx_dropped = Some(d.iter().map(|d| d.tx).sum());
+        s.gpu_rx_dropped = Some(d.iter().map(|d| d.rx).sum());
+    }
     Reply::Status(Box::new(s))
 }
 

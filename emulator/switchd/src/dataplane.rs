@@ -278,6 +278,10 @@ pub struct Status {
     /// Kernel-side TUN drops (packets the daemon did not read in time), filled in by the
     /// control plane.
     pub tun_tx_dropped: Option<u64>,
+    /// Packets the fabric delivered that the GPUs' kernels dropped (an interface set down,
+    /// a full backlog), filled in by the control plane.
+    #[serde(default)]
+    pub gpu_rx_dropped: Option<u64>,
     /// Per egress port counters, every port in port order.
     pub ports: Vec<PortStatus>,
     /// Links that are down or whose parameters were changed.
@@ -1862,6 +1866,7 @@ impl<P: Ports> DataPlane<P> {
             packet_memory: self.model.memory().0,
             packet_memory_limit: self.model.memory().1,
             tun_tx_dropped: None,
+            gpu_rx_dropped: None,
             ports,
             changed_links: self
                 .model

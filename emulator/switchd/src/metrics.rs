@@ -398,13 +398,18 @@ pub fn encode(s: &Status) -> String {
             })
             .inc_by(*v);
     }
-    if let Some(t) = s.tun_tx_dropped {
-        fabric_drops
-            .get_or_create(&FabricReason {
-                fabric: s.fabric.clone(),
-                reason: "tun_kernel".into(),
-            })
-            .inc_by(t);
+    for (reason, count) in [
+        ("tun_kernel", s.tun_tx_dropped),
+        ("gpu_kernel", s.gpu_rx_dropped),
+    ] {
+        if let Some(c) = count {
+            fabric_drops
+                .get_or_create(&FabricReason {
+                    fabric: s.fabric.clone(),
+                    reason: reason.into(),
+                })
+                .inc_by(c);
+        }
     }
     reg.register(
         "drops",

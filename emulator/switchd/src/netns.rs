@@ -179,9 +179,18 @@ pub fn open_gpu(state: &State, g: &GpuState) -> anyhow::Result<sys::EnterGpu> {
     Ok(sys::EnterGpu::new(net, uts, &g.hosts_path())?)
 }
 
-/// Reads a TUN's kernel-side drop counter (packets the kernel dropped because the daemon
-/// did not read them in time) from inside the GPU's namespace.
-pub fn tun_tx_dropped(g: &GpuState, tun: &str) -> io::Result<u64> {
+/// A GPU's TUN drop counters, from its kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TunDrops {
+    /// Sent by the GPU, dropped before the daemon read them (its queue was full).
+    pub tx: u64,
+    /// Written by the daemon (delivered), dropped by the GPU's kernel: the interface down,
+    /// its backlog full.
+    pub rx: u64,
+}
+
+/// Reads a TUN's kernel-side drop counters from inside the GPU's namespace.
+pub fn tun_dropped(g: &GpuState, tun: &str) -> io::Result<TunDrops> {
     let ns = fs::File::open(g.netns_path())?;
     let tun = tun.to_owned();
     thread::scope(|s| {
@@ -193,7 +202,13 @@ pub fn tun_tx_dropped(g: &GpuState, tun: &str) -> io::Result<u64> {
             dev.lines()
                 .find_map(|l| {
                     let (name, rest) = l.split_once(':')?;
-                    (name.trim() == tun).then(|| rest.split_whitespace().nth(11)?.parse().ok())?
+                    let field = |i| rest.split_whitespace().nth(i)?.parse().ok();
+                    (name.trim() == tun).then(|| {
+                        Some(TunDrops {
+                            tx: field(11)?,
+                            rx: field(3)?,
+                        })
+                    })?
                 })
                 .ok_or_else(|| io::Error::other(format!("{tun} not in /proc/net/dev")))
         })
