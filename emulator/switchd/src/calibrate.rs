@@ -330,13 +330,10 @@ impl Trials<'_> {
             Ok((Choice { time_scale: k, why }, tuns))
         };
         let (a, tuns) = self.exchanges(tuns, ka, size, EXCHANGES_PER_PAIR, WINDOW)?;
-        let Some(Timed {
-            step: ta,
-            p99_us: pa,
-        }) = a
-        else {
+        let Some(a) = a else {
             return untimed(ka, why, tuns);
         };
+        let ta = a.step;
         // ta bounds the fabric's part at ka from above: the second scale keeps an exchange
         // (at most ta × ratio) within the wall-time bound.
         let ratio = (TIMING_EXCHANGE_MAX.as_secs_f64() / ta.max(1e-9))
@@ -344,20 +341,19 @@ impl Trials<'_> {
         let kb = (ka * ratio).min(TimeScale::MAX);
         // Each exchange at kb is mostly fabric time, the same every time: a few will do.
         let (b, tuns) = self.exchanges(tuns, kb, size, EXCHANGES_AT_HIGH_SCALE, Duration::ZERO)?;
-        let Some(Timed {
-            step: tb,
-            p99_us: pb,
-        }) = b
-        else {
+        let Some(b) = b else {
             return untimed(kb, why, tuns);
         };
+        let tb = b.step;
         let f = (tb - ta) / (kb - ka);
         let o = ta - ka * f;
         tracing::info!(
-            "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {pa:.0} µs), {:.1} µs at {kb:.0} (p99 {pb:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
+            "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {:.0} µs), {:.1} µs at {kb:.0} (p99 {:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
             m / 2,
             ta * 1e6,
+            a.p99_us,
             tb * 1e6,
+            b.p99_us,
             f * 1e6,
             o * 1e6
         );
