@@ -46,7 +46,8 @@ const MAX_TRIALS: usize = 10;
 /// A trial: ramp-up, then the measured window.
 const RAMP: Duration = Duration::from_millis(150);
 const WINDOW: Duration = Duration::from_millis(300);
-/// Exchanges per GPU wanted for a mean (at the timing's first and second scales), and the longest an exchange trial measures.
+/// Exchanges per GPU wanted for a mean (at the timing's first and second scales), and the
+/// longest an exchange trial measures.
 const EXCHANGES_PER_PAIR: usize = 20;
 const EXCHANGES_AT_HIGH_SCALE: usize = 5;
 const EXCHANGE_WINDOW_MAX: Duration = Duration::from_secs(2);
@@ -298,14 +299,14 @@ impl Trials<'_> {
 
     /// The timing criterion, after the throughput one chose `k`: what the box adds to a
     /// short step of a collective. Exchanges of one frame between pairs of GPUs (all pairs at
-    /// once, as in a collective's step) are timed at `k` and at a scale 10–100 times `k`: the
+    /// once, as in a collective's step) are timed at `k` and at a scale 2–100 times `k`: the
     /// wall time of an exchange is `scale × F + O`, F the fabric's own time for it and O what
     /// the box adds in wall time (wake-ups, the GPUs' kernel stacks and processes on shared
     /// cores, the data plane's lateness), so two scales give both. O is not quite the same
     /// at both (tens of µs apart on this class of box: waits of different lengths wake
     /// differently), and that difference lands in F divided by the scales' difference: the
     /// second scale is as high as keeps an exchange within `TIMING_EXCHANGE_MAX` of wall
-    /// time, up to 100 × `k`. O shrinks in fabric time as the scale grows: the choice is the
+    /// time, up to 100 × `k` (at least 2 × `k`, for exchanges that already take ms). O shrinks in fabric time as the scale grows: the choice is the
     /// smallest 1-2-5 scale at which O is at most `STEP_SHARE` of F, if that is above `k`.
     fn timing(
         &self,
