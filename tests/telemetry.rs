@@ -535,6 +535,7 @@ fn flows_show_an_ecmp_collision() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
+    let started = f.status()["fabric_time_s"].as_f64().unwrap();
     let clients: Vec<_> = [
         ("gpu0", "198.18.0.3", "5201", p0),
         ("gpu1", "198.18.0.4", "5202", p1),
@@ -545,17 +546,36 @@ fn flows_show_an_ecmp_collision() {
         std::thread::spawn(move || {
             closbox(&[
                 "exec", "--fabric", "lt-flows", gpu, "--", "iperf3", "-c", to, "-p", port,
-                "--cport", &cport, "-t", "2", "-J",
+                "--cport", &cport, "-t", "3", "-J",
             ])
         })
     })
     .collect();
-    std::thread::sleep(Duration::from_millis(1800));
-    let screen = Command::new("tmux")
-        .args(["capture-pane", "-p", "-t", session])
-        .output()
-        .unwrap();
-    let screen = String::from_utf8_lossy(&screen.stdout).into_owned();
+    // The first frame of `top` whose window (its last ~0.5 s) lies inside the flows (3 s
+    // from `started`, a few hundred ms to ramp up): on a busy box a frame can come late,
+    // so the pane is read until one shows a fabric time 1.2 s past the start (a fixed
+    // 1.8 s wait once caught a frame from before the flows began).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let screen = loop {
+        let pane = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", session])
+            .output()
+            .unwrap();
+        let pane = String::from_utf8_lossy(&pane.stdout).into_owned();
+        let at: Option<f64> = pane
+            .split("fabric time ")
+            .nth(1)
+            .and_then(|r| r.split(" s").next())
+            .and_then(|t| t.trim().parse().ok());
+        if at.is_some_and(|t| t >= started + 1.2) {
+            break pane;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no frame of top 1.2 s into the flows (started at fabric time {started}):\n{pane}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let _ = Command::new("tmux")
         .args(["send-keys", "-t", session, "q"])
         .output();
