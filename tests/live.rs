@@ -474,9 +474,12 @@ fn realtime_data_plane_with_its_safety_valve() {
     let sched = st["scheduling"].as_str().unwrap().to_owned();
     assert!(sched.starts_with("real-time (SCHED_FIFO 10)"), "{sched}");
     assert!(sched.contains(": 0 time(s)"), "{sched}");
-    // Four links of 250 µs, plus this box's floor (tens of µs).
+    // Four links of 250 µs, plus this box's floor and its timed wake-ups' lateness (the
+    // data plane sleeps until each frame is due): 1038–1064 µs in 4 runs on the dev VM,
+    // 1110 once in CI. The bound is for a path honoured, not collapsed or doubled.
     let got = one_way_us(&f, 2);
-    assert!((1000.0..1100.0).contains(&got), "{got} µs one way");
+    eprintln!("--realtime, path 1000 µs: {got:.1} µs one way");
+    assert!((1000.0..1200.0).contains(&got), "{got} µs one way");
     let bps = iperf_goodput(&f, 2);
     assert!(bps > 0.5e9, "{bps} bit/s");
     let st = f.status();
