@@ -159,10 +159,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         .iter()
         .map(|(r, c)| format!("{r} {}", thousands(*c)))
         .collect();
-    for (what, count) in [
-        ("tun_kernel", s.tun_tx_dropped),
-        ("gpu_kernel", s.gpu_rx_dropped),
-    ] {
+    for (what, count) in s.kernel_drops() {
         drop_list.push(match count {
             Some(d) => format!("{what} {}", thousands(d)),
             None => format!("{what} ?"),

@@ -324,6 +324,17 @@ pub struct Status {
     pub thread_cpu_ns: Option<(u64, u64)>,
 }
 
+impl Status {
+    /// The drops the GPUs' kernels counted at their TUNs, by the name `status` and the
+    /// metrics give them: `None` where they could not be read.
+    pub fn kernel_drops(&self) -> [(&'static str, Option<u64>); 2] {
+        [
+            ("tun_kernel", self.tun_tx_dropped),
+            ("gpu_kernel", self.gpu_rx_dropped),
+        ]
+    }
+}
+
 /// A synthetic load, for `status` and predictions.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LoadInfo {

@@ -398,10 +398,7 @@ pub fn encode(s: &Status) -> String {
             })
             .inc_by(*v);
     }
-    for (reason, count) in [
-        ("tun_kernel", s.tun_tx_dropped),
-        ("gpu_kernel", s.gpu_rx_dropped),
-    ] {
+    for (reason, count) in s.kernel_drops() {
         if let Some(c) = count {
             fabric_drops
                 .get_or_create(&FabricReason {
