@@ -45,6 +45,9 @@ pub enum Unforwardable {
     NotIpv4,
 }
 
+/// The IPv4 "more fragments" flag (of the 3 flag bits `Ipv4Packet::get_flags` reads).
+const MORE_FRAGMENTS: u8 = 0b001;
+
 /// Reads the headers of an IPv4 packet as a TUN (without packet-info header) gives it.
 pub fn inspect(buf: &[u8]) -> Result<Headers, Unforwardable> {
     inspect_head(buf, buf.len())
@@ -75,10 +78,14 @@ pub fn inspect_head(buf: &[u8], frame_len: usize) -> Result<Headers, Unforwardab
     }
     let proto = ip.get_next_level_protocol();
     let payload = &buf[ihl..len.min(buf.len())];
-    // Only the first fragment carries ports; later fragments hash on addresses alone.
-    let first_fragment = ip.get_fragment_offset() == 0;
+    // Every fragment of a datagram hashes on addresses alone, the first (whose payload
+    // starts with the ports) as the later ones (which have none): they take one path, as
+    // a switch's ECMP (and Linux's multipath hash) keeps them, and are counted as one
+    // flow. Hashed on its ports, a first fragment went one way and the rest of its
+    // datagram another.
+    let fragment = ip.get_fragment_offset() != 0 || ip.get_flags() & MORE_FRAGMENTS != 0;
     let (sport, dport) = match proto {
-        _ if !first_fragment => (0, 0),
+        _ if fragment => (0, 0),
         IpNextHeaderProtocols::Tcp | IpNextHeaderProtocols::Udp => {
             if payload.len() < 4 {
                 return Err(Unforwardable::Malformed);
@@ -237,6 +244,32 @@ mod tests {
         );
         assert_eq!((h.ecn, h.len), (0b10, 100));
         assert!(checksum_ok(&p));
+    }
+
+    #[test]
+    fn fragments_of_a_datagram_share_one_key() {
+        // A 3-fragment datagram: the first (MF, offset 0, starting with the UDP ports),
+        // a middle one (MF, offset 185 × 8) and the last (offset 370 × 8).
+        let keys: Vec<FlowKey> = [(0b001, 0), (0b001, 185), (0, 370)]
+            .into_iter()
+            .map(|(flags, offset)| {
+                let mut p = build_udp(A, B, 1234, 80, 0, 1500);
+                let fo: u16 = (flags as u16) << 13 | offset;
+                p[6..8].copy_from_slice(&fo.to_be_bytes());
+                set_header_checksum(&mut p);
+                inspect(&p).unwrap().key
+            })
+            .collect();
+        assert_eq!(keys[0], keys[1]);
+        assert_eq!(keys[1], keys[2]);
+        assert_eq!((keys[0].sport, keys[0].dport, keys[0].proto), (0, 0, 17));
+        // An unfragmented datagram (DF, or no flags) keeps its ports.
+        for flags in [0b010u16, 0] {
+            let mut p = build_udp(A, B, 1234, 80, 0, 1500);
+            p[6..8].copy_from_slice(&(flags << 13).to_be_bytes());
+            set_header_checksum(&mut p);
+            assert_eq!(inspect(&p).unwrap().key.sport, 1234);
+        }
     }
 
     #[test]
