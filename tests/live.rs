@@ -907,6 +907,23 @@ fn time_scale_auto_is_measured_at_up() {
             &["--time-scale", "auto"],
         );
         let k = f.status()["time_scale"].as_f64().unwrap();
+        // The trials leave nothing behind in the GPUs or the fabric: no connection
+        // (FIN-WAIT sockets retransmitted their FINs into the fabric, 32 packets in its
+        // first 3 s), no cached TCP metrics (the user's first connections would start from
+        // the trials' round trips), no packet counted.
+        for gpu in ["gpu0", "gpu1", "gpu2", "gpu3"] {
+            let (ss, _) = text(&f.exec(gpu, &["ss", "-tanH", "state", "all"]));
+            let conns: Vec<&str> = ss.lines().filter(|l| !l.starts_with("LISTEN")).collect();
+            assert!(conns.is_empty(), "{rate}: {gpu} after calibration: {ss}");
+            let (m, _) = text(&f.exec(gpu, &["ip", "tcp_metrics", "show"]));
+            assert!(m.trim().is_empty(), "{rate}: {gpu}'s TCP metrics: {m}");
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(
+            f.status()["packets_in"],
+            0,
+            "{rate}: the fabric carried packets"
+        );
         let out = closbox(&["status", "lt-auto"]);
         let (o, _) = text(&out);
         f.down();

@@ -241,12 +241,21 @@ impl Plane {
         rx.recv_timeout(Duration::from_secs(2)).ok()
     }
 
+    /// Stops the plane and drops what its TUNs still hold (a trial's last frames, the
+    /// resets of its connections): nothing of a trial reaches the next one or the fabric.
     fn stop(self) -> anyhow::Result<Vec<OwnedFd>> {
         let _ = self.ctl.send(Ctl::Stop);
         self.wake.notify();
-        self.thread
+        let tuns = self
+            .thread
             .join()
-            .map_err(|_| anyhow::anyhow!("calibration data plane panicked"))
+            .map_err(|_| anyhow::anyhow!("calibration data plane panicked"))?;
+        let mut left = 0;
+        for t in &tuns {
+            left += sys::discard_queued(t.as_fd()).context("emptying a TUN after a trial")?;
+        }
+        tracing::debug!("time_scale auto: {left} packets left in the TUNs after a trial, dropped");
+        Ok(tuns)
     }
 }
 
@@ -442,6 +451,7 @@ impl Trials<'_> {
                 }
             };
             let _ = conn.set_nonblocking(false);
+            let _ = sys::abort_on_close(conn.as_fd());
             peer(conn);
         }));
         ready_rx
@@ -454,6 +464,7 @@ impl Trials<'_> {
                 return;
             }
             if let Ok(conn) = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)) {
+                let _ = sys::abort_on_close(conn.as_fd());
                 body(conn);
             }
         }));

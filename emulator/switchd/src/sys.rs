@@ -213,6 +213,26 @@ pub fn read_packet(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<usiz
     }
 }
 
+/// Reads and drops whatever `fd` (a non-blocking TUN) has queued; returns how many
+/// packets that was.
+pub fn discard_queued(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    // A TUN read takes a whole packet, and one that does not fit is cut: any buffer does.
+    let mut buf = [0u8; 2048];
+    let mut n = 0;
+    while read_packet(fd, &mut buf)?.is_some() {
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Makes closing the TCP socket `fd` abort its connection (`SO_LINGER` on, 0 s): the
+/// kernel sends a reset and forgets the socket at once, with no FIN handshake, TIME_WAIT
+/// or retransmissions left behind it, and saves no TCP metrics for its peer.
+pub fn abort_on_close(fd: BorrowedFd<'_>) -> io::Result<()> {
+    rustix::net::sockopt::set_socket_linger(fd, Some(std::time::Duration::ZERO))
+        .map_err(io::Error::from)
+}
+
 /// Writes one packet.
 #[inline]
 pub fn write_packet(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<()> {
