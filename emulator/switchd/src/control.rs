@@ -4,7 +4,8 @@
 //!
 //! Each connection is served by a thread of its own (at most `MAX_CLIENTS` at once), so a
 //! client that connects and says nothing delays nobody; a request is at most
-//! `MAX_REQUEST` bytes (a scenario's timeline is one request) and must arrive within 5 s.
+//! `MAX_REQUEST` bytes (a scenario's timeline is one request) and must arrive whole within
+//! 5 s (a client sending a byte now and then is cut off there).
 
 use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -139,6 +140,8 @@ fn version_of(line: &str) -> Option<u64> {
 const MAX_CLIENTS: usize = 16;
 /// Longest request line.
 pub const MAX_REQUEST: u64 = 4 << 20;
+/// The time a client has to send its whole request line.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Starts serving; the listener thread lives as long as the process.
 pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
@@ -167,7 +170,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                     .name("control-client".into())
                     .spawn(move || {
                         let (state, ctl, wake) = &*shared;
-                        let request = read_request(&conn);
+                        let request = read_request(&mut conn);
                         tracing::debug!("control: {request:?}");
                         match request {
                             Ok(Request::Capture {
@@ -432,21 +435,9 @@ fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
     conn.write_all(b"\n")
 }
 
-fn read_request(conn: &UnixStream) -> anyhow::Result<Request> {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut line = String::new();
-    if let Err(e) = BufReader::new(conn.take(MAX_REQUEST)).read_line(&mut line) {
-        if matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        ) {
-            bail!("no whole request line within 5 s");
-        }
-        return Err(e.into());
-    }
-    if !line.ends_with('\n') && line.len() as u64 >= MAX_REQUEST {
-        bail!("request longer than {MAX_REQUEST} bytes");
-    }
+fn read_request(conn: &mut UnixStream) -> anyhow::Result<Request> {
+    let line = crate::head::read_head(conn, b"\n", MAX_REQUEST as usize, REQUEST_DEADLINE)?;
+    let line = std::str::from_utf8(&line).context("a request that is not UTF-8")?;
     parse_request(line.trim())
 }
 

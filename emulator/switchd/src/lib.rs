@@ -9,6 +9,7 @@ pub mod calibrate;
 pub mod chaos;
 pub mod control;
 pub mod dataplane;
+pub mod head;
 pub mod histogram;
 pub mod metrics;
 pub mod netns;

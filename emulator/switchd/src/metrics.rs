@@ -5,11 +5,11 @@
 //! One thread, one connection at a time, each bounded by a deadline (a client trickling
 //! its request a byte at a time is cut off): a scrape every few seconds is the whole load.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -52,23 +52,19 @@ pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> any
 const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 
 fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyhow::Result<()> {
-    let deadline = Instant::now() + REQUEST_DEADLINE;
     conn.set_write_timeout(Some(REQUEST_DEADLINE))?;
     // The request head, up to 8 KiB.
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            bail!("request head not complete within {REQUEST_DEADLINE:?}");
+    let head = match crate::head::read_head(&mut conn, b"\r\n\r\n", 8192, REQUEST_DEADLINE) {
+        Ok(h) => h,
+        Err(crate::head::HeadError::TooLong(_)) => {
+            write!(
+                conn,
+                "HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )?;
+            return Ok(());
         }
-        conn.set_read_timeout(Some(left))?;
-        let n = conn.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
+        Err(e) => return Err(e.into()),
+    };
     let line = String::from_utf8_lossy(&head);
     let mut words = line.split_whitespace();
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
