@@ -455,6 +455,46 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
             leftovers("lt-huge")
         );
     }
+    // Beyond the open-file limit (a TUN per GPU, their namespaces while `auto` measures):
+    // refused before anything is created, naming the limit. (It failed half-way, "Too many
+    // open files" blamed on the GPU's TCP congestion control, at GPU 888 of 1,280 under
+    // the usual 1,024.) Under a soft limit with room below the hard one, the limit is raised.
+    let cfg = common::scratch_dir().join("lt-files.toml");
+    std::fs::write(
+        &cfg,
+        "[fabric]\nname = \"lt-files\"\n[topology]\nkind = \"single-switch\"\ngpus = 60\n",
+    )
+    .unwrap();
+    let up = |limits: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit {limits} && exec \"$0\" up \"$1\" --detach"))
+            .arg(env!("CARGO_BIN_EXE_closbox"))
+            .arg(&cfg)
+            .output()
+            .unwrap()
+    };
+    let out = up("-n 100");
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    let err = text(&out).1;
+    assert!(
+        err.contains("needs up to 184 open files") && err.contains("at most 100"),
+        "{err}"
+    );
+    assert!(
+        leftovers("lt-files").is_empty(),
+        "{:?}",
+        leftovers("lt-files")
+    );
+    let out = up("-Sn 100 && ulimit -Hn 400");
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox(&["down", "lt-files"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-files").is_empty(),
+        "{:?}",
+        leftovers("lt-files")
+    );
 }
 
 #[test]
@@ -488,6 +528,26 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     big.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let _ = big.read_to_string(&mut reply);
     assert!(reply.contains("longer than"), "{reply:?}");
+    // A client trickling its request a byte at a time (each within any per-read timeout)
+    // is cut off when the whole line is not there 5 s after it connected (it held its
+    // thread for as long as it trickled).
+    let mut slow = UnixStream::connect(sock).unwrap();
+    let mut writer = slow.try_clone().unwrap();
+    let trickle = std::thread::spawn(move || {
+        for b in br#"{"v":1,"cmd":"status"}"#.iter().cycle().take(60) {
+            if writer.write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    });
+    let mut reply = String::new();
+    slow.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let _ = slow.read_to_string(&mut reply);
+    assert!(reply.contains("not complete within"), "{reply:?}");
+    drop(slow);
+    trickle.join().unwrap();
     let out = closbox(&["status", "lt-ctl"]);
     assert!(out.status.success(), "{:?}", text(&out));
     // Port counters on demand: every port, idle ones too, or those matching a pattern.

@@ -146,6 +146,17 @@ pub fn run_fabric(
             );
         }
     }
+    // The daemon keeps each GPU's TUN open, and while `auto` measures the box each GPU's
+    // namespace too: a fabric beyond the open-file limit failed half-way ("Too many open
+    // files" at GPU 888 of 1,280 under the usual 1,024), so the soft limit is raised to
+    // what it needs, and a fabric the hard limit cannot hold is refused here.
+    let files = 2 * topo.hosts.len() as u64 + 64;
+    if let Err(hard) = sys::allow_open_files(files).context("raising the open-file limit")? {
+        bail!(
+            "fabric {name} has {} GPUs: its daemon needs up to {files} open files (a TUN per GPU, and its namespace while time_scale auto measures), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or use a smaller fabric",
+            topo.hosts.len()
+        );
+    }
     // Bound before anything is created: a taken address fails `up` cleanly.
     let metrics = metrics.map(metrics::bind).transpose()?;
     // Held to the end of teardown (the calibration below measures with it); the kernel

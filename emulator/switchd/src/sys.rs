@@ -530,6 +530,28 @@ pub fn default_sigpipe() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
+/// Lets this process keep `need` files open: raises the soft `RLIMIT_NOFILE` to `need`
+/// if it is lower. `Err(hard)` when the hard limit is lower than `need` (nothing changed).
+pub fn allow_open_files(need: u64) -> io::Result<Result<(), u64>> {
+    let lim = process::getrlimit(process::Resource::Nofile);
+    let soft = lim.current.unwrap_or(u64::MAX);
+    let hard = lim.maximum.unwrap_or(u64::MAX);
+    if soft >= need {
+        return Ok(Ok(()));
+    }
+    if hard < need {
+        return Ok(Err(hard));
+    }
+    process::setrlimit(
+        process::Resource::Nofile,
+        process::Rlimit {
+            current: Some(need),
+            maximum: lim.maximum,
+        },
+    )?;
+    Ok(Ok(()))
+}
+
 pub fn is_root() -> bool {
     process::geteuid().is_root()
 }
