@@ -967,6 +967,18 @@ fn time_scale_auto_is_measured_at_up() {
     f.down();
     assert!(k <= 1000.0, "10 ms links: time_scale {k}: {o}");
     assert!(o.contains("too slow to time"), "{o}");
+    // 1 kbit/s links: less than a frame a second, nothing a trial could measure (every
+    // trial carried 0 % and `auto` chose 2000); real time is kept.
+    let f = TestFabric::up_with(
+        "lt-auto",
+        &common::leaf_spine_4("1kbit", "1us"),
+        &["--time-scale", "auto"],
+    );
+    let k = f.status()["time_scale"].as_f64().unwrap();
+    let (o, _) = text(&closbox(&["status", "lt-auto"]));
+    f.down();
+    assert_eq!(k, 1.0, "1 kbit/s links: {o}");
+    assert!(o.contains("too few for a trial to measure"), "{o}");
     let f = TestFabric::up_with(
         "lt-auto",
         &common::leaf_spine_4("1Gbit", "1us"),

@@ -43,6 +43,10 @@ const STEP_SHARE: f64 = 0.05;
 const MAX_STREAMS: usize = 16;
 /// Trials at most (1-2-5 steps: 1 → 1000 in 9).
 const MAX_TRIALS: usize = 10;
+/// Frames the fastest stream must be able to carry in a trial's window for the trial to
+/// measure anything: below, its handshake and slow start fill the window (1 kbit/s links
+/// carried 0 % at every scale, and `auto` chose 2000 for a load any box carries).
+const MIN_TRIAL_FRAMES: f64 = 100.0;
 /// A trial: ramp-up, then the measured window.
 const RAMP: Duration = Duration::from_millis(150);
 const WINDOW: Duration = Duration::from_millis(300);
@@ -152,12 +156,35 @@ pub fn choose(
         m,
     };
     let mut tuns = tuns;
+    // The fastest stream's frames a second at line rate (fabric time).
+    let frame_bits = (topo.fabric.mtu + topo.fabric.l2_overhead) as f64 * 8.0;
+    let fastest_stream = (0..m)
+        .map(|i| rates[i].min(rates[partner(i, n)]))
+        .max()
+        .unwrap_or(0) as f64
+        / frame_bits;
     // Start a decade under the plan's throughput estimate (it is a rough figure for this
     // box class), never under 1.
     let mut k = round_up_125((hint.for_load / 10.0).max(1.0));
     let mut tried = Vec::new();
     for _ in 0..MAX_TRIALS {
         let scaled = (k * m as f64 / n as f64).max(1.0);
+        let in_window = fastest_stream / scaled * WINDOW.as_secs_f64();
+        if in_window < MIN_TRIAL_FRAMES {
+            // Nothing to measure, and a load any box carries: at most MAX_STREAMS streams
+            // of fewer than MIN_TRIAL_FRAMES frames in WINDOW.
+            let per_s = fastest_stream / k;
+            let why = format!(
+                "the GPUs at line rate send at most {} frames a second each at time_scale {k}, too few for a trial to measure and a load any box carries{}",
+                if per_s >= 10.0 { format!("{per_s:.0}") } else { format!("{per_s:.2}") },
+                if tried.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (trials: {})", tried.join("; "))
+                }
+            );
+            return trials.timing(tuns, k, why);
+        }
         let (trial, back) = trials.throughput(tuns, scaled, &rates, payload_share)?;
         tuns = back;
         tracing::info!(
