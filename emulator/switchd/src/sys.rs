@@ -216,8 +216,9 @@ pub fn read_packet(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<usiz
 /// Reads and drops whatever `fd` (a non-blocking TUN) has queued; returns how many
 /// packets that was.
 pub fn discard_queued(fd: BorrowedFd<'_>) -> io::Result<u64> {
-    // A TUN read takes a whole packet, and one that does not fit is cut: any buffer does.
-    let mut buf = [0u8; 2048];
+    // Room for the largest packet and its virtio header: whether a read too short for a
+    // packet cuts it or fails has changed between kernels.
+    let mut buf = vec![0u8; (64 << 10) + 64];
     let mut n = 0;
     while read_packet(fd, &mut buf)?.is_some() {
         n += 1;
