@@ -46,8 +46,9 @@ impl std::fmt::Display for HeadError {
 
 impl std::error::Error for HeadError {}
 
-/// Reads from `conn` until what it read ends with `end` (or the peer closes: then what
-/// came), at most `max` bytes, all of it within `within` of now.
+/// Reads from `conn` up to and including the first `end` (or until the peer closes: then
+/// what came), at most `max` bytes, all of it within `within` of now. Bytes that came
+/// after `end` in the same read are dropped (a request is all a connection carries).
 pub fn read_head<S: TimedRead>(
     conn: &mut S,
     end: &[u8],
@@ -83,7 +84,8 @@ pub fn read_head<S: TimedRead>(
         // Only the new bytes, and the end's length before them, can complete it.
         let from = head.len().saturating_sub(end.len() - 1);
         head.extend_from_slice(&buf[..n]);
-        if head[from..].windows(end.len()).any(|w| w == end) {
+        if let Some(at) = head[from..].windows(end.len()).position(|w| w == end) {
+            head.truncate(from + at + end.len());
             return Ok(head);
         }
         if head.len() > max {
@@ -127,6 +129,11 @@ mod tests {
         });
         let h = read_head(&mut a, b"\r\n\r\n", 8192, Duration::from_secs(30)).unwrap();
         assert_eq!(h, b"GET / HTTP/1.0\r\n\r\n");
+        // What follows the end in the same read is not part of the head.
+        let (mut c, mut d) = UnixStream::pair().unwrap();
+        d.write_all(b"{\"cmd\":\"status\"}\n{\"cmd\"").unwrap();
+        let h = read_head(&mut c, b"\n", 4096, Duration::from_secs(30)).unwrap();
+        assert_eq!(h, b"{\"cmd\":\"status\"}\n");
         let mut b = t.join().unwrap();
         b.write_all(&[b'y'; 5000]).unwrap();
         let r = read_head(&mut a, b"\n", 4096, Duration::from_secs(30));
