@@ -28,24 +28,35 @@ pub fn flows(
         let from = f.fabric_time_s - d.as_secs_f64();
         f.flows.retain(|x| x.last_s >= from);
     }
+    let total = f.flows.len();
     f.flows.truncate(top);
     if json {
         println!("{}", serde_json::to_string_pretty(&f)?);
     } else {
-        print!("{}", render(&st.fabric, &f, since));
+        print!("{}", render(&st.fabric, &f, total, since));
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn render(fabric: &FabricName, f: &Flows, since: Option<closbox_fabric::Duration>) -> String {
+/// `f` holds the heaviest of `total` flows.
+fn render(
+    fabric: &FabricName,
+    f: &Flows,
+    total: usize,
+    since: Option<closbox_fabric::Duration>,
+) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "fabric {fabric}, fabric time {:.6} s: {} flow{}{} (heaviest first; counters since the fabric came up)",
+        "fabric {fabric}, fabric time {:.6} s: {total} flow{}{}{} (heaviest first; counters since the fabric came up)",
         f.fabric_time_s,
-        f.flows.len(),
-        if f.flows.len() == 1 { "" } else { "s" },
+        if total == 1 { "" } else { "s" },
         since.map_or(String::new(), |d| format!(" active in the last {d}")),
+        if f.flows.len() < total {
+            format!(", the {} heaviest shown (--top)", f.flows.len())
+        } else {
+            String::new()
+        },
     );
     if f.flows.is_empty() {
         return o;

@@ -663,6 +663,19 @@ fn flows_show_an_ecmp_collision() {
     let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "1"]);
     let o = text(&out).0;
     assert_eq!(o.matches("> leaf0 > spine1 >").count(), 1, "{o}");
+    // The head counts every flow, not those shown (it said "1 flow").
+    let all = serde_json::from_slice::<serde_json::Value>(
+        &closbox(&["flows", "--fabric", "lt-flows", "--json"]).stdout,
+    )
+    .unwrap()["flows"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(all >= 4, "{all} flows");
+    assert!(
+        o.contains(&format!(": {all} flows, the 1 heaviest shown (--top)")),
+        "{o}"
+    );
     f.down();
 }
 
