@@ -135,15 +135,6 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         other => bail!("unexpected reply from the daemon: {other:?}"),
     };
     let ports = resolve(&all_ports, &a.select)?;
-    let to_stdout = a.file == Path::new("-");
-    let mut out: Box<dyn Write> = if to_stdout {
-        Box::new(std::io::stdout().lock())
-    } else {
-        Box::new(std::io::BufWriter::new(
-            std::fs::File::create(a.file)
-                .with_context(|| format!("creating {}", a.file.display()))?,
-        ))
-    };
     let stop = closbox_switchd::stop_on_signals()?;
     let req = Request::Capture {
         ports: ports.clone(),
@@ -158,6 +149,17 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         Reply::Error { message } => return Err(crate::usage(message)),
         other => bail!("unexpected reply from the daemon: {other:?}"),
     }
+    // Created once the daemon took the request: a refused one leaves an existing file as
+    // it was.
+    let to_stdout = a.file == Path::new("-");
+    let mut out: Box<dyn Write> = if to_stdout {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::BufWriter::new(
+            std::fs::File::create(a.file)
+                .with_context(|| format!("creating {}", a.file.display()))?,
+        ))
+    };
     eprintln!(
         "closbox: capturing {} port{} of fabric {} ({}){}",
         ports.len(),

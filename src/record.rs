@@ -49,9 +49,6 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
             all.first().map_or("", String::as_str)
         )));
     }
-    let mut out = std::io::BufWriter::new(
-        std::fs::File::create(a.file).with_context(|| format!("creating {}", a.file.display()))?,
-    );
     let stop = closbox_switchd::stop_on_signals()?;
     let req = Request::Record {
         ports: ports.clone(),
@@ -64,6 +61,11 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
         Reply::Error { message } => return Err(crate::usage(message)),
         other => bail!("unexpected reply from the daemon: {other:?}"),
     }
+    // Created once the daemon took the request: a refused one leaves an existing file as
+    // it was (it was truncated first).
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(a.file).with_context(|| format!("creating {}", a.file.display()))?,
+    );
     writeln!(
         out,
         "# closbox record: fabric {}, {} port{}, every {} of fabric time (time_scale {})",

@@ -77,6 +77,26 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
             text(&out)
         );
     }
+    // A request the daemon refuses leaves the output file as it was (it was created,
+    // truncating it, before the daemon was asked).
+    let kept = scratch_dir().join("kept.csv");
+    std::fs::write(&kept, "precious\n").unwrap();
+    let out = closbox(&[
+        "record",
+        "--fabric",
+        "lt-cap",
+        "--interval",
+        "1ns",
+        "-o",
+        kept.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("--interval must be at least"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), "precious\n");
 
     let mut cap = Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args([
