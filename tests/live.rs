@@ -957,26 +957,24 @@ fn time_scale_auto_is_measured_at_up() {
     // 10 ms links: the throughput trials run without the delays (TCP ramping up over 40 ms
     // round trips carried 0 % at every scale, and `auto` ended at 20,000), and exchanges
     // that long are not timed.
-    let f = TestFabric::up_with(
-        "lt-auto",
-        &common::leaf_spine_4("100Gbit", "10ms"),
-        &["--time-scale", "auto"],
-    );
-    let k = f.status()["time_scale"].as_f64().unwrap();
-    let (o, _) = text(&closbox(&["status", "lt-auto"]));
-    f.down();
+    // (The time scale `auto` chose on 4 GPUs with these links, and `status`.)
+    let auto_on = |rate: &str, delay: &str| {
+        let f = TestFabric::up_with(
+            "lt-auto",
+            &common::leaf_spine_4(rate, delay),
+            &["--time-scale", "auto"],
+        );
+        let k = f.status()["time_scale"].as_f64().unwrap();
+        let (o, _) = text(&closbox(&["status", "lt-auto"]));
+        f.down();
+        (k, o)
+    };
+    let (k, o) = auto_on("100Gbit", "10ms");
     assert!(k <= 1000.0, "10 ms links: time_scale {k}: {o}");
     assert!(o.contains("too slow to time"), "{o}");
     // 1 kbit/s links: less than a frame a second, nothing a trial could measure (every
     // trial carried 0 % and `auto` chose 2000); real time is kept.
-    let f = TestFabric::up_with(
-        "lt-auto",
-        &common::leaf_spine_4("1kbit", "1us"),
-        &["--time-scale", "auto"],
-    );
-    let k = f.status()["time_scale"].as_f64().unwrap();
-    let (o, _) = text(&closbox(&["status", "lt-auto"]));
-    f.down();
+    let (k, o) = auto_on("1kbit", "1us");
     assert_eq!(k, 1.0, "1 kbit/s links: {o}");
     assert!(o.contains("too few for a trial to measure"), "{o}");
     let f = TestFabric::up_with(
