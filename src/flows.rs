@@ -31,7 +31,10 @@ pub fn flows(
     let total = f.flows.len();
     f.flows.truncate(top);
     if json {
-        println!("{}", serde_json::to_string_pretty(&f)?);
+        // With `flows_total`: how many there were before --top.
+        let mut v = serde_json::to_value(&f)?;
+        v["flows_total"] = total.into();
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", render(&st.fabric, &f, total, since));
     }

@@ -692,6 +692,12 @@ fn flows_show_an_ecmp_collision() {
         .unwrap()
         .len();
     assert!(all >= 4, "{all} flows");
+    let top1 = serde_json::from_slice::<serde_json::Value>(
+        &closbox(&["flows", "--fabric", "lt-flows", "--json", "--top", "1"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(top1["flows"].as_array().unwrap().len(), 1, "{top1}");
+    assert_eq!(top1["flows_total"], all, "{top1}");
     assert!(
         o.contains(&format!(": {all} flows, the 1 heaviest shown (--top)")),
         "{o}"
