@@ -421,6 +421,21 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
         .as_u64()
         .unwrap();
     assert_eq!(expired, 10, "{v}");
+    // Each switch answers an expired packet with an ICMP time exceeded from its address,
+    // named in the GPUs' /etc/hosts: `ping -t` (and traceroute) see the path's hops.
+    let hop = |ttl: &str| {
+        let out = f.exec("gpu0", &["ping", "-c", "1", "-W", "2", "-t", ttl, "gpu3"]);
+        text(&out).0
+    };
+    assert!(hop("1").contains("From leaf0 (198.18.0."), "{}", hop("1"));
+    let second = hop("2");
+    assert!(
+        second.contains("From spine0 (") || second.contains("From spine1 ("),
+        "{second}"
+    );
+    assert!(second.contains("Time to live exceeded"), "{second}");
+    assert!(hop("3").contains("From leaf1 ("), "{}", hop("3"));
+    assert!(hop("4").contains("bytes from gpu3"), "{}", hop("4"));
     f.down();
 }
 

@@ -28,7 +28,7 @@ use crate::packet::{self, FlowKey, Unforwardable, ECN_CE, ECN_NOT_ECT};
 use crate::rng::{mix, Rng};
 use crate::routing::{scale_out_bfs, vertex_latency, PortId, Routes, VertexIdx};
 use crate::topology::{
-    Ecn, FlowControl, HostId, LinkParams, NicScheduler, QueueParams, Routing, Topology,
+    Ecn, FlowControl, HostId, LinkParams, NicScheduler, QueueParams, Routing, SwitchId, Topology,
 };
 use crate::units::{Bandwidth, Bytes, Duration, Instant};
 
@@ -143,6 +143,8 @@ pub enum Verdict {
 #[derive(Debug)]
 pub struct Delivery {
     pub at: Instant,
+    /// The GPU that sent it; for an ICMP error a switch answered with, the GPU whose
+    /// packet it answers.
     pub src: HostId,
     pub dst: HostId,
     pub data: Frame,
@@ -1343,9 +1345,10 @@ impl Fabric {
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
             if pkt.ttl <= 1 {
-                let flow = self.release(slot).flow;
-                Flows::drop(&mut self.flows, flow);
+                let expired = self.release(slot);
+                Flows::drop(&mut self.flows, expired.flow);
                 self.vertex_drops.add(DropReason::TtlExpired);
+                self.time_exceeded(now, v, &expired);
                 return Err(DropReason::TtlExpired);
             }
             pkt.ttl -= 1;
@@ -1411,6 +1414,57 @@ impl Fabric {
             }
         };
         self.enqueue(now, port_id, slot)
+    }
+
+    /// Switch `v` answers the GPU packet `expired`, whose TTL ran out there, with an ICMP
+    /// time exceeded (as a router does; `traceroute` and `ping -t` see the hop), sent
+    /// from `v`'s address back to the packet's sender through the fabric like any packet.
+    /// None for an ICMP error or a later fragment (`packet::time_exceeded`), from a switch
+    /// without an address, or beyond the packet memory. It counts among the packets in.
+    fn time_exceeded(&mut self, now: Instant, v: VertexIdx, expired: &InFlight) {
+        let Some(from) = self.topo.switch_addr(SwitchId(v - self.hosts)) else {
+            return;
+        };
+        // The packet as it arrived here (its bytes carry the TTL it was sent with).
+        let mut quoted = expired.data.prefix(60 + 8);
+        packet::rewrite_ttl(&mut quoted, expired.ttl);
+        let Some(bytes) = packet::time_exceeded(from, &quoted) else {
+            return;
+        };
+        let data = Frame::from(bytes);
+        let key = packet::inspect(data.head())
+            .expect("a packet built right")
+            .key;
+        // Routed as any packet, to its destination address: the packet's source, which a
+        // GPU may have set to another's (or to none of the fabric's).
+        let dst = u32::from(key.dst).wrapping_sub(self.addr_base);
+        if dst >= self.hosts {
+            return;
+        }
+        let charge = charge(&data);
+        if self.memory_used + charge > self.memory_limit {
+            return;
+        }
+        self.memory_used += charge;
+        let len = data.len() as u32;
+        let pkt = InFlight {
+            // `forward` takes one off at this switch too: it leaves with 64.
+            ttl: 65,
+            data,
+            src: expired.src,
+            dst: HostId(dst),
+            id: self.next_packet,
+            len,
+            wire_bits: (len as u64 + self.l2_overhead as u64) * 8,
+            ecn: 0,
+            flow: flow_key_mix(&key),
+            load: NO_LOAD,
+            ingress: NO_PORT,
+        };
+        self.next_packet += 1;
+        self.sent += 1;
+        let slot = self.hold(pkt);
+        let _ = self.forward(now, v, slot);
     }
 
     /// With links down or routes changed: the ports `v` may use toward `dst` (the
@@ -1926,7 +1980,8 @@ impl Fabric {
     }
 }
 
-/// Fabric-wide packet accounting: `sent = delivered + drops + queued + in_flight`.
+/// Fabric-wide packet accounting: `sent = delivered + drops + queued + in_flight`
+/// (`sent`: what GPUs sent, and the ICMP errors switches answered with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Totals {
     pub sent: u64,

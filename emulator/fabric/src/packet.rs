@@ -171,6 +171,47 @@ pub fn rewrite_ttl(buf: &mut [u8], ttl: u8) {
     buf[10..12].copy_from_slice(&(!fold(sum)).to_be_bytes());
 }
 
+/// The ICMP "time exceeded in transit" a router at `router` sends back for `expired` (the
+/// start of an IPv4 packet accepted by `inspect`, as it arrived: at least its header and
+/// the 8 bytes after it, when the packet has them), or `None` where a router sends none
+/// (RFC 1812, 4.3.2.7): for an ICMP error, for a fragment other than the first. It quotes
+/// the header and the first 8 bytes of the payload (RFC 792: what the sender's stack
+/// needs to find the socket: ports, or an echo's id and sequence).
+pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
+    let ihl = (expired[0] & 0x0f) as usize * 4;
+    let offset = u16::from_be_bytes([expired[6], expired[7]]) & 0x1fff;
+    if offset != 0 {
+        return None;
+    }
+    if expired[9] == 1 {
+        // Only queries (echo, timestamp, information, address mask requests and replies)
+        // get an answer.
+        let kind = *expired.get(ihl)?;
+        if !matches!(kind, 0 | 8 | 13 | 14 | 15 | 16 | 17 | 18) {
+            return None;
+        }
+    }
+    let quoted = &expired[..(ihl + 8).min(expired.len())];
+    let len = 20 + 8 + quoted.len();
+    let mut buf = vec![0u8; len];
+    buf[0] = 0x45;
+    buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+    buf[8] = 64;
+    buf[9] = 1;
+    buf[12..16].copy_from_slice(&router.octets());
+    buf[16..20].copy_from_slice(&expired[12..16]);
+    set_header_checksum(&mut buf);
+    // Type 11, code 0 (TTL exceeded in transit), 4 unused bytes, the quote.
+    buf[20] = 11;
+    buf[28..].copy_from_slice(quoted);
+    let mut sum = 0u32;
+    for w in buf[20..].chunks(2) {
+        sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+    }
+    buf[22..24].copy_from_slice(&(!fold(sum)).to_be_bytes());
+    Some(buf)
+}
+
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
 pub fn build_udp(
     src: Ipv4Addr,
@@ -270,6 +311,46 @@ mod tests {
             set_header_checksum(&mut p);
             assert_eq!(inspect(&p).unwrap().key.sport, 1234);
         }
+    }
+
+    #[test]
+    fn time_exceeded_quotes_the_packet_and_checks_out() {
+        let r = Ipv4Addr::new(198, 18, 0, 9);
+        let mut p = build_udp(A, B, 33434, 33435, 0, 60);
+        set_ttl(&mut p, 1);
+        let icmp = time_exceeded(r, &p).unwrap();
+        assert_eq!(icmp.len(), 20 + 8 + 28);
+        let h = inspect(&icmp).unwrap();
+        assert_eq!((h.key.src, h.key.dst, h.key.proto), (r, A, 1));
+        assert!(checksum_ok(&icmp));
+        assert_eq!((icmp[20], icmp[21]), (11, 0));
+        // The ICMP checksum covers the ICMP header and the quote.
+        let mut sum = 0u32;
+        for w in icmp[20..].chunks(2) {
+            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+        }
+        assert_eq!(fold(sum), 0xffff);
+        assert_eq!(&icmp[28..], &p[..28]);
+        // An odd-length quote (a packet shorter than header + 8).
+        let mut short = p[..25].to_vec();
+        short[2..4].copy_from_slice(&25u16.to_be_bytes());
+        set_header_checksum(&mut short);
+        let icmp = time_exceeded(r, &short).unwrap();
+        let mut sum = 0u32;
+        for w in icmp[20..].chunks(2) {
+            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+        }
+        assert_eq!(fold(sum), 0xffff);
+        // None for a later fragment, or for an ICMP error; an echo request gets one.
+        let mut frag = p.clone();
+        frag[6..8].copy_from_slice(&185u16.to_be_bytes());
+        assert!(time_exceeded(r, &frag).is_none());
+        let mut err = icmp.clone();
+        set_ttl(&mut err, 1);
+        assert!(time_exceeded(r, &err).is_none());
+        let mut echo = err;
+        echo[20] = 8;
+        assert!(time_exceeded(r, &echo).is_some());
     }
 
     #[test]

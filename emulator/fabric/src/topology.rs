@@ -422,6 +422,13 @@ impl Topology {
         &self.switches[id.0 as usize]
     }
 
+    /// The address switch `id` answers from (its ICMP errors): the pool's addresses after
+    /// the GPUs', in switch order; `None` for a switch the pool has no room left for.
+    pub fn switch_addr(&self, id: SwitchId) -> Option<Ipv4Addr> {
+        let i = self.hosts.len() as u64 + id.0 as u64;
+        (i < self.fabric.pool.host_capacity()).then(|| self.fabric.pool.host(i as u32))
+    }
+
     pub fn host_by_name(&self, name: &str) -> Option<HostId> {
         self.hosts
             .iter()

@@ -732,9 +732,57 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
         );
     }
     let got = run(&mut f);
-    let ttls: Vec<u8> = got.iter().map(|d| d.data.head()[8]).collect();
+    let ttls: Vec<u8> = got
+        .iter()
+        .filter(|d| d.dst == HostId(2))
+        .map(|d| d.data.head()[8])
+        .collect();
     assert_eq!(ttls, vec![1, 61], "TTL 4 and 64 arrive, 3 lower");
     assert!(got.iter().all(|d| packet::checksum_ok(&d.data.to_vec())));
+    // Each expired packet is answered by the switch where its TTL ran out: an ICMP time
+    // exceeded from that switch's address (the pool's, after the GPUs'), back to gpu0,
+    // quoting the packet as it arrived there (UDP ports 1 → 2), with 64 less the hops
+    // back.
+    let switch = |name: &str| {
+        let i = t.switches.iter().position(|s| s.name == name).unwrap();
+        t.switch_addr(closbox_fabric::topology::SwitchId(i as u32))
+            .unwrap()
+    };
+    let mut answers: Vec<(Ipv4Addr, u8)> = got
+        .iter()
+        .filter(|d| d.dst == HostId(0))
+        .map(|d| {
+            let p = d.data.to_vec();
+            let h = packet::inspect(&p).unwrap();
+            assert_eq!(
+                (h.key.proto, h.key.dst, p[20], p[21]),
+                (1, addr(&t, 0), 11, 0)
+            );
+            assert_eq!(
+                &p[28 + 12..28 + 20],
+                &with_ttl(1)[12..20],
+                "the quoted addresses"
+            );
+            assert_eq!(&p[48..52], &[0, 1, 0, 2], "the quoted ports");
+            (h.key.src, p[8])
+        })
+        .collect();
+    answers.sort();
+    let mut want = vec![
+        (switch("leaf0"), 64),
+        (switch("leaf0"), 64),
+        (switch("spine0"), 63),
+        (switch("leaf1"), 62),
+    ];
+    want.sort();
+    assert_eq!(answers, want);
+    let mut addrs: Vec<Ipv4Addr> = ["leaf0", "leaf1", "spine0"].map(switch).to_vec();
+    addrs.sort();
+    assert_eq!(
+        addrs,
+        [5, 6, 7].map(|i| Ipv4Addr::new(198, 18, 0, i)),
+        "after the 4 GPUs'"
+    );
     let mut tapped = Vec::new();
     while let Some(x) = f.poll_tapped() {
         assert!(packet::checksum_ok(&x.data));

@@ -254,6 +254,7 @@ pub struct Status {
     pub time_scale: closbox_fabric::TimeScale,
     pub uptime_s: f64,
     pub fabric_time_s: f64,
+    /// Packets that entered the fabric: from the GPUs, and the switches' ICMP errors.
     pub packets_in: u64,
     pub delivered: u64,
     pub queued: u64,
@@ -2246,7 +2247,11 @@ mod tests {
         assert_eq!(drops["unsupported"], 1);
         assert_eq!(drops["no_route"], 1);
         assert_eq!(drops["ttl_expired"], 1);
-        assert!(dp.ports.sent.is_empty());
+        // Nothing reached gpu1; gpu0 got the switch's ICMP time exceeded.
+        assert_eq!(dp.ports.sent.len(), 1, "{:?}", dp.ports.sent);
+        let (port, _, icmp) = &dp.ports.sent[0];
+        let icmp = icmp.to_vec();
+        assert_eq!((*port, icmp[9], icmp[20]), (0, 1, 11));
         // A stop request ends the loop.
         let (tx, rx) = std::sync::mpsc::channel();
         dp.ctl = rx;

@@ -196,7 +196,7 @@ pub fn run_fabric(
     };
     // TUN offload (super-packets each way; see `offload`), unless CLOSBOX_OFFLOAD=0.
     let offload = std::env::var("CLOSBOX_OFFLOAD").map_or(true, |v| v != "0");
-    let tuns = match netns::create_all(&st, topo.fabric.mtu, offload) {
+    let tuns = match netns::create_all(&st, topo, offload) {
         Ok(t) => t,
         Err(e) => {
             if let Err(e2) = teardown(&st) {

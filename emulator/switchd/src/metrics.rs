@@ -364,7 +364,7 @@ pub fn encode(s: &Status) -> String {
     one(
         &mut reg,
         "packets_in",
-        "Packets the GPUs sent into the fabric",
+        "Packets that entered the fabric: from the GPUs, and the ICMP time exceeded its switches answered with",
         s.packets_in,
     );
     one(

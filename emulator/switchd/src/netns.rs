@@ -14,6 +14,8 @@ use std::path::Path;
 use std::thread;
 
 use anyhow::Context;
+use closbox_fabric::topology::SwitchId;
+use closbox_fabric::Topology;
 
 use crate::state::{GpuState, State, NETNS_DIR};
 use crate::sys;
@@ -104,12 +106,19 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Re
     Ok(tun)
 }
 
-fn write_hosts(state: &State) -> anyhow::Result<()> {
+/// Each GPU's /etc/hosts: the GPUs, and the switches by the addresses their ICMP errors
+/// come from (`traceroute` and `ping -t` name the hop).
+fn write_hosts(state: &State, topo: &Topology) -> anyhow::Result<()> {
     let mut text = String::from("# written by closbox for fabric ");
     text += state.fabric.as_str();
     text += "\n127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
     for g in &state.gpus {
         text += &format!("{}\t{}\n", g.addr, g.name);
+    }
+    for (i, sw) in topo.switches.iter().enumerate() {
+        if let Some(a) = topo.switch_addr(SwitchId(i as u32)) {
+            text += &format!("{a}\t{}\n", sw.name);
+        }
     }
     for g in &state.gpus {
         fs::create_dir_all(g.etc_dir())
@@ -122,12 +131,13 @@ fn write_hosts(state: &State) -> anyhow::Result<()> {
 
 /// Creates every GPU of `state` (which must already be saved); returns the TUN fds in GPU
 /// order. On error, what was created stays recorded in the state for removal.
-pub fn create_all(state: &State, mtu: u32, offload: bool) -> anyhow::Result<Vec<OwnedFd>> {
+pub fn create_all(state: &State, topo: &Topology, offload: bool) -> anyhow::Result<Vec<OwnedFd>> {
+    let mtu = topo.fabric.mtu;
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
     let uts = state.fabric.dir().join("uts");
     fs::create_dir_all(&uts).with_context(|| format!("creating {}", uts.display()))?;
-    write_hosts(state)?;
+    write_hosts(state, topo)?;
     let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
     let results: Vec<anyhow::Result<Vec<(usize, OwnedFd)>>> = thread::scope(|s| {
