@@ -204,12 +204,20 @@ pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
     // Type 11, code 0 (TTL exceeded in transit), 4 unused bytes, the quote.
     buf[20] = 11;
     buf[28..].copy_from_slice(quoted);
+    let sum = !ones_complement_sum(&buf[20..]);
+    buf[22..24].copy_from_slice(&sum.to_be_bytes());
+    Some(buf)
+}
+
+/// The 16-bit ones'-complement sum of `bytes` (an odd last byte padded with zero): what
+/// an Internet checksum is the complement of, and 0xffff over data whose checksum is
+/// right (RFC 1071).
+pub fn ones_complement_sum(bytes: &[u8]) -> u16 {
     let mut sum = 0u32;
-    for w in buf[20..].chunks(2) {
+    for w in bytes.chunks(2) {
         sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
     }
-    buf[22..24].copy_from_slice(&(!fold(sum)).to_be_bytes());
-    Some(buf)
+    fold(sum)
 }
 
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
@@ -325,22 +333,14 @@ mod tests {
         assert!(checksum_ok(&icmp));
         assert_eq!((icmp[20], icmp[21]), (11, 0));
         // The ICMP checksum covers the ICMP header and the quote.
-        let mut sum = 0u32;
-        for w in icmp[20..].chunks(2) {
-            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
-        }
-        assert_eq!(fold(sum), 0xffff);
+        assert_eq!(ones_complement_sum(&icmp[20..]), 0xffff);
         assert_eq!(&icmp[28..], &p[..28]);
         // An odd-length quote (a packet shorter than header + 8).
         let mut short = p[..25].to_vec();
         short[2..4].copy_from_slice(&25u16.to_be_bytes());
         set_header_checksum(&mut short);
         let icmp = time_exceeded(r, &short).unwrap();
-        let mut sum = 0u32;
-        for w in icmp[20..].chunks(2) {
-            sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
-        }
-        assert_eq!(fold(sum), 0xffff);
+        assert_eq!(ones_complement_sum(&icmp[20..]), 0xffff);
         // None for a later fragment, or for an ICMP error; an echo request gets one.
         let mut frag = p.clone();
         frag[6..8].copy_from_slice(&185u16.to_be_bytes());
