@@ -2,8 +2,9 @@
 //! model with the wall clock (scaled by `time_scale`), and writes each packet to its
 //! destination TUN at its departure time.
 //!
-//! Waiting: `epoll_pwait2` with a nanosecond timeout until `SPIN` before the next
-//! departure (timer slack 1 ns), then polling the TUNs without blocking until it is due.
+//! Waiting: `epoll_pwait2` with a nanosecond timeout until `SPIN` (or, where the box's
+//! timed wake-ups run later, more: `WakeMargin`) before the next departure (timer slack
+//! 1 ns), then polling the TUNs without blocking until it is due.
 //! Each write's lateness (actual − scheduled, wall time) goes into a histogram: it is the
 //! fidelity signal, and status warns when it says the box cannot keep up.
 
@@ -24,9 +25,34 @@ use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
 
-/// How long before a departure the loop stops sleeping and polls (covers the ~25 µs a
-/// timer wakeup overshoots on this class of VM).
+/// How long before a departure the loop stops sleeping and polls, at least (covers the
+/// ~25 µs a timer wakeup overshoots on this class of VM), and at most (`WakeMargin`: more
+/// when the box's timed wake-ups are later).
 const SPIN: StdDuration = StdDuration::from_micros(40);
+const MAX_SPIN: StdDuration = StdDuration::from_micros(500);
+
+/// How early the loop wakes for a departure: `SPIN`, or more when the box's timed waits
+/// return later than that (on this VM, in slow phases, a ~1 ms wait returned 40–110 µs
+/// late at the median: a 1 ms path measured 1,038–1,137 µs one way). It follows a
+/// decaying peak of the recent overshoots (a late wake-up raises it at once; each one on
+/// time takes 1/64 of it away), plus 10 µs, within `SPIN`..=`MAX_SPIN`: the price is
+/// polling that much longer before each timed departure.
+#[derive(Debug, Default)]
+struct WakeMargin {
+    peak_ns: u64,
+}
+
+impl WakeMargin {
+    fn get(&self) -> StdDuration {
+        (StdDuration::from_nanos(self.peak_ns) + StdDuration::from_micros(10)).clamp(SPIN, MAX_SPIN)
+    }
+
+    /// A timed wait that ended `late` after its timeout.
+    fn observe(&mut self, late: StdDuration) {
+        let late = late.as_nanos().min(MAX_SPIN.as_nanos()) as u64;
+        self.peak_ns = late.max(self.peak_ns - self.peak_ns / 64);
+    }
+}
 /// Packets read from one TUN before looking at the others (fairness).
 const READ_BATCH: usize = 64;
 /// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
@@ -1054,6 +1080,7 @@ pub struct DataPlane<P: Ports> {
     behind_ns: u64,
     /// `--realtime` (None: the normal class at nice −15).
     realtime: Option<Realtime>,
+    wake: WakeMargin,
     /// `--idle-poll`: the daemon holds a CPU latency of 0 (for `status`).
     idle_poll: bool,
     /// `Status::full_load_time_scale`.
@@ -1132,6 +1159,7 @@ impl<P: Ports> DataPlane<P> {
             behind_ns,
             full_load: closbox_fabric::plan::TimeScaleHint::of(topo).for_load,
             realtime: None,
+            wake: WakeMargin::default(),
             idle_poll: false,
             cpu: Default::default(),
         }
@@ -1260,18 +1288,24 @@ impl<P: Ports> DataPlane<P> {
             Some(t) => self
                 .wall_of(t)
                 .saturating_duration_since(self.ports.now())
-                .saturating_sub(SPIN),
+                .saturating_sub(self.wake.get()),
             None => StdDuration::from_secs(1),
         };
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
-        let began = self.realtime.is_some().then(|| self.ports.now());
+        let began = self.ports.now();
         if let Err(e) = self.ports.wait(timeout, &mut ready) {
             tracing::error!("waiting for input: {e}");
             self.io_errors += 1;
         }
-        if let (Some(rt), Some(began)) = (&mut self.realtime, began) {
-            if let Some(on) = rt.after_wait(began, self.ports.now()) {
+        let woke = self.ports.now();
+        // A timed wait for a departure that nothing cut short: how late it returned.
+        if next.is_some() && !timeout.is_zero() && ready.is_empty() {
+            self.wake
+                .observe(woke.saturating_duration_since(began + timeout));
+        }
+        if let Some(rt) = &mut self.realtime {
+            if let Some(on) = rt.after_wait(began, woke) {
                 self.set_realtime(on);
             }
         }
@@ -2228,6 +2262,21 @@ mod tests {
             assert_eq!(st.lateness.samples, 1);
             assert!(st.lateness.max_us <= 1.0, "{:?}", st.lateness);
         }
+    }
+
+    #[test]
+    fn the_wake_margin_follows_late_wake_ups_and_decays() {
+        let mut m = WakeMargin::default();
+        assert_eq!(m.get(), SPIN);
+        m.observe(StdDuration::from_micros(200));
+        assert_eq!(m.get(), StdDuration::from_micros(210));
+        // On time for a while: back down to SPIN.
+        for _ in 0..400 {
+            m.observe(StdDuration::ZERO);
+        }
+        assert_eq!(m.get(), SPIN);
+        m.observe(StdDuration::from_secs(1));
+        assert_eq!(m.get(), MAX_SPIN);
     }
 
     #[test]
