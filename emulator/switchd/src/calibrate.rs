@@ -342,8 +342,9 @@ impl Trials<'_> {
     /// at both (tens of µs apart on this class of box: waits of different lengths wake
     /// differently), and that difference lands in F divided by the scales' difference: the
     /// second scale is as high as keeps an exchange within `TIMING_EXCHANGE_MAX` of wall
-    /// time, up to 100 × `k` (at least 2 × `k`, for exchanges that already take ms). O shrinks in fabric time as the scale grows: the choice is the
-    /// smallest 1-2-5 scale at which O is at most `STEP_SHARE` of F, if that is above `k`.
+    /// time, up to 100 × `k` (at least 2 × `k`, for exchanges that already take ms). O
+    /// shrinks in fabric time as the scale grows: the choice is the smallest 1-2-5 scale at
+    /// which O is at most `STEP_SHARE` of F, if that is above `k`.
     fn timing(
         &self,
         tuns: Vec<OwnedFd>,

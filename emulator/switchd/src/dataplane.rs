@@ -25,34 +25,12 @@ use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
 use crate::sys::{self, Epoll, EventFd};
 
-/// How long before a departure the loop stops sleeping and polls, at least (covers the
-/// ~25 µs a timer wakeup overshoots on this class of VM), and at most (`WakeMargin`: more
-/// when the box's timed wake-ups are later).
+/// How long before a departure the loop stops sleeping and polls: at least `SPIN` (the
+/// ~25 µs a timer wakeup overshoots on this class of VM), at most `MAX_SPIN`; between them
+/// as the box's timed wake-ups need (`WakeMargin`).
 const SPIN: StdDuration = StdDuration::from_micros(40);
 const MAX_SPIN: StdDuration = StdDuration::from_micros(500);
 
-/// How early the loop wakes for a departure: `SPIN`, or more when the box's timed waits
-/// return later than that (on this VM, in slow phases, a ~1 ms wait returned 40–110 µs
-/// late at the median: a 1 ms path measured 1,038–1,137 µs one way). It follows a
-/// decaying peak of the recent overshoots (a late wake-up raises it at once; each one on
-/// time takes 1/64 of it away), plus 10 µs, within `SPIN`..=`MAX_SPIN`: the price is
-/// polling that much longer before each timed departure.
-#[derive(Debug, Default)]
-struct WakeMargin {
-    peak_ns: u64,
-}
-
-impl WakeMargin {
-    fn get(&self) -> StdDuration {
-        (StdDuration::from_nanos(self.peak_ns) + StdDuration::from_micros(10)).clamp(SPIN, MAX_SPIN)
-    }
-
-    /// A timed wait that ended `late` after its timeout.
-    fn observe(&mut self, late: StdDuration) {
-        let late = late.as_nanos().min(MAX_SPIN.as_nanos()) as u64;
-        self.peak_ns = late.max(self.peak_ns - self.peak_ns / 64);
-    }
-}
 /// Packets read from one TUN before looking at the others (fairness).
 const READ_BATCH: usize = 64;
 /// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
@@ -1042,6 +1020,29 @@ impl Ports for TunPorts {
     }
 }
 
+/// How early the loop wakes for a departure: `SPIN`, or more when the box's timed waits
+/// return later than that (on this VM, in slow phases, a ~1 ms wait returned 40–110 µs
+/// late at the median: a 1 ms path measured 1,038–1,137 µs one way). It follows a
+/// decaying peak of the recent overshoots (a late wake-up raises it at once; each one on
+/// time takes 1/64 of it away), plus 10 µs, within `SPIN`..=`MAX_SPIN`: the price is
+/// polling that much longer before each timed departure.
+#[derive(Debug, Default)]
+struct WakeMargin {
+    peak_ns: u64,
+}
+
+impl WakeMargin {
+    fn get(&self) -> StdDuration {
+        (StdDuration::from_nanos(self.peak_ns) + StdDuration::from_micros(10)).clamp(SPIN, MAX_SPIN)
+    }
+
+    /// A timed wait that ended `late` after its timeout.
+    fn observe(&mut self, late: StdDuration) {
+        let late = late.as_nanos().min(MAX_SPIN.as_nanos()) as u64;
+        self.peak_ns = late.max(self.peak_ns - self.peak_ns / 64);
+    }
+}
+
 pub struct DataPlane<P: Ports> {
     name: String,
     /// Changes due at fabric times (flaps, scenarios): (when, order) → change, its
@@ -1284,16 +1285,16 @@ impl<P: Ports> DataPlane<P> {
         .into_iter()
         .flatten()
         .min();
+        let began = self.ports.now();
         let timeout = match next {
             Some(t) => self
                 .wall_of(t)
-                .saturating_duration_since(self.ports.now())
+                .saturating_duration_since(began)
                 .saturating_sub(self.wake.get()),
             None => StdDuration::from_secs(1),
         };
         let mut ready = std::mem::take(&mut self.ready);
         ready.clear();
-        let began = self.ports.now();
         if let Err(e) = self.ports.wait(timeout, &mut ready) {
             tracing::error!("waiting for input: {e}");
             self.io_errors += 1;
