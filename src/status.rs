@@ -5,10 +5,14 @@ use std::process::ExitCode;
 use anyhow::bail;
 use closbox_fabric::TimeScale;
 use closbox_switchd::control::{self, Lateness, PortStatus, Reply, Request, Status};
+use closbox_switchd::dataplane::LoadInfo;
 use closbox_switchd::state::{self, FabricName, State};
 use serde::Serialize;
 
 use crate::plan::{approx_bytes, thousands};
+
+/// Finished loads `status` lists one by one, the latest; earlier ones get a line in all.
+const SHOWN_DONE_LOADS: usize = 8;
 
 /// One fabric's answer: its status, or why there is none.
 #[derive(Debug, Serialize)]
@@ -118,6 +122,56 @@ fn lateness(l: &Lateness, time_scale: TimeScale) -> String {
         l.max_us,
         thousands(l.samples)
     )
+}
+
+/// Every running load; of those done, the latest few (incasts and scenarios make
+/// hundreds), the earlier ones summed in one line (`status --json` lists each).
+fn render_loads(o: &mut String, loads: &[LoadInfo]) {
+    use std::fmt::Write as _;
+    let hidden = loads
+        .iter()
+        .filter(|l| !l.active)
+        .count()
+        .saturating_sub(SHOWN_DONE_LOADS);
+    let earlier = loads.iter().filter(|l| !l.active).take(hidden);
+    if hidden > 0 {
+        let _ = writeln!(
+            o,
+            "  loads     {} done earlier: {} sent, {} delivered, {} dropped (`status --json` lists each)",
+            thousands(hidden as u64),
+            approx_bytes(earlier.clone().map(|l| l.sent_bytes).sum()),
+            approx_bytes(earlier.clone().map(|l| l.delivered_bytes).sum()),
+            thousands(earlier.flat_map(|l| &l.drops).map(|d| d.1).sum())
+        );
+    }
+    let mut done = 0;
+    for l in loads {
+        if !l.active {
+            done += 1;
+            if done <= hidden {
+                continue;
+            }
+        }
+        let dropped: u64 = l.drops.iter().map(|d| d.1).sum();
+        let _ = writeln!(
+            o,
+            "  load {:<4} {} -> {} {} {}: {} sent, {} delivered, {} dropped{}{}",
+            l.id,
+            l.from,
+            l.to,
+            closbox_fabric::Bandwidth::from_bps(l.rate_bps),
+            l.pattern,
+            approx_bytes(l.sent_bytes),
+            approx_bytes(l.delivered_bytes),
+            thousands(dropped),
+            if l.ecn_marked > 0 {
+                format!(", {} ECN marks", thousands(l.ecn_marked))
+            } else {
+                String::new()
+            },
+            if l.active { "" } else { " (done)" }
+        );
+    }
 }
 
 fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
@@ -269,27 +323,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             sides.join(" | ")
         );
     }
-    for l in &s.loads {
-        let dropped: u64 = l.drops.iter().map(|d| d.1).sum();
-        let _ = writeln!(
-            o,
-            "  load {:<4} {} -> {} {} {}: {} sent, {} delivered, {} dropped{}{}",
-            l.id,
-            l.from,
-            l.to,
-            closbox_fabric::Bandwidth::from_bps(l.rate_bps),
-            l.pattern,
-            approx_bytes(l.sent_bytes),
-            approx_bytes(l.delivered_bytes),
-            thousands(dropped),
-            if l.ecn_marked > 0 {
-                format!(", {} ECN marks", thousands(l.ecn_marked))
-            } else {
-                String::new()
-            },
-            if l.active { "" } else { " (done)" }
-        );
-    }
+    render_loads(&mut o, &s.loads);
     if s.events > 0 || s.pending_changes > 0 {
         let _ = writeln!(
             o,
@@ -361,4 +395,57 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
         let _ = writeln!(o, "  io errors {}", thousands(s.io_errors));
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(id: u32, active: bool) -> LoadInfo {
+        LoadInfo {
+            id,
+            from: format!("gpu{id}"),
+            to: "gpu0".into(),
+            rate_bps: 1_000_000_000,
+            mean_bps: 1e9,
+            pattern: "one burst of 64KiB".into(),
+            active,
+            started_s: 0.0,
+            sent_bytes: 1000,
+            delivered_bytes: 900,
+            ecn_marked: 0,
+            drops: vec![("buffer_full".into(), 2)],
+            port_shares: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn hundreds_of_finished_loads_take_one_line_beside_the_latest() {
+        // 300 incast bursts done, one load still running among them.
+        let mut loads: Vec<LoadInfo> = (1..=300).map(|id| load(id, false)).collect();
+        loads[149].active = true;
+        let mut o = String::new();
+        render_loads(&mut o, &loads);
+        let lines: Vec<&str> = o.lines().collect();
+        assert_eq!(lines.len(), 1 + 1 + SHOWN_DONE_LOADS, "{o}");
+        assert!(
+            lines[0].starts_with(
+                "  loads     291 done earlier: 284 KiB sent, 256 KiB delivered, 582 dropped"
+            ),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[1].starts_with("  load 150 ") && !lines[1].contains("(done)"));
+        let shown: Vec<&str> = lines[2..].iter().map(|l| &l[7..11]).collect();
+        assert_eq!(
+            shown,
+            ["293 ", "294 ", "295 ", "296 ", "297 ", "298 ", "299 ", "300 "]
+        );
+
+        // Few loads: each has its line.
+        let mut o = String::new();
+        render_loads(&mut o, &loads[292..]);
+        assert_eq!(o.lines().count(), SHOWN_DONE_LOADS);
+        assert!(!o.contains("earlier"));
+    }
 }
