@@ -355,6 +355,37 @@ fn parse_schedstat(s: &str) -> io::Result<(u64, u64)> {
     }
 }
 
+/// The box's CPU time so far, all CPUs together, and of it the time the hypervisor gave
+/// this machine's virtual CPUs to others ("steal"), in clock ticks: the `cpu` line of
+/// `/proc/stat`. Two readings apart give the share stolen meanwhile (`steal_share`).
+pub fn box_cpu_ticks() -> io::Result<(u64, u64)> {
+    parse_proc_stat(&std::fs::read_to_string("/proc/stat")?)
+}
+
+/// `/proc/stat` → (all ticks, steal ticks): user nice system idle iowait irq softirq steal
+/// (guest time is already in user).
+fn parse_proc_stat(s: &str) -> io::Result<(u64, u64)> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/stat");
+    let line = s.lines().find(|l| l.starts_with("cpu ")).ok_or_else(bad)?;
+    let f: Vec<u64> = line
+        .split_ascii_whitespace()
+        .skip(1)
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|_| bad())?;
+    if f.len() < 4 {
+        return Err(bad());
+    }
+    Ok((f.iter().sum(), f.get(7).copied().unwrap_or(0)))
+}
+
+/// The share of the box's CPU time stolen between two `box_cpu_ticks` readings.
+pub fn steal_share(before: (u64, u64), after: (u64, u64)) -> f64 {
+    let all = after.0.saturating_sub(before.0);
+    after.1.saturating_sub(before.1) as f64 / all.max(1) as f64
+}
+
 /// The kernel's PM QoS CPU latency interface: a request (µs an idle CPU may take to wake)
 /// held for as long as the file is open.
 const CPU_LATENCY: &str = "/dev/cpu_dma_latency";
@@ -634,6 +665,19 @@ mod tests {
         // 20 ms of wall time spinning: some of it on a CPU, however busy the box.
         assert!(run1 > run0, "{run0} -> {run1}");
         assert!(run1 - run0 <= 1_000_000_000, "{run0} -> {run1}");
+    }
+
+    #[test]
+    fn proc_stat_gives_all_ticks_and_steal() {
+        let s = "cpu  100 5 50 800 10 1 4 30 0 0\ncpu0 50 2 25 400 5 0 2 15 0 0\nintr 1\n";
+        let (all, steal) = parse_proc_stat(s).unwrap();
+        assert_eq!((all, steal), (1000, 30));
+        assert!((steal_share((1000, 30), (2000, 230)) - 0.2).abs() < 1e-12);
+        // Old kernels without a steal column; then garbage.
+        assert_eq!(parse_proc_stat("cpu  1 2 3 4\n").unwrap(), (10, 0));
+        assert!(parse_proc_stat("cpu0 1 2 3 4\n").is_err());
+        assert!(parse_proc_stat("cpu  1 x 3 4\n").is_err());
+        assert_eq!(steal_share((5, 1), (5, 1)), 0.0);
     }
 
     #[test]
