@@ -184,6 +184,8 @@ pub struct RunHealth {
     /// What the data plane's thread did during the run (from a daemon that says, and not
     /// started with `--realtime`).
     cpu: Option<CpuUse>,
+    /// Share of the box's CPU time the hypervisor took during the run (steal).
+    steal: f64,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -304,6 +306,10 @@ impl RunHealth {
                         a.1.saturating_sub(b.1),
                     )
                 }),
+            steal: before
+                .box_cpu_ticks
+                .zip(after.box_cpu_ticks)
+                .map_or(0.0, |(b, a)| closbox_switchd::sys::steal_share(b, a)),
         }
     }
 
@@ -491,6 +497,10 @@ impl RunHealth {
                 // A thread with time to spare that waited for a CPU: the scheduler's
                 // doing (`CpuUse::preempted`), which the real-time class prevents.
                 let waited = match self.cpu.filter(CpuUse::preempted) {
+                    _ if self.steal >= CpuUse::STOLEN => format!(
+                        "the hypervisor gave this machine's CPUs to others for {:.0} % of the run (steal time), which nothing inside the box gets back: run on a quieter host; or ",
+                        self.steal * 100.0
+                    ),
                     Some(c) => format!(
                         "the data plane's thread was busy only {:.0} % of a CPU during the run but waited {:.0} ms for one (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU; or ",
                         c.busy * 100.0,
@@ -1090,6 +1100,7 @@ mod tests {
             pauses: None,
             deadlocked: Vec::new(),
             cpu: None,
+            steal: 0.0,
         }
     }
 
@@ -1133,6 +1144,15 @@ mod tests {
         let f = h.footer(Some(&late));
         assert!(!f.contains("--realtime"), "{f}");
         assert!(f.contains("time_scale 2000 would have held"), "{f}");
+        // The hypervisor took a fifth of the box: named instead of the scheduler.
+        h.cpu = Some(CpuUse::over(10.0, 6_000_000_000, 250_000_000));
+        h.steal = 0.2;
+        let f = h.footer(Some(&late));
+        assert!(
+            f.contains("the hypervisor gave this machine's CPUs to others for 20 % of the run (steal time), which nothing inside the box gets back: run on a quieter host; or time_scale 2000 would have held"),
+            "{f}"
+        );
+        assert!(!f.contains("--realtime"), "{f}");
     }
 
     #[test]

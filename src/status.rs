@@ -277,10 +277,18 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if let Some(c) = &s.cpu_recent {
         let _ = writeln!(
             o,
-            "  cpu       last {:.1} s: busy {:.0} % of a CPU, waited {:.1} ms for one",
+            "  cpu       last {:.1} s: busy {:.0} % of a CPU, waited {:.1} ms for one{}",
             c.window_s,
             c.busy * 100.0,
-            c.waited_ms
+            c.waited_ms,
+            if c.steal >= 0.01 {
+                format!(
+                    "; the hypervisor took {:.0} % of the box's CPUs (steal)",
+                    c.steal * 100.0
+                )
+            } else {
+                String::new()
+            }
         );
     }
     let _ = writeln!(

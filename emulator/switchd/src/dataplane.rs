@@ -327,6 +327,10 @@ pub struct Status {
     /// diff two snapshots for a run (`CpuUse::over`).
     #[serde(default)]
     pub thread_cpu_ns: Option<(u64, u64)>,
+    /// The box's CPU ticks so far, all and stolen (`sys::box_cpu_ticks`), where the clock
+    /// is the real one: clients diff two snapshots for the steal during a run.
+    #[serde(default)]
+    pub box_cpu_ticks: Option<(u64, u64)>,
 }
 
 impl Status {
@@ -418,6 +422,13 @@ pub fn behind_advice(
     cpu: Option<&CpuUse>,
     realtime: bool,
 ) -> String {
+    if let Some(c) = cpu.filter(|c| c.steal >= CpuUse::STOLEN) {
+        return format!(
+            "the hypervisor gave this machine's CPUs to others for {:.0} % of the last {:.1} s (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back: raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
+            c.steal * 100.0,
+            c.window_s
+        );
+    }
     if let Some(c) = cpu.filter(|c| c.preempted() && !realtime) {
         return format!(
             "the data plane's thread was busy only {:.0} % of a CPU but waited {:.0} ms for one in the last {:.1} s (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU, or raise time_scale (the same wall-clock delays then shift fabric time less)",
@@ -485,6 +496,11 @@ pub struct CpuUse {
     #[serde(default)]
     pub peak_busy: f64,
     pub waited_ms: f64,
+    /// Share of the whole box's CPU time the hypervisor gave to other machines over the
+    /// window (steal time, `sys::box_cpu_ticks`): the vCPUs stood still, the wall clock
+    /// did not.
+    #[serde(default)]
+    pub steal: f64,
 }
 
 impl CpuUse {
@@ -495,6 +511,9 @@ impl CpuUse {
     /// 0.7–1.1 ms; in the real-time class 0.5 % and 59 µs; bursts beyond the box's speed,
     /// late from work alone: 0.3 %).
     pub const WAITED_SHARE: f64 = 0.01;
+    /// Steal from this share on is named as the cause of lateness: a host whose steal rose
+    /// to ~20 % made every fabric late (p99 9 ms at time_scale 20000, the thread busy 31 %).
+    pub const STOLEN: f64 = 0.05;
 
     /// Never saturated in the window (not even in a slot: a job that saturated it for a
     /// second and ended is work-bound), but kept off a CPU for a noticeable share of it.
@@ -512,13 +531,14 @@ impl CpuUse {
             busy,
             peak_busy: busy,
             waited_ms: wait_ns as f64 / 1e6,
+            steal: 0.0,
         }
     }
 
-    /// From (wall, run ns, run-queue wait ns) samples of the thread, oldest first (at
-    /// least two); the busiest slot among intervals of at least `min_slot`.
-    fn of(samples: &[(StdInstant, u64, u64)], min_slot: StdDuration) -> CpuUse {
-        let share = |a: &(StdInstant, u64, u64), b: &(StdInstant, u64, u64)| {
+    /// From samples of the thread, oldest first (at least two); the busiest slot among
+    /// intervals of at least `min_slot`.
+    fn of(samples: &[CpuSample], min_slot: StdDuration) -> CpuUse {
+        let share = |a: &CpuSample, b: &CpuSample| {
             let span = b.0.saturating_duration_since(a.0).as_secs_f64();
             b.1.saturating_sub(a.1) as f64 / 1e9 / span.max(1e-9)
         };
@@ -534,9 +554,15 @@ impl CpuUse {
             busy,
             peak_busy,
             waited_ms: last.2.saturating_sub(first.2) as f64 / 1e6,
+            steal: sys::steal_share(first.3, last.3),
         }
     }
 }
+
+/// The data-plane thread at `wall`: its CPU time and run-queue wait (ns,
+/// `Ports::thread_cpu`), and the box's CPU ticks, all and stolen (`sys::box_cpu_ticks`;
+/// zeros where unreadable).
+type CpuSample = (StdInstant, u64, u64, (u64, u64));
 
 /// Where packets enter and leave the fabric (one port per GPU), and the wall clock they
 /// do it by: TUN devices and the system clock in the daemon (`TunPorts`), in-memory
@@ -1086,9 +1112,9 @@ pub struct DataPlane<P: Ports> {
     idle_poll: bool,
     /// `Status::full_load_time_scale`.
     full_load: f64,
-    /// The thread's (wall, CPU ns, run-queue wait ns), sampled each window slot, the
-    /// last `WINDOW` of them (`CpuUse`).
-    cpu: std::collections::VecDeque<(StdInstant, u64, u64)>,
+    /// The thread (and the box's steal), sampled each window slot, the last `WINDOW` of
+    /// them (`CpuUse`).
+    cpu: std::collections::VecDeque<CpuSample>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -1559,6 +1585,13 @@ impl<P: Ports> DataPlane<P> {
         self.done = done;
     }
 
+    /// The thread's CPU time and run-queue wait, and the box's ticks, at `wall`; `None`
+    /// with a virtual clock.
+    fn cpu_sample(&self, wall: StdInstant) -> Option<CpuSample> {
+        let (run, wait) = self.ports.thread_cpu()?;
+        Some((wall, run, wait, sys::box_cpu_ticks().unwrap_or_default()))
+    }
+
     /// A sample of the thread's CPU use each window slot (a file read every 0.5 s).
     fn sample_cpu(&mut self, wall: StdInstant) {
         let slot = WINDOW / WINDOW_SLOTS as u32;
@@ -1569,10 +1602,10 @@ impl<P: Ports> DataPlane<P> {
         {
             return;
         }
-        let Some((run, wait)) = self.ports.thread_cpu() else {
+        let Some(sample) = self.cpu_sample(wall) else {
             return;
         };
-        self.cpu.push_back((wall, run, wait));
+        self.cpu.push_back(sample);
         // The oldest kept is the youngest at least `WINDOW` old.
         while self
             .cpu
@@ -1583,18 +1616,18 @@ impl<P: Ports> DataPlane<P> {
         }
     }
 
-    /// The thread's CPU use from the oldest sample kept (about `WINDOW` ago) to `now`
-    /// (its CPU and run-queue wait ns at `wall`, `Ports::thread_cpu`); `None` before a
-    /// slot has passed, or with a virtual clock.
-    fn cpu_recent(&self, wall: StdInstant, now: Option<(u64, u64)>) -> Option<CpuUse> {
+    /// The thread's CPU use from the oldest sample kept (about `WINDOW` ago) to `now` (a
+    /// `cpu_sample`); `None` before a slot has passed, or with a virtual clock.
+    fn cpu_recent(&self, now: Option<CpuSample>) -> Option<CpuUse> {
+        let now = now?;
+        let wall = now.0;
         let first = self.cpu.front()?;
         let slot = WINDOW / WINDOW_SLOTS as u32;
         if wall.saturating_duration_since(first.0) < slot {
             return None;
         }
-        let (run, wait) = now?;
         let mut samples: Vec<_> = self.cpu.iter().copied().collect();
-        samples.push((wall, run, wait));
+        samples.push(now);
         Some(CpuUse::of(&samples, slot / 2))
     }
 
@@ -1626,7 +1659,7 @@ impl<P: Ports> DataPlane<P> {
                     behind_advice(
                         self.time_scale.get(),
                         self.full_load,
-                        self.cpu_recent(wall, self.ports.thread_cpu()).as_ref(),
+                        self.cpu_recent(self.cpu_sample(wall)).as_ref(),
                         self.realtime.is_some()
                     )
                 );
@@ -1832,8 +1865,9 @@ impl<P: Ports> DataPlane<P> {
     /// A snapshot of counters and lateness (what `closbox status` shows).
     pub fn status(&mut self) -> Status {
         let wall = self.ports.now();
-        // One read of the thread's schedstat for both the window and the totals.
-        let thread_cpu = self.ports.thread_cpu();
+        // One read of the thread's schedstat (and the box's ticks) for both the window and
+        // the totals.
+        let cpu = self.cpu_sample(wall);
         let now = self.fabric_now(wall);
         let totals = self.model.totals(now);
         let elapsed = now.as_nanos().max(1) as f64;
@@ -1948,8 +1982,9 @@ impl<P: Ports> DataPlane<P> {
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
             idle_poll: self.idle_poll,
-            cpu_recent: self.cpu_recent(wall, thread_cpu),
-            thread_cpu_ns: thread_cpu,
+            cpu_recent: self.cpu_recent(cpu),
+            thread_cpu_ns: cpu.map(|c| (c.1, c.2)),
+            box_cpu_ticks: cpu.map(|c| c.3),
         }
     }
 
@@ -2527,6 +2562,7 @@ mod tests {
             busy,
             peak_busy: busy,
             waited_ms,
+            steal: 0.0,
         };
         // One flow at a third of the box's speed, normal class (measured: 68 % busy,
         // 115 ms waiting, p99 lateness 0.7 ms).
@@ -2554,6 +2590,31 @@ mod tests {
             let a = behind_advice(1.0, 5.0, Some(&c), false);
             assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
         }
+        // The hypervisor took a fifth of the CPUs (measured: the thread busy 31 %, 56 ms
+        // waiting, p99 9 ms): named before the scheduler or the work, `--realtime` or not.
+        let stolen = CpuUse {
+            steal: 0.2,
+            ..use_of(0.31, 56.0)
+        };
+        for realtime in [false, true] {
+            let a = behind_advice(20000.0, 5000.0, Some(&stolen), realtime);
+            assert!(
+                a.starts_with(
+                    "the hypervisor gave this machine's CPUs to others for 20 % of the last 5.0 s"
+                ),
+                "{a}"
+            );
+        }
+        let a = behind_advice(
+            1.0,
+            5.0,
+            Some(&CpuUse {
+                steal: 0.02,
+                ..waited
+            }),
+            false,
+        );
+        assert!(a.contains("busy only 68 % of a CPU"), "{a}");
     }
 
     #[test]
@@ -2562,22 +2623,26 @@ mod tests {
         let at = |ms: u64| t0 + StdDuration::from_millis(ms);
         let slot = StdDuration::from_millis(250);
         let c = CpuUse::of(
-            &[(at(0), 1_000, 50), (at(5000), 2_500_001_000, 60_000_050)],
+            &[
+                (at(0), 1_000, 50, (10_000, 100)),
+                (at(5000), 2_500_001_000, 60_000_050, (11_000, 150)),
+            ],
             slot,
         );
         assert_eq!(c.window_s, 5.0);
         assert!((c.busy - 0.5).abs() < 1e-6, "{c:?}");
         assert!((c.peak_busy - 0.5).abs() < 1e-6, "{c:?}");
         assert_eq!(c.waited_ms, 60.0);
+        assert!((c.steal - 0.05).abs() < 1e-12, "{c:?}");
         assert!(c.preempted());
         // The same CPU time in its first half second: saturated then, work-bound.
         let c = CpuUse::of(
             &[
-                (at(0), 0, 0),
-                (at(500), 480_000_000, 10_000_000),
-                (at(4900), 2_500_000_000, 60_000_000),
+                (at(0), 0, 0, (0, 0)),
+                (at(500), 480_000_000, 10_000_000, (0, 0)),
+                (at(4900), 2_500_000_000, 60_000_000, (0, 0)),
                 // A short last interval does not count as a slot.
-                (at(5000), 2_600_000_000, 60_000_000),
+                (at(5000), 2_600_000_000, 60_000_000, (0, 0)),
             ],
             slot,
         );

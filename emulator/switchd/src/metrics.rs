@@ -481,6 +481,13 @@ pub fn encode(s: &Status) -> String {
             None,
             c.waited_ms / 1e3 / c.window_s.max(1e-9),
         );
+        gauge_f(
+            &mut reg,
+            "box_cpu_steal",
+            "Share of the box's CPU time the hypervisor gave to other machines (steal), over the recent window",
+            None,
+            c.steal,
+        );
     }
     reg.register_with_unit(
         "write_lateness",
