@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use closbox_switchd::control::{self, Event, Reply, Request, Status};
+use closbox_switchd::dataplane::CpuUse;
 use closbox_switchd::state::FabricName;
 use ratatui::crossterm::event::{self, Event as TermEvent, KeyCode, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -177,14 +178,12 @@ fn draw(f: &mut Frame, v: &View) {
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
                 )
             } else if s.behind {
-                let preempted = !s.realtime && s.cpu_recent.is_some_and(|c| c.preempted());
-                let hint = if preempted {
-                    "BEHIND (waited for a CPU: up --realtime)".to_owned()
-                } else if s.full_load_time_scale > s.time_scale.get() {
-                    format!("BEHIND (time_scale {}+ estimated)", s.full_load_time_scale)
-                } else {
-                    "BEHIND (raise time_scale)".to_owned()
-                };
+                let hint = behind_hint(
+                    s.cpu_recent.as_ref(),
+                    s.realtime,
+                    s.full_load_time_scale,
+                    s.time_scale.get(),
+                );
                 Span::styled(
                     hint,
                     Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
@@ -336,4 +335,53 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
         .header(Row::new(head).style(Style::default().add_modifier(Modifier::BOLD)))
         .block(Block::bordered().title(" leaf -> spine utilization "));
     Some((table, n + 1))
+}
+
+/// What `top` says of a fabric that is behind, from its data plane's recent CPU use,
+/// `up --realtime`, `plan`'s full-load time scale and its own: the likeliest cause first
+/// (as `dataplane::behind_advice` words it at length).
+fn behind_hint(cpu: Option<&CpuUse>, realtime: bool, full_load: f64, time_scale: f64) -> String {
+    if let Some(c) = cpu.filter(|c| c.steal >= CpuUse::STOLEN) {
+        format!(
+            "BEHIND (hypervisor took {:.0} % of the CPUs)",
+            c.steal * 100.0
+        )
+    } else if !realtime && cpu.is_some_and(CpuUse::preempted) {
+        "BEHIND (waited for a CPU: up --realtime)".to_owned()
+    } else if full_load > time_scale {
+        format!("BEHIND (time_scale {full_load}+ estimated)")
+    } else {
+        "BEHIND (raise time_scale)".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn behind_names_the_hypervisor_then_the_scheduler_then_the_scale() {
+        let cpu = |busy: f64, waited_ms: f64, steal: f64| CpuUse {
+            steal,
+            ..CpuUse::over(5.0, (busy * 5e9) as u64, (waited_ms * 1e6) as u64)
+        };
+        let stolen = cpu(0.31, 56.0, 0.2);
+        assert_eq!(
+            behind_hint(Some(&stolen), true, 5000.0, 20000.0),
+            "BEHIND (hypervisor took 20 % of the CPUs)"
+        );
+        let waited = cpu(0.7, 111.0, 0.01);
+        assert_eq!(
+            behind_hint(Some(&waited), false, 5000.0, 20000.0),
+            "BEHIND (waited for a CPU: up --realtime)"
+        );
+        assert_eq!(
+            behind_hint(Some(&waited), true, 5000.0, 1000.0),
+            "BEHIND (time_scale 5000+ estimated)"
+        );
+        assert_eq!(
+            behind_hint(None, false, 5000.0, 20000.0),
+            "BEHIND (raise time_scale)"
+        );
+    }
 }
