@@ -586,14 +586,18 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
     });
     // What the link carries in the half second before it fails: a flow's data or ACKs
     // (hundreds of packets), or nothing (every flow hashed elsewhere; iperf3's control
-    // connection is idle then).
+    // connection is idle then); and in its last 0.1 s.
     std::thread::sleep(Duration::from_millis(2500));
     let link_tx = || port_tx(&f, "leaf0->spine0") + port_tx(&f, "spine0->leaf0");
     let earlier = link_tx();
-    std::thread::sleep(Duration::from_millis(500));
-    let carried = link_tx() - earlier;
+    std::thread::sleep(Duration::from_millis(400));
+    let late = link_tx();
+    std::thread::sleep(Duration::from_millis(100));
+    let last = link_tx();
+    let (carried, recent) = (last - earlier, last - late);
     let out = closbox(&["link", "down", "leaf0", "spine0", "--fabric", "lt-iperf"]);
     assert!(out.status.success(), "{:?}", text(&out));
+    let at_failure = link_tx();
     let out = client.join().unwrap();
     let _ = server.wait();
     assert!(out.status.success(), "{:?}", text(&out));
@@ -631,17 +635,25 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
         w[w.len() / 2]
     };
     let (before, after) = (median(0.0, 1.5), median(8.0, 12.0));
-    eprintln!("median interval: before {before:.0} Gbit/s, settled after {after:.0} Gbit/s; the link carried {carried} packets in the 0.5 s before it failed");
+    eprintln!("median interval: before {before:.0} Gbit/s, settled after {after:.0} Gbit/s; the link carried {carried} packets in the 0.5 s before it failed, {recent} in its last 0.1 s");
     // Never more than the uplinks that are up carry (5 % for iperf3's interval edges).
     assert!(before <= 400.0 * 1.05, "{before}");
     assert!(after <= 300.0 * 1.05, "{after}");
     // Recovered: the flows of the dead link were rehashed onto the links left.
     assert!(after >= 100.0, "{after}");
-    if carried > 20 {
+    // Nothing crossed the link once it was down.
+    assert_eq!(link_tx(), at_failure, "the dead link transmitted");
+    // A flow sending over the link when it fails loses what the link held and what is
+    // sent into it until the switches and routes move on (0.2 s and 1 s of wall time).
+    // Twice in about twenty runs the link carried 83 and 453 packets in the half second
+    // before and nothing was lost, the throughput unchanged throughout: the flows on it
+    // were silent when it failed (a flow waiting for a retransmission timeout sends
+    // nothing for 0.2 s of wall time or more). The last 0.1 s tells an active flow.
+    if recent > 20 {
         let lost = drops(&f, "link_down") + drops(&f, "no_route");
         assert!(
             lost > 0,
-            "the dead link carried {carried} packets in the 0.5 s before, yet nothing was lost"
+            "the dead link carried {recent} packets in the 0.1 s before it failed, yet nothing was lost"
         );
     }
     f.down();
