@@ -281,14 +281,9 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             c.window_s,
             c.busy * 100.0,
             c.waited_ms,
-            if c.steal >= 0.01 {
-                format!(
-                    "; the hypervisor took {:.0} % of the box's CPUs (steal)",
-                    c.steal * 100.0
-                )
-            } else {
-                String::new()
-            }
+            closbox_switchd::sys::steal_note(c.steal, |p| format!(
+                "; the hypervisor took {p:.0} % of the box's CPUs (steal)"
+            ))
         );
     }
     let _ = writeln!(

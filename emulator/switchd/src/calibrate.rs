@@ -236,14 +236,9 @@ pub fn choose(
             "{k}: {:.0} % carried, p99 {:.0} µs{}",
             trial.carried * 100.0,
             trial.p99_us,
-            if trial.steal >= 0.01 {
-                format!(
-                    ", {:.0} % of the CPUs stolen by the hypervisor",
-                    trial.steal * 100.0
-                )
-            } else {
-                String::new()
-            }
+            sys::steal_note(trial.steal, |p| format!(
+                ", {p:.0} % of the CPUs stolen by the hypervisor"
+            ))
         ));
         if trial.holds() {
             // Real time is kept when it holds (programs' own clocks and timeouts stay
@@ -264,7 +259,7 @@ pub fn choose(
             let why = format!(
                 "the share the streams carried stopped rising with the time scale (trials: {}): what they missed from {at} on was not the load but the box's own disturbance{}, which no time scale removes; the best trial ({at}, {:.0} % carried) and one 1-2-5 step more for headroom",
                 tried.join("; "),
-                if steal_seen >= 0.01 {
+                if steal_seen >= sys::STEAL_SHOWN {
                     format!(" (the hypervisor took up to {:.0} % of its CPUs)", steal_seen * 100.0)
                 } else {
                     " (other processes, or the hypervisor)".to_owned()

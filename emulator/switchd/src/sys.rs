@@ -380,6 +380,19 @@ fn parse_proc_stat(s: &str) -> io::Result<(u64, u64)> {
     Ok((f.iter().sum(), f.get(7).copied().unwrap_or(0)))
 }
 
+/// Steal from this share of the box's CPU time on is worth a mention beside a measurement.
+pub const STEAL_SHOWN: f64 = 0.01;
+
+/// `say(steal in %)` where `steal` (a share) is worth a mention (`STEAL_SHOWN`), else
+/// nothing.
+pub fn steal_note(steal: f64, say: impl FnOnce(f64) -> String) -> String {
+    if steal >= STEAL_SHOWN {
+        say(steal * 100.0)
+    } else {
+        String::new()
+    }
+}
+
 /// The share of the box's CPU time stolen between two `box_cpu_ticks` readings.
 pub fn steal_share(before: (u64, u64), after: (u64, u64)) -> f64 {
     let all = after.0.saturating_sub(before.0);
@@ -678,6 +691,9 @@ mod tests {
         assert!(parse_proc_stat("cpu0 1 2 3 4\n").is_err());
         assert!(parse_proc_stat("cpu  1 x 3 4\n").is_err());
         assert_eq!(steal_share((5, 1), (5, 1)), 0.0);
+        // Mentioned from 1 % on.
+        assert_eq!(steal_note(0.2, |p| format!("{p:.0} %")), "20 %");
+        assert_eq!(steal_note(0.009, |p| format!("{p:.0} %")), "");
     }
 
     #[test]
