@@ -539,30 +539,39 @@ impl CpuUse {
     /// intervals of at least `min_slot`.
     fn of(samples: &[CpuSample], min_slot: StdDuration) -> CpuUse {
         let share = |a: &CpuSample, b: &CpuSample| {
-            let span = b.0.saturating_duration_since(a.0).as_secs_f64();
-            b.1.saturating_sub(a.1) as f64 / 1e9 / span.max(1e-9)
+            let span = b.wall.saturating_duration_since(a.wall).as_secs_f64();
+            b.run_ns.saturating_sub(a.run_ns) as f64 / 1e9 / span.max(1e-9)
         };
         let (first, last) = (samples[0], samples[samples.len() - 1]);
         let busy = share(&first, &last);
         let peak_busy = samples
             .windows(2)
-            .filter(|w| w[1].0.saturating_duration_since(w[0].0) >= min_slot)
+            .filter(|w| w[1].wall.saturating_duration_since(w[0].wall) >= min_slot)
             .map(|w| share(&w[0], &w[1]))
             .fold(busy, f64::max);
         CpuUse {
-            window_s: last.0.saturating_duration_since(first.0).as_secs_f64(),
+            window_s: last
+                .wall
+                .saturating_duration_since(first.wall)
+                .as_secs_f64(),
             busy,
             peak_busy,
-            waited_ms: last.2.saturating_sub(first.2) as f64 / 1e6,
-            steal: sys::steal_share(first.3, last.3),
+            waited_ms: last.wait_ns.saturating_sub(first.wait_ns) as f64 / 1e6,
+            steal: sys::steal_share(first.box_ticks, last.box_ticks),
         }
     }
 }
 
-/// The data-plane thread at `wall`: its CPU time and run-queue wait (ns,
-/// `Ports::thread_cpu`), and the box's CPU ticks, all and stolen (`sys::box_cpu_ticks`;
-/// zeros where unreadable).
-type CpuSample = (StdInstant, u64, u64, (u64, u64));
+/// The data-plane thread at `wall`: its CPU time and run-queue wait (`Ports::thread_cpu`),
+/// and the box's CPU ticks, all and stolen (`sys::box_cpu_ticks`; zeros where
+/// unreadable).
+#[derive(Clone, Copy, Debug)]
+struct CpuSample {
+    wall: StdInstant,
+    run_ns: u64,
+    wait_ns: u64,
+    box_ticks: (u64, u64),
+}
 
 /// Where packets enter and leave the fabric (one port per GPU), and the wall clock they
 /// do it by: TUN devices and the system clock in the daemon (`TunPorts`), in-memory
@@ -1588,8 +1597,13 @@ impl<P: Ports> DataPlane<P> {
     /// The thread's CPU time and run-queue wait, and the box's ticks, at `wall`; `None`
     /// with a virtual clock.
     fn cpu_sample(&self, wall: StdInstant) -> Option<CpuSample> {
-        let (run, wait) = self.ports.thread_cpu()?;
-        Some((wall, run, wait, sys::box_cpu_ticks().unwrap_or_default()))
+        let (run_ns, wait_ns) = self.ports.thread_cpu()?;
+        Some(CpuSample {
+            wall,
+            run_ns,
+            wait_ns,
+            box_ticks: sys::box_cpu_ticks().unwrap_or_default(),
+        })
     }
 
     /// A sample of the thread's CPU use each window slot (a file read every 0.5 s).
@@ -1598,7 +1612,7 @@ impl<P: Ports> DataPlane<P> {
         if self
             .cpu
             .back()
-            .is_some_and(|s| wall.saturating_duration_since(s.0) < slot)
+            .is_some_and(|s| wall.saturating_duration_since(s.wall) < slot)
         {
             return;
         }
@@ -1610,7 +1624,7 @@ impl<P: Ports> DataPlane<P> {
         while self
             .cpu
             .get(1)
-            .is_some_and(|s| wall.saturating_duration_since(s.0) >= WINDOW)
+            .is_some_and(|s| wall.saturating_duration_since(s.wall) >= WINDOW)
         {
             self.cpu.pop_front();
         }
@@ -1620,10 +1634,10 @@ impl<P: Ports> DataPlane<P> {
     /// `cpu_sample`); `None` before a slot has passed, or with a virtual clock.
     fn cpu_recent(&self, now: Option<CpuSample>) -> Option<CpuUse> {
         let now = now?;
-        let wall = now.0;
+        let wall = now.wall;
         let first = self.cpu.front()?;
         let slot = WINDOW / WINDOW_SLOTS as u32;
-        if wall.saturating_duration_since(first.0) < slot {
+        if wall.saturating_duration_since(first.wall) < slot {
             return None;
         }
         let mut samples: Vec<_> = self.cpu.iter().copied().collect();
@@ -1983,8 +1997,8 @@ impl<P: Ports> DataPlane<P> {
             realtime: self.realtime.is_some(),
             idle_poll: self.idle_poll,
             cpu_recent: self.cpu_recent(cpu),
-            thread_cpu_ns: cpu.map(|c| (c.1, c.2)),
-            box_cpu_ticks: cpu.map(|c| c.3),
+            thread_cpu_ns: cpu.map(|c| (c.run_ns, c.wait_ns)),
+            box_cpu_ticks: cpu.map(|c| c.box_ticks),
         }
     }
 
@@ -2621,11 +2635,17 @@ mod tests {
     fn cpu_use_is_taken_from_samples_over_the_window_and_its_busiest_slot() {
         let t0 = StdInstant::now();
         let at = |ms: u64| t0 + StdDuration::from_millis(ms);
+        let sample = |wall, run_ns, wait_ns, box_ticks| CpuSample {
+            wall,
+            run_ns,
+            wait_ns,
+            box_ticks,
+        };
         let slot = StdDuration::from_millis(250);
         let c = CpuUse::of(
             &[
-                (at(0), 1_000, 50, (10_000, 100)),
-                (at(5000), 2_500_001_000, 60_000_050, (11_000, 150)),
+                sample(at(0), 1_000, 50, (10_000, 100)),
+                sample(at(5000), 2_500_001_000, 60_000_050, (11_000, 150)),
             ],
             slot,
         );
@@ -2638,11 +2658,11 @@ mod tests {
         // The same CPU time in its first half second: saturated then, work-bound.
         let c = CpuUse::of(
             &[
-                (at(0), 0, 0, (0, 0)),
-                (at(500), 480_000_000, 10_000_000, (0, 0)),
-                (at(4900), 2_500_000_000, 60_000_000, (0, 0)),
+                sample(at(0), 0, 0, (0, 0)),
+                sample(at(500), 480_000_000, 10_000_000, (0, 0)),
+                sample(at(4900), 2_500_000_000, 60_000_000, (0, 0)),
                 // A short last interval does not count as a slot.
-                (at(5000), 2_600_000_000, 60_000_000, (0, 0)),
+                sample(at(5000), 2_600_000_000, 60_000_000, (0, 0)),
             ],
             slot,
         );
