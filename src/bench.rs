@@ -15,7 +15,7 @@ use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op, Output};
 use closbox_fabric::{TimeScale, Topology};
 use closbox_switchd::control::{self, Reply, Request, Status};
-use closbox_switchd::dataplane::{CpuUse, Lateness};
+use closbox_switchd::dataplane::{stolen, CpuUse, Lateness};
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
 
@@ -498,8 +498,8 @@ impl RunHealth {
                 // doing (`CpuUse::preempted`), which the real-time class prevents.
                 let waited = match self.cpu.filter(CpuUse::preempted) {
                     _ if self.steal >= CpuUse::STOLEN => format!(
-                        "the hypervisor gave this machine's CPUs to others for {:.0} % of the run (steal time), which nothing inside the box gets back: run on a quieter host; or ",
-                        self.steal * 100.0
+                        "{}: run on a quieter host; or ",
+                        stolen(self.steal, "the run")
                     ),
                     Some(c) => format!(
                         "the data plane's thread was busy only {:.0} % of a CPU during the run but waited {:.0} ms for one (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU; or ",
@@ -1149,7 +1149,7 @@ mod tests {
         h.steal = 0.2;
         let f = h.footer(Some(&late));
         assert!(
-            f.contains("the hypervisor gave this machine's CPUs to others for 20 % of the run (steal time), which nothing inside the box gets back: run on a quieter host; or time_scale 2000 would have held"),
+            f.contains("the hypervisor gave this machine's CPUs to others for 20 % of the run (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back: run on a quieter host; or time_scale 2000 would have held"),
             "{f}"
         );
         assert!(!f.contains("--realtime"), "{f}");

@@ -424,9 +424,8 @@ pub fn behind_advice(
 ) -> String {
     if let Some(c) = cpu.filter(|c| c.steal >= CpuUse::STOLEN) {
         return format!(
-            "the hypervisor gave this machine's CPUs to others for {:.0} % of the last {:.1} s (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back: raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
-            c.steal * 100.0,
-            c.window_s
+            "{}: raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
+            stolen(c.steal, &format!("the last {:.1} s", c.window_s))
         );
     }
     if let Some(c) = cpu.filter(|c| c.preempted() && !realtime) {
@@ -440,6 +439,15 @@ pub fn behind_advice(
     format!(
         "this box cannot keep up with the configured rates; {}",
         time_scale_advice(time_scale, full_load)
+    )
+}
+
+/// Steal time (`steal`, a share of the box's CPU time) over `span`, as the cause of
+/// lateness (`behind_advice`, `bench`).
+pub fn stolen(steal: f64, span: &str) -> String {
+    format!(
+        "the hypervisor gave this machine's CPUs to others for {:.0} % of {span} (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back",
+        steal * 100.0
     )
 }
 
