@@ -116,7 +116,7 @@ fn lateness(l: &Lateness, time_scale: TimeScale) -> String {
         String::new()
     };
     format!(
-        "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} writes{fabric})",
+        "p50 {:.1} µs  p99 {:.1} µs  max {:.1} µs ({} frames{fabric})",
         l.p50_us,
         l.p99_us,
         l.max_us,

@@ -469,6 +469,8 @@ fn time_scale_advice(time_scale: f64, full_load: f64) -> String {
 /// Write lateness in wall-clock microseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Lateness {
+    /// Frames written: a coalesced write counts each of its frames, each late by its own
+    /// due time.
     pub samples: u64,
     pub p50_us: f64,
     pub p99_us: f64,
@@ -476,7 +478,7 @@ pub struct Lateness {
 }
 
 impl Lateness {
-    /// Enough writes, and their p99 above `threshold_us`: the box is not keeping up.
+    /// Enough frames written, and their p99 above `threshold_us`: the box is not keeping up.
     pub fn behind(&self, threshold_us: f64) -> bool {
         self.samples >= 100 && self.p99_us > threshold_us
     }
