@@ -423,6 +423,25 @@ mod tests {
     }
 
     #[test]
+    fn lateness_counts_frames_and_gives_dilated_p99_in_fabric_time() {
+        let l = Lateness {
+            samples: 1_191_115,
+            p50_us: 126.5,
+            p99_us: 401.4,
+            max_us: 4113.6,
+        };
+        assert_eq!(
+            lateness(&l, TimeScale::REAL_TIME),
+            "p50 126.5 µs  p99 401.4 µs  max 4113.6 µs (1,191,115 frames)"
+        );
+        let dilated = lateness(&l, TimeScale::new(1000.0).expect("a time scale"));
+        assert!(
+            dilated.ends_with("(1,191,115 frames, p99 = 0.401 µs of fabric time)"),
+            "{dilated}"
+        );
+    }
+
+    #[test]
     fn hundreds_of_finished_loads_take_one_line_beside_the_latest() {
         // 300 incast bursts done, one load still running among them.
         let mut loads: Vec<LoadInfo> = (1..=300).map(|id| load(id, false)).collect();
