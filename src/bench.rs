@@ -15,7 +15,7 @@ use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op, Output};
 use closbox_fabric::{TimeScale, Topology};
 use closbox_switchd::control::{self, Reply, Request, Status};
-use closbox_switchd::dataplane::{stolen, CpuUse, Lateness};
+use closbox_switchd::dataplane::{stolen, CpuUse, LateCause, Lateness};
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
 
@@ -496,17 +496,17 @@ impl RunHealth {
             late.map(|l| {
                 // A thread with time to spare that waited for a CPU: the scheduler's
                 // doing (`CpuUse::preempted`), which the real-time class prevents.
-                let waited = match self.cpu.filter(CpuUse::preempted) {
-                    _ if self.steal >= CpuUse::STOLEN => format!(
-                        "{}: run on a quieter host; or ",
-                        stolen(self.steal, "the run")
-                    ),
-                    Some(c) => format!(
+                // (`cpu` is `None` in the real-time class already.)
+                let waited = match LateCause::of(self.cpu.as_ref(), self.steal, false) {
+                    LateCause::Stolen(steal) => {
+                        format!("{}: run on a quieter host; or ", stolen(steal, "the run"))
+                    }
+                    LateCause::Preempted(c) => format!(
                         "the data plane's thread was busy only {:.0} % of a CPU during the run but waited {:.0} ms for one (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU; or ",
                         c.busy * 100.0,
                         c.waited_ms
                     ),
-                    None => String::new(),
+                    LateCause::Work => String::new(),
                 };
                 (
                     format!(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use closbox_switchd::control::{self, Event, Reply, Request, Status};
-use closbox_switchd::dataplane::CpuUse;
+use closbox_switchd::dataplane::{CpuUse, LateCause};
 use closbox_switchd::state::FabricName;
 use ratatui::crossterm::event::{self, Event as TermEvent, KeyCode, KeyModifiers};
 use ratatui::layout::{Constraint, Layout};
@@ -341,17 +341,16 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
 /// `up --realtime`, `plan`'s full-load time scale and its own: the likeliest cause first
 /// (as `dataplane::behind_advice` words it at length).
 fn behind_hint(cpu: Option<&CpuUse>, realtime: bool, full_load: f64, time_scale: f64) -> String {
-    if let Some(c) = cpu.filter(|c| c.steal >= CpuUse::STOLEN) {
-        format!(
+    match LateCause::of(cpu, cpu.map_or(0.0, |c| c.steal), realtime) {
+        LateCause::Stolen(steal) => format!(
             "BEHIND (hypervisor took {:.0} % of the CPUs)",
-            c.steal * 100.0
-        )
-    } else if !realtime && cpu.is_some_and(CpuUse::preempted) {
-        "BEHIND (waited for a CPU: up --realtime)".to_owned()
-    } else if full_load > time_scale {
-        format!("BEHIND (time_scale {full_load}+ estimated)")
-    } else {
-        "BEHIND (raise time_scale)".to_owned()
+            steal * 100.0
+        ),
+        LateCause::Preempted(_) => "BEHIND (waited for a CPU: up --realtime)".to_owned(),
+        LateCause::Work if full_load > time_scale => {
+            format!("BEHIND (time_scale {full_load}+ estimated)")
+        }
+        LateCause::Work => "BEHIND (raise time_scale)".to_owned(),
     }
 }
 

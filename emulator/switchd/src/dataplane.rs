@@ -422,24 +422,51 @@ pub fn behind_advice(
     cpu: Option<&CpuUse>,
     realtime: bool,
 ) -> String {
-    if let Some(c) = cpu.filter(|c| c.steal >= CpuUse::STOLEN) {
-        return format!(
+    // Steal is known only with the thread's CPU use, over the same window.
+    let (steal, window_s) = cpu.map_or((0.0, 0.0), |c| (c.steal, c.window_s));
+    match LateCause::of(cpu, steal, realtime) {
+        LateCause::Stolen(steal) => format!(
             "{}: raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
-            stolen(c.steal, &format!("the last {:.1} s", c.window_s))
-        );
-    }
-    if let Some(c) = cpu.filter(|c| c.preempted() && !realtime) {
-        return format!(
+            stolen(steal, &format!("the last {window_s:.1} s"))
+        ),
+        LateCause::Preempted(c) => format!(
             "the data plane's thread was busy only {:.0} % of a CPU but waited {:.0} ms for one in the last {:.1} s (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU, or raise time_scale (the same wall-clock delays then shift fabric time less)",
             c.busy * 100.0,
             c.waited_ms,
             c.window_s
-        );
+        ),
+        LateCause::Work => format!(
+            "this box cannot keep up with the configured rates; {}",
+            time_scale_advice(time_scale, full_load)
+        ),
     }
-    format!(
-        "this box cannot keep up with the configured rates; {}",
-        time_scale_advice(time_scale, full_load)
-    )
+}
+
+/// Why a fabric ran late, the likeliest cause first; each place that says so (`status`'s
+/// warning, `bench`'s footer, `top`) words it in its own length.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LateCause {
+    /// The hypervisor took this share of the box's CPU time (`CpuUse::STOLEN` or more).
+    Stolen(f64),
+    /// The data plane's thread had time to spare but waited for a CPU
+    /// (`CpuUse::preempted`), outside the real-time class, which would prevent it.
+    Preempted(CpuUse),
+    /// More work than the box does in time: a larger time scale.
+    Work,
+}
+
+impl LateCause {
+    /// From the thread's CPU use (if known), the box's steal share over the same span,
+    /// and whether the thread runs in the real-time class (`up --realtime`).
+    pub fn of(cpu: Option<&CpuUse>, steal: f64, realtime: bool) -> LateCause {
+        if steal >= CpuUse::STOLEN {
+            LateCause::Stolen(steal)
+        } else if let Some(c) = cpu.filter(|c| !realtime && c.preempted()) {
+            LateCause::Preempted(*c)
+        } else {
+            LateCause::Work
+        }
+    }
 }
 
 /// Steal time (`steal`, a share of the box's CPU time) over `span`, as the cause of
