@@ -744,8 +744,11 @@ impl Trials<'_> {
                             }
                         }
                     }
-                    // Unblock the peer's read and write.
-                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                    // Dropped, the connection aborts (`abort_on_close`): the reset unblocks
+                    // the peer. Not `shutdown` first: two sides shutting down at once
+                    // exchange FINs, reach TIME_WAIT, and the kernel saves TCP metrics
+                    // for the peer, which the GPUs' first connections would then start
+                    // from (seen once in CI: `rtt 937us` cached in gpu0 after `up`).
                 }
             };
             setup = self.connect_pair(
