@@ -698,14 +698,19 @@ impl Output {
     /// Takes `data` read from the pipe and passes on each line it completes (without its
     /// `\n` or `\r\n`; bytes that are not UTF-8 as U+FFFD).
     fn take(&mut self, data: &[u8], sink: &Sink) {
-        self.partial.extend_from_slice(data);
-        let mut start = 0;
-        while let Some(n) = self.partial[start..].iter().position(|&b| b == b'\n') {
-            let line = &self.partial[start..start + n];
+        let mut rest = data;
+        while let Some(n) = rest.iter().position(|&b| b == b'\n') {
+            let line = if self.partial.is_empty() {
+                &rest[..n]
+            } else {
+                self.partial.extend_from_slice(&rest[..n]);
+                &self.partial[..]
+            };
             self.emit(line.strip_suffix(b"\r").unwrap_or(line), sink);
-            start += n + 1;
+            self.partial.clear();
+            rest = &rest[n + 1..];
         }
-        self.partial.drain(..start);
+        self.partial.extend_from_slice(rest);
         while self.partial.len() >= Self::MAX_LINE {
             let piece: Vec<u8> = self.partial.drain(..Self::MAX_LINE).collect();
             self.emit(&piece, sink);
