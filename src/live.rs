@@ -542,6 +542,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let node_list: Vec<String> = sel.iter().map(|&i| st.gpus[i].node.to_string()).collect();
     let sink = a.sink.clone().unwrap_or_else(print_sink);
 
+    // Each rank's stdout and stderr stay open here until it ends (1,024 ranks ran out of
+    // the usual 1,024 files, "cannot run: Too many open files" after starting 500).
+    let files = 2 * world as u64 + 64;
+    if let Err(hard) = sys::allow_open_files(files).context("raising the open-file limit")? {
+        bail!(
+            "{world} ranks need up to {files} open files (each rank's output), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or select fewer GPUs (--gpus)"
+        );
+    }
     let stop = closbox_switchd::stop_on_signals()?;
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pipes = Vec::new();

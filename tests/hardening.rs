@@ -503,6 +503,32 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
     );
     let out = up("-Sn 100 && ulimit -Hn 400");
     assert!(out.status.success(), "{:?}", text(&out));
+    // `run` holds each rank's stdout and stderr: the same for it (it failed as "cannot
+    // run true: Too many open files" after starting half the ranks).
+    let run = |limits: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "ulimit {limits} && exec \"$0\" run -f lt-files -- sh -c 'echo $RANK'"
+            ))
+            .arg(env!("CARGO_BIN_EXE_closbox"))
+            .output()
+            .unwrap()
+    };
+    let out = run("-n 100");
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    let (o, err) = text(&out);
+    assert!(
+        err.contains("60 ranks need up to 184 open files") && err.contains("at most 100"),
+        "{err}"
+    );
+    assert!(o.is_empty(), "no rank started: {o}");
+    let out = run("-Sn 100 && ulimit -Hn 400");
+    assert!(out.status.success(), "{:?}", text(&out));
+    let o = text(&out).0;
+    for r in 0..60 {
+        assert!(o.contains(&format!("[{r}] {r}\n")), "rank {r} missing: {o}");
+    }
     let out = closbox(&["down", "lt-files"]);
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(
