@@ -1,8 +1,9 @@
-//! GPU namespaces: a network namespace (compatible with `ip netns`), a UTS namespace with
-//! the GPU's hostname, a TUN interface with the GPU's address, and an /etc/netns hosts file.
+//! GPU namespaces: a network namespace (compatible with `ip netns`), a TUN interface with
+//! the GPU's address, and an /etc/netns hosts file. (Its hostname is set in each process
+//! that enters it: `sys::EnterGpu`.)
 //!
-//! Each GPU is built by a short-lived thread that unshares into fresh namespaces, pins
-//! them with bind mounts, and creates and configures its TUN with ioctls from inside.
+//! Each GPU is built by a short-lived thread that unshares into a fresh namespace, pins
+//! it with a bind mount, and creates and configures its TUN with ioctls from inside.
 //! No `ip` process is forked and no interface is moved between namespaces (a move costs
 //! ~16 ms; this costs well under 1 ms per GPU).
 
@@ -52,15 +53,10 @@ fn mount_point(path: &Path) -> anyhow::Result<()> {
 /// Builds one GPU in the calling thread, which it leaves in the GPU's namespaces.
 fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Result<OwnedFd> {
     let netns = g.netns_path();
-    let uts = g.uts_path(&state.fabric);
     mount_point(&netns)?;
-    mount_point(&uts)?;
-    sys::unshare_net_uts().context("unshare(net, uts)")?;
+    sys::unshare_net().context("unshare(net)")?;
     sys::bind_mount(Path::new("/proc/thread-self/ns/net"), &netns)
         .with_context(|| format!("pinning {}", netns.display()))?;
-    sys::bind_mount(Path::new("/proc/thread-self/ns/uts"), &uts)
-        .with_context(|| format!("pinning {}", uts.display()))?;
-    sys::sethostname(&g.name).context("sethostname")?;
     sys::if_configure("lo", None, None, None).context("bringing lo up")?;
     let tun =
         sys::tun_create(&state.tun, offload).context("creating TUN (is /dev/net/tun there?)")?;
@@ -135,8 +131,6 @@ pub fn create_all(state: &State, topo: &Topology, offload: bool) -> anyhow::Resu
     let mtu = topo.fabric.mtu;
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
-    let uts = state.fabric.dir().join("uts");
-    fs::create_dir_all(&uts).with_context(|| format!("creating {}", uts.display()))?;
     write_hosts(state, topo)?;
     let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
@@ -185,8 +179,7 @@ pub fn open_gpu(state: &State, g: &GpuState) -> anyhow::Result<sys::EnterGpu> {
             .into())
     };
     let net = open(&g.netns_path())?;
-    let uts = open(&g.uts_path(&state.fabric))?;
-    Ok(sys::EnterGpu::new(net, uts, &g.hosts_path())?)
+    Ok(sys::EnterGpu::new(net, &g.name, &g.hosts_path())?)
 }
 
 /// A GPU's TUN drop counters, from its kernel.

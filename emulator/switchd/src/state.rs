@@ -11,7 +11,8 @@
 //! pidfds, after checking what they are.
 //!
 //! Layout:
-//! - `/run/closbox/fabrics/<fabric>/` (mode 0700): `state.json`, `control.sock`, `uts/<gpu>`
+//! - `/run/closbox/fabrics/<fabric>/` (mode 0700): `state.json`, `control.sock` (and
+//!   `uts/<gpu>` from a closbox before the twentieth landing)
 //! - `/run/closbox/locks/<fabric>.lock`: held by `up` and the daemon for their whole life,
 //!   and by `down`; never removed (an empty file per fabric name)
 //! - `/run/closbox/logs/<fabric>.log`: the log of a daemon started with `up --detach`,
@@ -97,6 +98,8 @@ impl FabricName {
         self.dir().join("control.sock")
     }
 
+    /// Where a closbox before the twentieth landing pinned each GPU's UTS namespace: `down`
+    /// still removes what such a fabric left there.
     fn uts_dir(&self) -> PathBuf {
         self.dir().join("uts")
     }

@@ -163,21 +163,16 @@ pub fn if_configure(
     Ok(())
 }
 
-/// Moves the calling thread into new network and UTS namespaces.
-pub fn unshare_net_uts() -> io::Result<()> {
-    // SAFETY: only NEWNET | NEWUTS: the file table (the unsound case) is not unshared.
-    unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNET | thread::UnshareFlags::NEWUTS) }
-        .map_err(io::Error::from)
+/// Moves the calling thread into a new network namespace.
+pub fn unshare_net() -> io::Result<()> {
+    // SAFETY: only NEWNET: the file table (the unsound case) is not unshared.
+    unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNET) }.map_err(io::Error::from)
 }
 
 /// Moves the calling thread into the network namespace `fd` refers to.
 pub fn enter_netns(fd: BorrowedFd<'_>) -> io::Result<()> {
     thread::move_into_link_name_space(fd, Some(thread::LinkNameSpaceType::Network))
         .map_err(io::Error::from)
-}
-
-pub fn sethostname(name: &str) -> io::Result<()> {
-    rustix::system::sethostname(name.as_bytes()).map_err(io::Error::from)
 }
 
 /// `mount --bind src dst`.
@@ -475,13 +470,17 @@ pub fn kill(pid: i32, sig: libc::c_int) -> io::Result<bool> {
     }
 }
 
-/// Things a forked child does before exec to become a GPU: join its network and UTS
-/// namespaces, get a private mount namespace with the GPU's /etc/hosts and a sysfs of its
-/// network namespace (as `ip netns exec` does), and lead a new process group.
+/// Things a forked child does before exec to become a GPU: join its network namespace,
+/// get a UTS namespace of its own with the GPU's hostname and a private mount namespace
+/// with the GPU's /etc/hosts and a sysfs of its network namespace (as `ip netns exec`
+/// does), and lead a new process group.
+///
+/// The UTS namespace is the process's, not one per GPU kept by a mount: each mount of a
+/// GPU is copied into every process's mount namespace, for every GPU of every fabric up.
 #[derive(Debug)]
 pub struct EnterGpu {
     pub net: OwnedFd,
-    pub uts: OwnedFd,
+    hostname: CString,
     hosts_src: CString,
     /// Lead a new process group (for `run`); `exec` stays in the terminal's group.
     pub new_group: bool,
@@ -490,10 +489,11 @@ pub struct EnterGpu {
 }
 
 impl EnterGpu {
-    pub fn new(net: OwnedFd, uts: OwnedFd, hosts_file: &Path) -> io::Result<EnterGpu> {
+    pub fn new(net: OwnedFd, hostname: &str, hosts_file: &Path) -> io::Result<EnterGpu> {
         Ok(EnterGpu {
             net,
-            uts,
+            hostname: CString::new(hostname)
+                .map_err(|_| io::Error::other("a hostname with a NUL byte"))?,
             hosts_src: cstr(hosts_file)?,
             new_group: false,
             parent: Some(process::getpid()),
@@ -507,12 +507,11 @@ impl EnterGpu {
             self.net.as_fd(),
             Some(thread::LinkNameSpaceType::Network),
         )?;
-        thread::move_into_link_name_space(
-            self.uts.as_fd(),
-            Some(thread::LinkNameSpaceType::HostNameAndNISDomainName),
-        )?;
-        // SAFETY: a new mount namespace only; the file table is not unshared.
-        unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNS) }?;
+        // SAFETY: new mount and UTS namespaces only; the file table is not unshared.
+        unsafe {
+            thread::unshare_unsafe(thread::UnshareFlags::NEWNS | thread::UnshareFlags::NEWUTS)
+        }?;
+        rustix::system::sethostname(self.hostname.as_bytes())?;
         mount::mount_change(
             c"/",
             mount::MountPropagationFlags::DOWNSTREAM | mount::MountPropagationFlags::REC,
