@@ -520,6 +520,9 @@ struct Rank {
     done: Option<std::process::ExitStatus>,
 }
 
+/// How long the other ranks of a job may take to end on their own after one failed.
+const FAILURE_GRACE: Duration = Duration::from_secs(1);
+
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox run")?;
     let (st, sel) = (a.st, a.sel);
@@ -620,6 +623,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let mut failure: Option<String> = None;
+    // Once a rank failed, when the others are stopped if they have not ended by then.
+    let mut grace_until: Option<Instant> = None;
+    let mut stopped = false;
     let mut code = 0u8;
     loop {
         let mut running = 0;
@@ -639,22 +645,33 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             break;
         }
         if failure.is_some() {
-            stop_all(&mut ranks);
-            break;
+            // The first rank to fail is often not where the job broke: a rank whose
+            // transfer timed out closes its connections, and its neighbour fails on that
+            // first. The others get a moment to end (and say why) on their own.
+            let until = *grace_until.get_or_insert_with(|| Instant::now() + FAILURE_GRACE);
+            if Instant::now() >= until {
+                stop_all(&mut ranks);
+                stopped = true;
+                break;
+            }
         }
         if stop.load(Ordering::Relaxed) {
             failure = Some("interrupted".into());
             code = 130;
             stop_all(&mut ranks);
+            stopped = true;
             break;
         }
         if a.timeout.is_some_and(|t| started.elapsed() > t) {
-            failure = Some(format!(
-                "timed out after {:.0} s",
-                a.timeout.expect("checked").as_secs_f64()
-            ));
-            code = 124;
+            if failure.is_none() {
+                failure = Some(format!(
+                    "timed out after {:.0} s",
+                    a.timeout.expect("checked").as_secs_f64()
+                ));
+                code = 124;
+            }
             stop_all(&mut ranks);
+            stopped = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -676,7 +693,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     match failure {
         None => Ok(ExitCode::SUCCESS),
         Some(why) => {
-            eprintln!("closbox: {why}; the other ranks were stopped");
+            let others = if stopped {
+                "the other ranks were stopped"
+            } else {
+                "the other ranks ended on their own"
+            };
+            eprintln!("closbox: {why}; {others}");
             Ok(ExitCode::from(code))
         }
     }
