@@ -542,6 +542,21 @@ struct Ran {
 /// Every rank's connection endpoints, as their lines arrive.
 type SharedEndpoints = Arc<Mutex<Vec<Endpoints>>>;
 
+/// How long the agents wait for a peer's data: a minute of wall time, plus twice a
+/// millisecond and the chaos scenario's span (`chaos_span`) of fabric time at the fabric's
+/// time scale. A path cut for fabric time d stalls a TCP flow for up to about 2·d after it
+/// (retransmissions back off, doubling); and on a dilated fabric round trips, and so
+/// retransmission timeouts, are long in wall time too. (`make demo` failed at time_scale
+/// 50,000: a spine's 1 ms failure is 50 s of wall time there, and a rank gave up on its
+/// peer after the agents' fixed 60 s.)
+fn agent_timeout(
+    time_scale: closbox_fabric::TimeScale,
+    chaos_span: closbox_fabric::Duration,
+) -> std::time::Duration {
+    let fabric = chaos_span + closbox_fabric::Duration::from_millis(1);
+    std::time::Duration::from_secs(60) + 2 * time_scale.to_wall(fabric)
+}
+
 /// Runs the agent in every selected GPU: rank 0's results go to `on_output`, with the
 /// endpoints reported so far.
 fn run_agents(
@@ -553,10 +568,13 @@ fn run_agents(
     mut on_output: impl FnMut(Output, &SharedEndpoints) + Send + 'static,
 ) -> anyhow::Result<Ran> {
     let agent = agent_path()?;
+    let span = chaos.map_or(closbox_fabric::Duration::ZERO, |c| c.span());
     let mut cmd = vec![
         agent.display().to_string(),
         "--channels".into(),
         t.channels.to_string(),
+        "--timeout".into(),
+        format!("{:.3}", agent_timeout(st.time_scale, span).as_secs_f64()),
     ];
     cmd.extend(agent_args);
     let endpoints: SharedEndpoints = Arc::default();
@@ -1077,6 +1095,21 @@ pub fn check_plot_path(p: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agents_wait_longer_on_dilated_fabrics_and_through_chaos() {
+        use closbox_fabric::Duration as Fabric;
+        let secs = |k: f64, span_ms: u64| {
+            let k = TimeScale::new(k).unwrap();
+            agent_timeout(k, Fabric::from_millis(span_ms)).as_secs_f64()
+        };
+        // Real time: the minute, and nothing noticeable beyond it.
+        assert!((secs(1.0, 0) - 60.002).abs() < 1e-9);
+        // `make demo`'s chaos step (a spine down from 1 to 31 ms) at time_scale 50,000:
+        // 60 s + 2 × 32 ms × 50,000.
+        assert!((secs(50_000.0, 31) - 3260.0).abs() < 1e-6);
+        assert!((secs(2000.0, 0) - 64.0).abs() < 1e-9);
+    }
 
     /// A run at scale `k` whose every write was `late_us` late (wall).
     fn health(k: f64, late_us: f64, tun_drops: u64) -> RunHealth {
