@@ -293,6 +293,34 @@ impl Drop for DownOnDrop {
 }
 
 /// VmHWM (peak resident memory) of a process, in bytes.
+/// closbox installed under another name takes down the fabrics it brought up (its
+/// daemon was "not a closbox daemon", by its name, and was not signalled).
+#[test]
+fn closbox_under_another_name_manages_its_own_fabrics() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let dir = scratch("renamed");
+    let bin = dir.join("cbx");
+    std::fs::copy(env!("CARGO_BIN_EXE_closbox"), &bin).unwrap();
+    let cfg = dir.join("lt-renamed.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-renamed\"\n{SMALL}")).unwrap();
+    let cbx = |args: &[&str]| Command::new(&bin).args(args).output().unwrap();
+    let out = cbx(&["up", cfg.to_str().unwrap(), "--detach", "--time-scale", "1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = cbx(&["exec", "-f", "lt-renamed", "gpu1", "--", "hostname"]);
+    assert_eq!(text(&out).0.trim(), "gpu1", "{:?}", text(&out));
+    let out = cbx(&["down", "lt-renamed"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.contains("daemon stopped"), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-renamed").is_empty(),
+        "{:?}",
+        leftovers("lt-renamed")
+    );
+}
+
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb: u64 = status

@@ -455,10 +455,16 @@ fn lock_holder(file: &fs::File) -> Option<u32> {
 /// What a process is, for deciding whether closbox may signal it: the closbox command it
 /// runs (`up`, `down`, …), if it is a closbox binary at all.
 fn closbox_command(pid: u32) -> Option<String> {
-    let exe = fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let link = format!("/proc/{pid}/exe");
+    let exe = fs::read_link(&link).ok()?;
     let file = exe.file_name()?.to_str()?;
-    // "closbox", or "closbox (deleted)" after a rebuild, or a test copy "closbox-<hash>".
-    if !file.starts_with("closbox") || file.starts_with("closbox-agent") {
+    // This very program, whatever it is called (installed or copied under another name),
+    // or "closbox", or "closbox (deleted)" after a rebuild, or a test copy "closbox-<hash>".
+    let this_program = match (fs::metadata(&link), fs::metadata("/proc/self/exe")) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    };
+    if !this_program && (!file.starts_with("closbox") || file.starts_with("closbox-agent")) {
         return None;
     }
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
