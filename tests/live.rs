@@ -1021,30 +1021,34 @@ fn a_small_message_goes_ahead_of_its_gpus_bulk_flow_with_an_fq_nic() {
         wait_for_port(&f, "gpu2", 5201);
         let mut bulk = f.spawn("gpu0", &["iperf3", "-c", "198.18.0.3", "-t", "4"]);
         std::thread::sleep(Duration::from_millis(1500));
-        let out = f.exec(
-            "gpu0",
-            &["ping", "-c", "10", "-i", "0.1", "-q", "198.18.0.4"],
-        );
+        let out = f.exec("gpu0", &["ping", "-c", "10", "-i", "0.1", "198.18.0.4"]);
         let nic = f.port("gpu0->leaf0");
         let _ = bulk.wait();
         let _ = server.wait();
         f.down();
         let (o, e) = text(&out);
-        // rtt min/avg/max/mdev = 0.243/0.304/0.401/0.060 ms
-        let avg_ms: f64 = o
+        // "64 bytes from 198.18.0.4: icmp_seq=1 ttl=62 time=0.304 ms", one per reply. The
+        // median: one reply held up by the box (the hypervisor taking the CPUs for 20 ms,
+        // seen in CI) moved the mean of ten past the bound, not the scheduler.
+        let mut rtts: Vec<f64> = o
             .lines()
-            .find(|l| l.starts_with("rtt "))
-            .and_then(|l| l.split('=').nth(1)?.split('/').nth(1)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no round trip in ping's output:\n{o}{e}"));
+            .filter_map(|l| l.split("time=").nth(1)?.split(' ').next()?.parse().ok())
+            .collect();
+        assert!(rtts.len() >= 5, "too few replies in ping's output:\n{o}{e}");
+        rtts.sort_by(f64::total_cmp);
+        let median_ms = rtts[rtts.len() / 2];
         let peak = nic["max_queue_bytes"].as_u64().unwrap();
         eprintln!(
-            "scheduler {scheduler}: ping beside a bulk flow {avg_ms:.2} ms; gpu0's NIC queue peaked at {peak} bytes"
+            "scheduler {scheduler}: ping beside a bulk flow {median_ms:.2} ms (median; {rtts:?}); gpu0's NIC queue peaked at {peak} bytes"
         );
         // The bulk flow queued megabytes in gpu0's NIC either way.
         assert!(peak > 1 << 20, "{scheduler}: NIC queue peak {peak}");
         if scheduler == "fq" {
             // A 20 µs path; 64 KiB at 1 Gbit/s is 0.54 ms.
-            assert!(avg_ms < 2.0, "fq: ping {avg_ms} ms beside a bulk flow");
+            assert!(
+                median_ms < 2.0,
+                "fq: ping {median_ms} ms beside a bulk flow"
+            );
         }
     }
 }
