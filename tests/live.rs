@@ -333,23 +333,33 @@ fn tcp_goodput_matches_link_rate() {
     if !root_or_skip() {
         return;
     }
+    // A run the fabric itself reports behind (the box kept its data plane off a CPU: a CI
+    // run read p99 lateness 19.9 ms at real time and 92.1 % of 500 Mbit/s) measures the
+    // box, not the fabric: such a run is repeated, up to twice. A fabric on time must
+    // reach the bound, and one behind three times fails.
     for (rate, bps) in [("100Mbit", 100e6), ("500Mbit", 500e6)] {
-        let f = TestFabric::up("lt-tcp", &leaf_spine_4(rate, "20us"));
-        let got = iperf_goodput(&f, 5);
-        let st = f.status();
-        f.down();
-        let ratio = got / bps;
-        eprintln!(
-            "goodput at {rate}: {:.1} Mbit/s = {:.1}% (lateness p99 {} µs)",
-            got / 1e6,
-            ratio * 100.0,
-            st["lateness"]["p99_us"]
-        );
-        assert!(
-            (0.93..=1.0).contains(&ratio),
-            "goodput at {rate} is {:.1}% of the rate",
-            ratio * 100.0
-        );
+        for attempt in 1..=3 {
+            let f = TestFabric::up("lt-tcp", &leaf_spine_4(rate, "20us"));
+            let got = iperf_goodput(&f, 5);
+            let st = f.status();
+            f.down();
+            let ratio = got / bps;
+            let behind = st["behind"] == true;
+            eprintln!(
+                "goodput at {rate}: {:.1} Mbit/s = {:.1}% (lateness p99 {} µs, behind {behind})",
+                got / 1e6,
+                ratio * 100.0,
+                st["lateness"]["p99_us"]
+            );
+            if (0.93..=1.0).contains(&ratio) {
+                break;
+            }
+            assert!(
+                behind && attempt < 3,
+                "goodput at {rate} is {:.1}% of the rate (attempt {attempt}, fabric behind: {behind})",
+                ratio * 100.0
+            );
+        }
     }
 }
 
