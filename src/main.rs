@@ -71,7 +71,9 @@ enum Command {
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
-        /// Fabric name (default: the only fabric up).
+        /// Fabric name, or the topology file it was brought up from (default: the only
+        /// fabric up).
+        #[arg(value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// Every fabric that is up.
         #[arg(long, conflicts_with = "fabric")]
@@ -79,7 +81,8 @@ enum Command {
     },
     /// Fabrics up, daemon health, packets, drops, lateness. Exit 3 if a fabric is unhealthy.
     Status {
-        /// Fabric name (default: all).
+        /// Fabric name, or the topology file it was brought up from (default: all).
+        #[arg(value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         #[arg(long)]
         json: bool,
@@ -94,7 +97,7 @@ enum Command {
         /// GPU name (gpu3) or rank (3).
         gpu: String,
         /// Fabric (default: the only fabric up).
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// Stop the command (SIGTERM) when the process that started `exec` exits: for
         /// remote launchers such as mpirun's rsh agent, so that a killed mpirun leaves
@@ -175,17 +178,17 @@ enum Command {
         /// GPU selections as `run --gpus` takes them, one per group.
         #[arg(required = true)]
         groups: Vec<String>,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// End a partition.
     Heal {
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// The changes made to a fabric since it came up, with their fabric and wall times.
     Events {
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         #[arg(long)]
         json: bool,
@@ -223,7 +226,7 @@ enum Command {
         /// Stop load ID (as `status` lists them), or every load.
         #[arg(long, value_name = "ID", num_args = 0..=1, conflicts_with_all = ["from", "to", "rate", "duration", "on", "off", "packet"])]
         stop: Option<Option<u32>>,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Synthetic bursts from many GPUs converging on one GPU's port (the queue a
@@ -246,7 +249,7 @@ enum Command {
         /// Number of bursts.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         count: u32,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Capture packets as they leave fabric ports into a pcapng file (`-w -`: stdout):
@@ -284,7 +287,7 @@ enum Command {
         /// down), each with its reason as a packet comment.
         #[arg(long)]
         drops: bool,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Flows (5-tuples) through the fabric, heaviest first: packets, bytes, drops, ECN
@@ -302,7 +305,7 @@ enum Command {
         since: Option<closbox_fabric::Duration>,
         #[arg(long)]
         json: bool,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Sample per-port queue depth and utilization at a fabric-time interval into a CSV
@@ -323,7 +326,7 @@ enum Command {
         /// Stop after this much fabric time (default: Ctrl-C).
         #[arg(long)]
         duration: Option<closbox_fabric::Duration>,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Draw a `closbox record` file as an SVG: queue depth (or utilization) over fabric
@@ -345,7 +348,7 @@ enum Command {
         /// Print one frame (80x24) as text and exit.
         #[arg(long)]
         once: bool,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Run an MPI program (Open MPI or MPICH) with one rank per selected GPU: the launcher
@@ -356,7 +359,7 @@ enum Command {
     )]
     Mpirun {
         /// Fabric (default: the only fabric up).
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// GPUs: "all", ranks and ranges ("0-3,6") or names; rank i runs on the i-th.
         #[arg(long, default_value = "all")]
@@ -390,7 +393,7 @@ enum Command {
     /// with its launcher.
     #[command(hide = true)]
     Rsh {
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// HOST=CPU,...: run the command of a listed host on that CPU (busy-polling ranks).
         #[arg(long)]
@@ -417,7 +420,7 @@ enum Command {
         /// Return once the timeline is scheduled.
         #[arg(long, conflicts_with = "dry_run")]
         detach: bool,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Run a command once per GPU, concurrently, with RANK, WORLD_SIZE, MASTER_ADDR, …
@@ -425,7 +428,7 @@ enum Command {
     #[command(after_help = "Example:\n  closbox run -- /usr/bin/python3 train.py --rank {rank}")]
     Run {
         /// Fabric (default: the only fabric up).
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// GPUs: "all", ranks and ranges ("0-3,6") or names ("gpu0,gpu5").
         #[arg(long, default_value = "all")]
@@ -460,7 +463,7 @@ struct LinkArgs {
     #[arg(long)]
     index: Option<u32>,
     /// Fabric (default: the only fabric up).
-    #[arg(long, short)]
+    #[arg(long, short, value_parser = fabric_ref)]
     fabric: Option<FabricName>,
 }
 
@@ -508,13 +511,13 @@ enum UpDown {
     /// Every link of it goes down.
     Down {
         name: String,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Every link of it comes back.
     Up {
         name: String,
-        #[arg(long, short)]
+        #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
 }
@@ -522,7 +525,7 @@ enum UpDown {
 #[derive(Debug, clap::Args)]
 struct TargetArgs {
     /// Fabric (default: the only fabric up).
-    #[arg(long, short)]
+    #[arg(long, short, value_parser = fabric_ref)]
     fabric: Option<FabricName>,
     /// GPUs: "all", ranks and ranges ("0-3,6") or names.
     #[arg(long, default_value = "all")]
@@ -708,6 +711,22 @@ fn parse_radix(s: &str) -> Result<u64, String> {
         return Err(format!("radix {k} must be even and in 4..=4096"));
     }
     Ok(k)
+}
+
+/// A fabric on the command line: its name, or the topology file it was brought up from
+/// (`closbox down configs/default.toml`), whose `[fabric] name` it is. A valid name is a
+/// name even if a file of that name exists; anything else that is a file, or ends in
+/// `.toml`, is read as a topology file (its errors name the file and line).
+fn fabric_ref(s: &str) -> Result<FabricName, String> {
+    if let Ok(name) = s.parse() {
+        return Ok(name);
+    }
+    let path = std::path::Path::new(s);
+    if !(path.is_file() || s.ends_with(".toml")) {
+        return s.parse();
+    }
+    let topo = closbox_fabric::load(path).map_err(|e| format!("{e:#}"))?;
+    topo.fabric.name.parse()
 }
 
 fn main() -> ExitCode {

@@ -56,6 +56,59 @@ fn fabric_names_that_are_paths_are_refused_everywhere() {
     );
 }
 
+/// Where a command takes a fabric, the topology file it was brought up from names it too
+/// (`closbox down configs/default.toml`); a file that is not one is an error naming its
+/// line, and touches nothing.
+#[test]
+fn a_topology_file_stands_for_its_fabric() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up(
+        "lt-byfile",
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
+    );
+    let file = f.config.to_str().unwrap().to_owned();
+    let out = closbox(&["status", &file]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).0.contains("fabric lt-byfile"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["exec", "-f", &file, "gpu1", "--", "hostname"]);
+    assert_eq!(text(&out).0.trim(), "gpu1", "{:?}", text(&out));
+    // Not a topology file: refused by the argument's parser, naming file and line.
+    let other = scratch("byfile").join("notes.txt");
+    std::fs::write(&other, "just some words\n").unwrap();
+    let out = closbox(&["down", other.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(text(&out).1.contains("notes.txt:1:"), "{:?}", text(&out));
+    let out = closbox(&["down", "/nonexistent/fabric.toml"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .1
+            .contains("/nonexistent/fabric.toml: cannot read"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&other).unwrap(),
+        "just some words\n"
+    );
+    // Still up, then down by its file.
+    assert!(closbox(&["status", "lt-byfile"]).status.success());
+    let out = closbox(&["down", &file]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-byfile").is_empty(),
+        "{:?}",
+        leftovers("lt-byfile")
+    );
+}
+
 #[test]
 fn a_state_directory_without_state_is_reported_not_deleted() {
     let _s = serial();
