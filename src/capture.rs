@@ -36,8 +36,11 @@ pub fn copy_stream(
         }
         match stream.read(&mut buf) {
             Ok(0) => break,
+            // Written out as it comes (a reader of the file or pipe sees packets when they
+            // were taken, and an output that cannot be written fails at the header).
             Ok(n) => out
                 .write_all(&buf[..n])
+                .and_then(|()| out.flush())
                 .with_context(|| format!("writing {dest}"))?,
             Err(e)
                 if matches!(
@@ -155,10 +158,10 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     let mut out: Box<dyn Write> = if to_stdout {
         Box::new(std::io::stdout().lock())
     } else {
-        Box::new(std::io::BufWriter::new(
+        Box::new(
             std::fs::File::create(a.file)
                 .with_context(|| format!("creating {}", a.file.display()))?,
-        ))
+        )
     };
     eprintln!(
         "closbox: capturing {} port{} of fabric {} ({}){}",
