@@ -345,7 +345,8 @@ enum Command {
     /// A live view of a fabric: health, leaf x spine uplink utilization, the busiest
     /// ports (queue, drops/s, ECN/s), recent events; refreshed every second, q quits.
     Top {
-        /// Print one frame (80x24) as text and exit.
+        /// Print one frame (80x24) as text and exit (also what `top` does when its output
+        /// is not a terminal).
         #[arg(long)]
         once: bool,
         #[arg(long, short, value_parser = fabric_ref)]

@@ -2,10 +2,11 @@
 //! second: health and totals, leaf × spine uplink utilization, the busiest ports with
 //! their queues and drop and ECN rates, recent chaos events. `q` (or Esc, Ctrl-C) quits.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use closbox_switchd::control::{self, Event, Reply, Request, Status};
 use closbox_switchd::dataplane::{CpuUse, LateCause};
 use closbox_switchd::state::FabricName;
@@ -98,8 +99,8 @@ pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> 
         Ok(Reply::Events { events }) => events,
         _ => Vec::new(),
     };
-    if once {
-        // One frame as text (for scripts and tests without a terminal).
+    // Without a terminal to draw on (a pipe, a script, a CI log), one frame as text.
+    if once || !std::io::stdout().is_terminal() {
         let now = snapshot(&st.fabric)?;
         let v = view(&prev, now, events(&st.fabric));
         let backend = ratatui::backend::TestBackend::new(80, 24);
@@ -114,7 +115,8 @@ pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> 
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let mut term = ratatui::init();
+    let mut term = ratatui::try_init()
+        .context("closbox top: cannot use this terminal (--once prints one frame as text)")?;
     let result = (|| -> anyhow::Result<()> {
         let mut next = Instant::now();
         let mut current: Option<View> = None;
