@@ -105,12 +105,42 @@ struct Recorded {
     series: BTreeMap<String, Vec<(f64, f64, f64)>>,
 }
 
+/// The longest line a recording holds (a row, or its header's comment) is far shorter.
+const MAX_LINE: u64 = 64 * 1024;
+
+/// Reads a recording line by line (a pipe or FIFO works; a file that is not one fails at
+/// its first bad line, and an endless one such as `/dev/zero` at `MAX_LINE` bytes).
 fn read(file: &Path) -> anyhow::Result<Recorded> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    use std::io::{BufRead, Read};
+    let reading = || format!("reading {}", file.display());
+    let mut input = std::io::BufReader::new(std::fs::File::open(file).with_context(reading)?);
     let mut title = String::new();
     let mut series: BTreeMap<String, Vec<(f64, f64, f64)>> = BTreeMap::new();
-    for (n, line) in text.lines().enumerate() {
+    let mut raw = Vec::new();
+    for n in 0.. {
+        raw.clear();
+        (&mut input)
+            .take(MAX_LINE + 1)
+            .read_until(b'\n', &mut raw)
+            .with_context(reading)?;
+        if raw.is_empty() {
+            break;
+        }
+        if raw.len() as u64 > MAX_LINE {
+            return Err(crate::usage(format!(
+                "{}:{}: a line longer than {MAX_LINE} bytes: not a recording of `closbox record`",
+                file.display(),
+                n + 1
+            )));
+        }
+        let Ok(line) = std::str::from_utf8(&raw) else {
+            return Err(crate::usage(format!(
+                "{}:{}: not text: not a recording of `closbox record`",
+                file.display(),
+                n + 1
+            )));
+        };
+        let line = line.trim_end_matches(['\n', '\r']);
         if let Some(c) = line.strip_prefix("# closbox record: ") {
             title = c.to_owned();
             continue;

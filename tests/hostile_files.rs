@@ -298,3 +298,38 @@ fn plot_refuses_numbers_no_recording_holds() {
         }
     }
 }
+
+/// `closbox plot` of what is no recording at all: a device that never ends a line (it read
+/// `/dev/zero` until the kernel killed it), bytes that are not text, a file with a Windows
+/// line end (read as the same rows). Refused by line, or read, in bounded memory.
+#[test]
+fn plot_reads_by_line_in_bounded_memory() {
+    let out = dir().join("plot.svg");
+    let r = run(&["plot", "/dev/zero", "-o", out.to_str().unwrap()]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("/dev/zero:1: a line longer than"),
+        "{}",
+        r.stderr
+    );
+    let binary = dir().join("binary.csv");
+    std::fs::write(
+        &binary,
+        b"fabric_time_s,port,queue_bytes,utilization\n\xff\xfe,\x00\n",
+    )
+    .unwrap();
+    let r = run(&[
+        "plot",
+        binary.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("binary.csv:2: not text"), "{}", r.stderr);
+    let crlf = write(
+        "crlf.csv",
+        "fabric_time_s,port,queue_bytes,utilization\r\n0.001,sw0->gpu0,1500,0.5\r\n",
+    );
+    let r = run(&["plot", crlf.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+}

@@ -673,7 +673,11 @@ fn flows_show_an_ecmp_collision() {
     // panicked in ratatui's terminal set-up).
     let out = closbox(&["top", "--fabric", "lt-flows"]);
     assert!(out.status.success(), "{:?}", text(&out));
-    assert!(text(&out).0.starts_with("fabric lt-flows"), "{:?}", text(&out));
+    assert!(
+        text(&out).0.starts_with("fabric lt-flows"),
+        "{:?}",
+        text(&out)
+    );
     let out = closbox(&["flows", "--fabric", "lt-flows"]);
     let o = text(&out).0;
     eprintln!("{o}");
