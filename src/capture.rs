@@ -187,7 +187,11 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     };
     copy_stream(&mut stream, &mut out, &dest, &stop)?;
     drop(out);
-    let size = std::fs::metadata(a.file).map_or(u64::MAX, |m| m.len());
+    // Summarized from the file written, if it is one (reading back a FIFO or a device
+    // would wait for a writer or never end).
+    let size =
+        std::fs::metadata(a.file)
+            .map_or(u64::MAX, |m| if m.is_file() { m.len() } else { u64::MAX });
     if !to_stdout && size <= 256 << 20 {
         let bytes = std::fs::read(a.file)?;
         let (packets, dropped) = closbox_switchd::pcapng::summarize(&bytes);
