@@ -630,6 +630,25 @@ fn run_agents(
     })
 }
 
+/// Refuses, before any agent starts, a job whose agents would together hold more memory
+/// than the box has available (`per_rank`: the least each holds, for `what`): they would
+/// abort one by one on allocation failures (`--sizes 1T` did), or push the box into swap.
+fn enough_memory(per_rank: u64, ranks: usize, what: &str) -> anyhow::Result<()> {
+    let Some(available) = closbox_switchd::mem_available() else {
+        return Ok(());
+    };
+    let need = per_rank.saturating_mul(ranks as u64);
+    if need > available {
+        return Err(crate::usage(format!(
+            "{what}: the {ranks} agents would hold at least {} together ({} each), more than the {} this box has available",
+            crate::plan::approx_bytes(need),
+            crate::plan::approx_bytes(per_rank),
+            crate::plan::approx_bytes(available)
+        )));
+    }
+    Ok(())
+}
+
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let (st, sel, timeline) = a.target.open("closbox bench")?;
     let (topo, ranks) = topology_of(&st, &sel)?;
@@ -646,6 +665,14 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             st.gpus[sel[0]].name
         )));
     }
+    enough_memory(
+        closbox_agents::bench::memory_floor(&spec),
+        sel.len(),
+        &format!(
+            "--sizes up to {}",
+            crate::plan::approx_bytes(spec.sizes.iter().copied().max().unwrap_or(0) as u64)
+        ),
+    )?;
     // Predictions on the fabric as it is (links down or changed by `closbox link …`).
     let (topo, predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let total = a.ops.len() * spec.sizes.len();
@@ -918,6 +945,14 @@ impl Sweep {
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let (st, sel, timeline) = a.target.open("closbox train")?;
     let (topo, ranks) = topology_of(&st, &sel)?;
+    enough_memory(
+        closbox_agents::train::memory_floor(a.model_bytes, a.bucket_bytes),
+        sel.len(),
+        &format!(
+            "--model {}",
+            crate::plan::approx_bytes(a.model_bytes as u64)
+        ),
+    )?;
     let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
     let compute_ms = a.compute_ms.unwrap_or_else(|| {

@@ -756,6 +756,23 @@ fn bench_and_train_through_the_fabric() {
         .parse()
         .unwrap();
     assert!(packets > 3 * 8 * (1 << 20) / 9000, "{footer}");
+    // Sizes the agents cannot hold on this box are refused before any starts (each agent
+    // aborted on its allocation of 1 TiB).
+    for args in [
+        &["bench", "--fabric", "lt-bench", "--sizes", "1T"][..],
+        &[
+            "train", "--fabric", "lt-bench", "--model", "1T", "--bucket", "1G",
+        ],
+    ] {
+        let out = closbox(args);
+        let (o, e) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {o}\n{e}");
+        assert!(
+            e.contains("more than the") && e.contains("available"),
+            "{e}"
+        );
+        assert!(!e.contains("rank"), "an agent started: {e}");
+    }
     for algo in ["tree", "rhd", "hier", "ring"] {
         let out = closbox(&[
             "bench", "--fabric", "lt-bench", "--gpus", "0-4", "--sizes", "100K", "--iters", "1",

@@ -35,7 +35,7 @@ use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, 
 use crate::sys::EventFd;
 
 /// `MemAvailable` of /proc/meminfo, in bytes.
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
