@@ -271,6 +271,16 @@ buffer = "256KiB"
             "names here: spine0, spine1",
         ),
         (&["load", "leaf0", "leaf0", "--rate", "1Gbit"], "to itself"),
+        // More than FROM's links carry (a GPU: its one 1 Gbit/s link; leaf0: 2 GPUs + 2
+        // spines): 1 Tbit/s from a GPU kept the data plane from ever answering again.
+        (
+            &["load", "gpu0", "gpu3", "--rate", "1Tbit"],
+            "more than its links carry together (1Gbit/s)",
+        ),
+        (
+            &["load", "leaf0", "leaf1", "--rate", "4.5Gbit"],
+            "together (4Gbit/s)",
+        ),
         (
             &["load", "leaf0", "leaf1", "--rate", "0bit"],
             "at least 1 bit/s",

@@ -456,6 +456,24 @@ pub fn resolve(
             if *rate_bps == 0 {
                 return Err("a load's rate must be above 0".into());
             }
+            // Its packets leave FROM through FROM's links: more than they carry together
+            // would be dropped at the first queue, and generating it costs the data plane
+            // per packet (1 Tbit/s from a GPU of a 1 Gbit/s fabric at real time kept it
+            // from ever answering again).
+            let v = vertex(topo, from)?;
+            let carry: u64 = topo
+                .links
+                .iter()
+                .filter(|l| l.a == v || l.b == v)
+                .map(|l| l.params.rate.bps())
+                .sum();
+            if *rate_bps > carry {
+                return Err(format!(
+                    "a load from {from} at {} is more than its links carry together ({})",
+                    Bandwidth::from_bps(*rate_bps),
+                    Bandwidth::from_bps(carry)
+                ));
+            }
             let mtu = topo.fabric.mtu;
             let packet = packet_bytes.unwrap_or(mtu);
             if !(64..=mtu).contains(&packet) {
