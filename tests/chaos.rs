@@ -281,6 +281,11 @@ buffer = "256KiB"
             &["load", "leaf0", "leaf1", "--rate", "4.5Gbit"],
             "together (4Gbit/s)",
         ),
+        // More packets than the data plane generates at real time (1.2 M a second).
+        (
+            &["load", "gpu0", "gpu3", "--rate", "1Gbit", "--packet", "64"],
+            "packets a second of wall time",
+        ),
         (
             &["load", "leaf0", "leaf1", "--rate", "0bit"],
             "at least 1 bit/s",

@@ -41,6 +41,13 @@ const READ_BATCH: usize = 64;
 pub const BEHIND_P99: StdDuration = StdDuration::from_micros(200);
 /// Length of the "recent" lateness window (a sliding window of `WINDOW_SLOTS` slots).
 const WINDOW: StdDuration = StdDuration::from_secs(5);
+
+/// Packets a second of wall time that the fabric's loads may generate together. Each is
+/// model work at every hop, on the data plane's thread, beside the GPUs' traffic: a
+/// leaf-to-leaf load of 667 k packets/s (8 Gbit/s of 1500-byte packets at real time) kept
+/// the thread 97 % busy on the 2-core dev VM, and one the thread cannot keep up with
+/// grows its backlog without end (1 Tbit/s from a GPU: no control answer, ever).
+const MAX_LOAD_PACKETS_PER_WALL_S: f64 = 250_000.0;
 const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Nice value of the data-plane thread.
@@ -1785,6 +1792,44 @@ impl<P: Ports> DataPlane<P> {
         Ok((id, self.schedule_at(items, id)?))
     }
 
+    /// Packets a second of wall time a load generates while it sends.
+    fn load_packets_per_wall_s(&self, spec: &closbox_fabric::load::LoadSpec) -> f64 {
+        let bits = 8.0 * (spec.packet + self.topo.fabric.l2_overhead) as f64;
+        spec.rate.bps() as f64 / bits / self.time_scale.get()
+    }
+
+    /// Refuses loads that, with those running and those scheduled, could generate more than
+    /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
+    fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
+        let running = self.model.loads().into_iter().filter(|l| l.active);
+        let scheduled = self.scheduled.values().filter_map(|(c, _, _)| match c {
+            Change::StartLoad(spec) => Some(spec),
+            _ => None,
+        });
+        let mut added = 0.0;
+        for c in new {
+            if let Change::StartLoad(spec) = c {
+                added += self.load_packets_per_wall_s(spec);
+            }
+        }
+        if added == 0.0 {
+            return Ok(());
+        }
+        let others: f64 = running
+            .map(|l| self.load_packets_per_wall_s(&l.spec))
+            .sum::<f64>()
+            + scheduled
+                .map(|spec| self.load_packets_per_wall_s(spec))
+                .sum::<f64>();
+        if added + others > MAX_LOAD_PACKETS_PER_WALL_S {
+            return Err(format!(
+                "loads would generate {added:.0} packets a second of wall time ({:.0} with those running or scheduled), more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: lower the rate, use larger packets (--packet, up to the mtu), or a larger time_scale",
+                added + others,
+            ));
+        }
+        Ok(())
+    }
+
     fn schedule_at(
         &mut self,
         items: &[(u64, ChangeRequest)],
@@ -1809,6 +1854,7 @@ impl<P: Ports> DataPlane<P> {
                     .map(|(after, c, w)| (at.saturating_add(after), c, w)),
             );
         }
+        self.loads_within_budget(changes.iter().map(|(_, c, _)| c))?;
         if self.scheduled.len() + changes.len() > MAX_PENDING {
             return Err(format!(
                 "{} changes would be pending; at most {MAX_PENDING} may be",
