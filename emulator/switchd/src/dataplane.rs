@@ -48,6 +48,10 @@ const WINDOW: StdDuration = StdDuration::from_secs(5);
 /// the thread 97 % busy on the 2-core dev VM, and one the thread cannot keep up with
 /// grows its backlog without end (1 Tbit/s from a GPU: no control answer, ever).
 const MAX_LOAD_PACKETS_PER_WALL_S: f64 = 250_000.0;
+
+/// A load that ends within this many packets (an incast's burst from one source) is not
+/// held to that budget: the data plane catches up once it has ended.
+const SHORT_LOAD_PACKETS: f64 = 100_000.0;
 const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Nice value of the data-plane thread.
@@ -1792,10 +1796,33 @@ impl<P: Ports> DataPlane<P> {
         Ok((id, self.schedule_at(items, id)?))
     }
 
-    /// Packets a second of wall time a load generates while it sends.
+    /// Packets a second of wall time a load generates while it sends: 0 for one short
+    /// load or burst (`SHORT_LOAD_PACKETS`), the average of repeated short bursts.
     fn load_packets_per_wall_s(&self, spec: &closbox_fabric::load::LoadSpec) -> f64 {
+        use closbox_fabric::load::Pattern;
         let bits = 8.0 * (spec.packet + self.topo.fabric.l2_overhead) as f64;
-        spec.rate.bps() as f64 / bits / self.time_scale.get()
+        let sending = spec.rate.bps() as f64 / bits;
+        let secs = |d: closbox_fabric::Duration| d.as_nanos() as f64 / 1e9;
+        let per_fabric_s = match (&spec.pattern, spec.duration) {
+            (
+                &Pattern::Bursts {
+                    bytes,
+                    every,
+                    count,
+                },
+                _,
+            ) => {
+                let burst = (bytes as f64 / spec.packet as f64).ceil();
+                match (burst <= SHORT_LOAD_PACKETS, count) {
+                    (true, 1) => 0.0,
+                    (true, _) => sending.min(burst / secs(every).max(1e-9)),
+                    (false, _) => sending,
+                }
+            }
+            (_, Some(d)) if sending * secs(d) <= SHORT_LOAD_PACKETS => 0.0,
+            _ => sending,
+        };
+        per_fabric_s / self.time_scale.get()
     }
 
     /// Refuses loads that, with those running and those scheduled, could generate more than
@@ -1823,7 +1850,7 @@ impl<P: Ports> DataPlane<P> {
                 .sum::<f64>();
         if added + others > MAX_LOAD_PACKETS_PER_WALL_S {
             return Err(format!(
-                "loads would generate {added:.0} packets a second of wall time ({:.0} with those running or scheduled), more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: lower the rate, use larger packets (--packet, up to the mtu), or a larger time_scale",
+                "loads would generate {added:.0} packets a second of wall time ({:.0} with those running or scheduled), more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: use slower or fewer loads (an incast: fewer bytes or sources), larger packets (--packet, up to the mtu), or a larger time_scale",
                 added + others,
             ));
         }
