@@ -205,7 +205,9 @@ impl Timeline {
                     at: StdInstant::now(),
                 })
             }
-            Reply::Error { message } => bail!("{}: {message}", self.file),
+            // Refused by the daemon as a whole (loads beyond its budget together, too
+            // many changes pending): bad input, as the same refusal of `closbox load` is.
+            Reply::Error { message } => Err(crate::usage(format!("{}: {message}", self.file))),
             other => bail!("unexpected reply from the daemon: {other:?}"),
         }
     }
