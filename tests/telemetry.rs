@@ -97,6 +97,42 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         text(&out)
     );
     assert_eq!(std::fs::read_to_string(&kept).unwrap(), "precious\n");
+    // Every port every 100 ns at real time: more samples than the data plane takes (the
+    // data plane took each, caught up for ever, and never answered `status` again);
+    // bounded by --duration, the same interval is fine.
+    let out = closbox(&[
+        "record",
+        "--fabric",
+        "lt-cap",
+        "--interval",
+        "100ns",
+        "-o",
+        kept.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("port samples a second of wall time"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), "precious\n");
+    let out = closbox(&[
+        "record",
+        "--fabric",
+        "lt-cap",
+        "--interval",
+        "100ns",
+        "--duration",
+        "10us",
+        "-o",
+        kept.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let rows = std::fs::read_to_string(&kept).unwrap();
+    assert!(
+        rows.lines().filter(|l| l.starts_with("0.")).count() >= 100,
+        "{rows}"
+    );
 
     let mut cap = Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args([

@@ -49,6 +49,14 @@ const WINDOW: StdDuration = StdDuration::from_secs(5);
 /// grows its backlog without end (1 Tbit/s from a GPU: no control answer, ever).
 const MAX_LOAD_PACKETS_PER_WALL_S: f64 = 250_000.0;
 
+/// Port samples a second of wall time that the fabric's recordings may take together:
+/// the data plane takes every one at its own fabric time, so an interval of 100 ns over
+/// 64 ports at real time (640 M a second) would keep it catching up for ever.
+const MAX_RECORD_SAMPLES_PER_WALL_S: f64 = 1_000_000.0;
+
+/// A recording that ends within this many port samples is not held to that budget.
+const SHORT_RECORD_SAMPLES: f64 = 100_000.0;
+
 /// A load that ends within this many packets (an incast's burst from one source) is not
 /// held to that budget: the data plane catches up once it has ended.
 const SHORT_LOAD_PACKETS: f64 = 100_000.0;
@@ -192,6 +200,8 @@ struct Recording {
     tx: std::sync::mpsc::SyncSender<(u64, Vec<(u64, f64)>)>,
     last_busy: Vec<u64>,
     done: bool,
+    /// Port samples a second of wall time it takes (0 for a short one), for the budget.
+    samples_per_wall_s: f64,
 }
 
 /// Shortest sampling interval, fabric time.
@@ -1419,6 +1429,24 @@ impl<P: Ports> DataPlane<P> {
                 "--interval must be at least {MIN_RECORD_INTERVAL_NS} ns of fabric time"
             ));
         }
+        let short = spec.duration_ns.is_some_and(|d| {
+            ports.len() as f64 * (d / spec.interval_ns) as f64 <= SHORT_RECORD_SAMPLES
+        });
+        let asked = if short {
+            0.0
+        } else {
+            ports.len() as f64 * 1e9 / spec.interval_ns as f64 / self.time_scale.get()
+        };
+        let others: f64 = self.recordings.iter().map(|r| r.samples_per_wall_s).sum();
+        if asked + others > MAX_RECORD_SAMPLES_PER_WALL_S {
+            return Err(format!(
+                "{} ports every {} of fabric time at time_scale {} are {asked:.0} port samples a second of wall time ({:.0} with the recordings running), more than the {MAX_RECORD_SAMPLES_PER_WALL_S} the data plane takes beside its packets: a longer --interval, fewer --ports, a --duration, or a larger time_scale",
+                ports.len(),
+                closbox_fabric::Duration::from_nanos(spec.interval_ns),
+                self.time_scale,
+                asked + others
+            ));
+        }
         let now = self.fabric_now(self.ports.now());
         self.next_capture += 1;
         let last_busy = ports
@@ -1437,6 +1465,7 @@ impl<P: Ports> DataPlane<P> {
             tx: spec.tx,
             last_busy,
             done: false,
+            samples_per_wall_s: asked,
         });
         Ok(self.next_capture)
     }
