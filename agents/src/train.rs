@@ -53,13 +53,14 @@ fn sleep_fabric(d: Duration, time_scale: TimeScale) {
     std::thread::sleep(time_scale.stretch(d));
 }
 
-/// Runs the steps; every rank returns the same report (times agreed as the slowest).
-/// The least memory one rank holds to run `spec`: a step's gradients (the whole model,
-/// bucket by bucket) and one bucket's working copy in the AllReduce.
+/// The least memory one rank holds to train a model of `model_bytes` in buckets of
+/// `bucket_bytes`: a step's gradients (the whole model, bucket by bucket) and one
+/// bucket's working copy in the AllReduce.
 pub fn memory_floor(model_bytes: usize, bucket_bytes: usize) -> u64 {
     model_bytes as u64 + bucket_bytes as u64
 }
 
+/// Runs the steps; every rank returns the same report (times agreed as the slowest).
 pub fn run(comm: &Comm, spec: &Spec) -> anyhow::Result<Report> {
     let esz = spec.dtype.size();
     if spec.bucket_bytes == 0 || spec.model_bytes == 0 {
