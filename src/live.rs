@@ -31,12 +31,13 @@ pub fn resolve(fabric: Option<&FabricName>) -> anyhow::Result<State> {
     let Some(st) = State::load(&name)? else {
         let up = state::fabrics();
         bail!(
-            "fabric {name} is not up{}",
+            "fabric {name} is not up{}{}",
             if up.is_empty() {
                 String::new()
             } else {
                 format!(" (up: {})", join(&up))
-            }
+            },
+            file_named_like(&name)
         );
     };
     if !st.daemon_alive() {
@@ -46,6 +47,28 @@ pub fn resolve(fabric: Option<&FabricName>) -> anyhow::Result<State> {
         bail!("fabric {name} is {:?}, not ready", st.phase);
     }
     Ok(st)
+}
+
+/// "; configs/single-switch-8.toml is fabric ss8": a name that is not up but is the stem
+/// of a topology file here or in `configs/` whose fabric has another name (the name a
+/// newcomer reaches for).
+pub(crate) fn file_named_like(name: &FabricName) -> String {
+    for dir in [Path::new("."), Path::new("configs")] {
+        let file = dir.join(format!("{name}.toml"));
+        if !file.is_file() {
+            continue;
+        }
+        if let Ok(topo) = closbox_fabric::load(&file) {
+            if topo.fabric.name != name.as_str() {
+                return format!(
+                    "; {} is fabric {} (a topology file's path names its fabric too)",
+                    file.display(),
+                    topo.fabric.name
+                );
+            }
+        }
+    }
+    String::new()
 }
 
 fn join(names: &[FabricName]) -> String {
@@ -230,9 +253,17 @@ pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
     }
     // Each fabric on its own: one that cannot come down does not keep the others up.
     let mut failed = Vec::new();
+    let up = state::fabrics();
     for n in names {
+        // `down single-switch-8` of a fabric up as `ss8` is "nothing to do": say which
+        // fabric the file of that name is.
+        let hint = if up.contains(&n) {
+            String::new()
+        } else {
+            file_named_like(&n)
+        };
         match state::down(&n) {
-            Ok(msg) => println!("{msg}"),
+            Ok(msg) => println!("{msg}{hint}"),
             Err(e) => {
                 eprintln!("closbox: fabric {n}: {e:#}");
                 failed.push(n.to_string());

@@ -39,7 +39,7 @@ pub fn status(
     let mut healthy = true;
     for n in names {
         let Some(st) = State::load(&n)? else {
-            bail!("fabric {n} is not up");
+            bail!("fabric {n} is not up{}", crate::live::file_named_like(&n));
         };
         let reply = if st.daemon_alive() {
             control::request(&n, &Request::Status)

@@ -98,6 +98,25 @@ fn a_topology_file_stands_for_its_fabric() {
         std::fs::read_to_string(&other).unwrap(),
         "just some words\n"
     );
+    // The stem of a shipped file is not its fabric's name: said where it is taken as one
+    // (`down` of it is otherwise "nothing to do" while the fabric stays up).
+    let out = closbox(&["down", "single-switch-8"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .0
+            .contains("configs/single-switch-8.toml is fabric ss8"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["status", "single-switch-8"]);
+    assert!(
+        text(&out)
+            .1
+            .contains("configs/single-switch-8.toml is fabric ss8"),
+        "{:?}",
+        text(&out)
+    );
     // Still up, then down by its file.
     assert!(closbox(&["status", "lt-byfile"]).status.success());
     let out = closbox(&["down", &file]);
