@@ -58,17 +58,23 @@ pub(crate) fn file_named_like(name: &FabricName) -> String {
         if !file.is_file() {
             continue;
         }
-        if let Ok(topo) = closbox_fabric::load(&file) {
-            if topo.fabric.name != name.as_str() {
+        if let Ok(fabric) = fabric_of_file(&file) {
+            if &fabric != name {
                 return format!(
-                    "; {} is fabric {} (a topology file's path names its fabric too)",
-                    file.display(),
-                    topo.fabric.name
+                    "; {} is fabric {fabric} (a topology file's path names its fabric too)",
+                    file.display()
                 );
             }
         }
     }
     String::new()
+}
+
+/// The fabric a topology file describes (its `[fabric] name`); its errors name the file
+/// and line.
+pub fn fabric_of_file(path: &Path) -> Result<FabricName, String> {
+    let topo = closbox_fabric::load(path).map_err(|e| format!("{e:#}"))?;
+    topo.fabric.name.parse()
 }
 
 fn join(names: &[FabricName]) -> String {

@@ -726,8 +726,7 @@ fn fabric_ref(s: &str) -> Result<FabricName, String> {
     if !(path.is_file() || s.ends_with(".toml")) {
         return s.parse();
     }
-    let topo = closbox_fabric::load(path).map_err(|e| format!("{e:#}"))?;
-    topo.fabric.name.parse()
+    live::fabric_of_file(path)
 }
 
 fn main() -> ExitCode {
