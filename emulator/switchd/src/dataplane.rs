@@ -297,6 +297,7 @@ pub struct Status {
     /// `closbox plan` estimates it (`TimeScaleHint`); 0 from a daemon that did not say.
     #[serde(default)]
     pub full_load_time_scale: f64,
+    /// Failed TUN reads, writes and waits (a failed write of a coalesced run counts once).
     pub io_errors: u64,
     /// Bytes charged for the packets the fabric holds, and the budget (`packet_memory`).
     pub packet_memory: u64,
@@ -792,7 +793,8 @@ const READ_BUFS: usize = 256;
 const READ_BUF_TRIES: usize = 4;
 
 /// Writes `frames` (one packet, or a run from `offload::mergeable_run`) into `fd`; a
-/// (lateness, failed) per frame into `done`.
+/// (lateness, failed) per frame into `done`, failed on the first frame of a failed write
+/// only (one system call failed, however many frames it carried).
 fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u64, bool)>) {
     use crate::offload;
     use std::io::IoSlice;
@@ -820,10 +822,10 @@ fn write_job(fd: &OwnedFd, offload: bool, frames: &[Outgoing], done: &mut Vec<(u
             sys::write_packet_vectored(fd.as_fd(), &iov).is_err()
         }
     };
-    done.extend(frames.iter().map(|o| {
+    done.extend(frames.iter().enumerate().map(|(i, o)| {
         (
             now.saturating_duration_since(o.due).as_nanos() as u64,
-            failed,
+            failed && i == 0,
         )
     }));
 }
@@ -2919,7 +2921,7 @@ mod tun_ports_tests {
     /// written together go back as one super-packet, and a gap splits them.
     #[test]
     fn offload_cuts_super_packets_and_coalesces_what_continues() {
-        let (mut ports, theirs) = ports(2, true, 0);
+        let (mut ports, mut theirs) = ports(2, true, 0);
         let gso = VnetHdr {
             flags: offload::F_NEEDS_CSUM,
             gso_type: offload::GSO_TCPV4,
@@ -2994,6 +2996,20 @@ mod tun_ports_tests {
             std::iter::from_fn(|| ports.recv(0).unwrap().map(|f| f.0)).collect();
         assert_eq!(ports.heads.len(), 0);
         assert_eq!(again, frames, "the same frames, in reused heads");
+        // The GPU's side gone, the same two writes fail: two errors, not one per frame.
+        let mut out: Vec<Outgoing> = [0, 1, 3]
+            .iter()
+            .map(|&i| Outgoing {
+                port: 1,
+                data: again[i].clone(),
+                due,
+            })
+            .collect();
+        let gone = theirs.pop().expect("port 1's peer");
+        drop(gone);
+        ports.send(&mut out);
+        let done = wait_done(&mut ports, 3);
+        assert_eq!(done.iter().filter(|d| d.1).count(), 2, "{done:?}");
         drop(ports.into_tuns());
     }
 }

@@ -382,7 +382,7 @@ pub fn encode(s: &Status) -> String {
     one(
         &mut reg,
         "io_errors",
-        "Errors reading or writing TUNs",
+        "Failed TUN reads, writes and waits (a coalesced write counts once)",
         s.io_errors,
     );
     let fabric_drops = Family::<FabricReason, Counter>::default();
