@@ -530,8 +530,132 @@ fn flows_show_an_ecmp_collision() {
     let f = TestFabric::up("lt-flows", &common::leaf_spine_4("1Gbit", "5us"));
     let topo = closbox_fabric::load(&f.config).unwrap();
     // gpu0 → gpu2 and gpu1 → gpu3, both hashed onto leaf0 → spine1; spine0 idle.
-    let p0 = cports_via(&topo, 0, 2, 5201, "leaf0->spine1")[0];
-    let p1 = cports_via(&topo, 1, 3, 5202, "leaf0->spine1")[0];
+    let c0 = cports_via(&topo, 0, 2, 5201, "leaf0->spine1");
+    let c1 = cports_via(&topo, 1, 3, 5202, "leaf0->spine1");
+    // A run whose `top` frame says the fabric is behind (the box kept its data plane off
+    // a CPU: in one CI run the hypervisor took 20 % of the CPUs, lateness p99 19 ms, and
+    // the shared uplink was 79 % busy) is repeated from other source ports, up to twice, as
+    // `tcp_goodput_matches_link_rate` does; a fabric on time must show it over 90 % busy.
+    let mut attempt = 0;
+    let (p0, p1, run) = loop {
+        let (p0, p1) = (c0[attempt], c1[attempt]);
+        let run = collide(&f, p0, p1);
+        if busy_share(&run.screen, "leaf0->spine1") <= 90.0
+            && run.screen.contains("BEHIND")
+            && attempt < 2
+        {
+            eprintln!("attempt {attempt}: the fabric was behind\n{}", run.screen);
+            attempt += 1;
+            continue;
+        }
+        break (p0, p1, run);
+    };
+    let Collision {
+        screen,
+        total,
+        busy,
+        idle,
+    } = run;
+    eprintln!("two iperf3 flows hashed onto leaf0->spine1: {:.0} Mbit/s together; leaf0->spine1 carried {busy} bytes, leaf0->spine0 {idle}", total / 1e6);
+    // Together they get one uplink's worth, not two.
+    assert!(total < 1.0e9, "{total}");
+    assert!(busy > 100 * idle.max(1), "{busy} vs {idle}");
+    let out = closbox(&["flows", "--fabric", "lt-flows", "--json"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The two data flows, found by their ports: both on the shared uplink. Together they
+    // carried the uplink's worth; how they split it is not checked: a tail-drop queue fed
+    // by two input ports can starve one of them (seen: 4 of 248 MB, 1,221 of its 2,779
+    // packets dropped), the port blackout real switches show too (Prakash et al., "The TCP
+    // Outcast Problem", NSDI 2012).
+    let flows = v["flows"].as_array().unwrap();
+    let data = |gpu: &str, sport: u16| {
+        flows
+            .iter()
+            .find(|x| x["src_gpu"] == gpu && x["sport"] == sport)
+            .unwrap_or_else(|| panic!("no flow from {gpu}:{sport} in {v}"))
+    };
+    let (d0, d1) = (data("gpu0", p0), data("gpu1", p1));
+    for x in [d0, d1] {
+        let path: Vec<&str> = x["path"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        assert_eq!(&path[1..3], ["leaf0", "spine1"], "{x}");
+    }
+    let together = d0["bytes"].as_u64().unwrap() + d1["bytes"].as_u64().unwrap();
+    assert!(together > 100_000_000, "{together} bytes: {v}");
+    // `top` showed the shared uplink busy and the other idle (and quit on q).
+    eprintln!("{screen}");
+    let pct = busy_share(&screen, "leaf0->spine1");
+    assert!(pct > 90.0, "leaf0->spine1 {pct} % busy");
+    let up_row = screen.lines().find(|l| l.contains("leaf0 up")).unwrap();
+    let cells: Vec<f64> = up_row
+        .split_whitespace()
+        .filter_map(|w| w.strip_suffix('%'))
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert!(cells[0] < 5.0 && cells[1] > 90.0, "{up_row}");
+    // Without a terminal (output piped, as here), `top` prints one frame as text (it
+    // panicked in ratatui's terminal set-up).
+    let out = closbox(&["top", "--fabric", "lt-flows"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).0.starts_with("fabric lt-flows"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["flows", "--fabric", "lt-flows"]);
+    let o = text(&out).0;
+    eprintln!("{o}");
+    for from in [format!("gpu0:{p0}"), format!("gpu1:{p1}")] {
+        let line = o
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(from.as_str()))
+            .unwrap_or_else(|| panic!("no {from} in\n{o}"));
+        assert!(line.contains(" > leaf0 > spine1 > "), "{line}");
+    }
+    // --top keeps the heaviest.
+    let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "1"]);
+    let o = text(&out).0;
+    assert_eq!(o.matches("> leaf0 > spine1 >").count(), 1, "{o}");
+    // The head counts every flow, not those shown (it said "1 flow").
+    let all = serde_json::from_slice::<serde_json::Value>(
+        &closbox(&["flows", "--fabric", "lt-flows", "--json"]).stdout,
+    )
+    .unwrap()["flows"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(all >= 4, "{all} flows");
+    let top1 = serde_json::from_slice::<serde_json::Value>(
+        &closbox(&["flows", "--fabric", "lt-flows", "--json", "--top", "1"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(top1["flows"].as_array().unwrap().len(), 1, "{top1}");
+    assert_eq!(top1["flows_total"], all, "{top1}");
+    assert!(
+        o.contains(&format!(": {all} flows, the 1 heaviest shown (--top)")),
+        "{o}"
+    );
+    f.down();
+}
+
+/// What `flows_show_an_ecmp_collision` saw of one run: `top`'s frame 1.7 s into the flows,
+/// the flows' bits a second together, and the bytes the shared and the idle uplink
+/// carried meanwhile.
+struct Collision {
+    screen: String,
+    total: f64,
+    busy: u64,
+    idle: u64,
+}
+
+/// Two iperf3 flows of 3 s, gpu0 → gpu2 from source port `p0` and gpu1 → gpu3 from `p1`,
+/// with `top` watching them in a terminal of 80 x 24 (tmux) and quitting on q.
+fn collide(f: &TestFabric, p0: u16, p1: u16) -> Collision {
     let mut servers = vec![
         f.spawn(
             "gpu2",
@@ -542,9 +666,9 @@ fn flows_show_an_ecmp_collision() {
             &["iperf3", "-s", "-1", "-p", "5202", "-B", "198.18.0.4"],
         ),
     ];
-    wait_for_port(&f, "gpu2", 5201);
-    wait_for_port(&f, "gpu3", 5202);
-    let before = |port: &str| port_bytes(&f, port);
+    wait_for_port(f, "gpu2", 5201);
+    wait_for_port(f, "gpu3", 5202);
+    let before = |port: &str| port_bytes(f, port);
     let (idle0, busy0) = (before("leaf0->spine0"), before("leaf0->spine1"));
     // `top` in a terminal of 80 x 24 (tmux), watching.
     let session = "closbox-top-test";
@@ -627,105 +751,30 @@ fn flows_show_an_ecmp_collision() {
     }
     let idle = before("leaf0->spine0") - idle0;
     let busy = before("leaf0->spine1") - busy0;
-    eprintln!("two iperf3 flows hashed onto leaf0->spine1: {:.0} Mbit/s together; leaf0->spine1 carried {busy} bytes, leaf0->spine0 {idle}", total / 1e6);
-    // Together they get one uplink's worth, not two.
-    assert!(total < 1.0e9, "{total}");
-    assert!(busy > 100 * idle.max(1), "{busy} vs {idle}");
-    let out = closbox(&["flows", "--fabric", "lt-flows", "--json"]);
-    assert!(out.status.success(), "{:?}", text(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    // The two data flows, found by their ports: both on the shared uplink. Together they
-    // carried the uplink's worth; how they split it is not checked: a tail-drop queue fed
-    // by two input ports can starve one of them (seen: 4 of 248 MB, 1,221 of its 2,779
-    // packets dropped), the port blackout real switches show too (Prakash et al., "The TCP
-    // Outcast Problem", NSDI 2012).
-    let flows = v["flows"].as_array().unwrap();
-    let data = |gpu: &str, sport: u16| {
-        flows
-            .iter()
-            .find(|x| x["src_gpu"] == gpu && x["sport"] == sport)
-            .unwrap_or_else(|| panic!("no flow from {gpu}:{sport} in {v}"))
-    };
-    let (d0, d1) = (data("gpu0", p0), data("gpu1", p1));
-    for x in [d0, d1] {
-        let path: Vec<&str> = x["path"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s.as_str().unwrap())
-            .collect();
-        assert_eq!(&path[1..3], ["leaf0", "spine1"], "{x}");
-    }
-    let together = d0["bytes"].as_u64().unwrap() + d1["bytes"].as_u64().unwrap();
-    assert!(together > 100_000_000, "{together} bytes: {v}");
-    // `top` showed the shared uplink busy and the other idle, and quit on q.
-    eprintln!("{screen}");
-    let busy_line = screen
-        .lines()
-        .find(|l| l.contains("leaf0->spine1"))
-        .unwrap_or_else(|| panic!("no leaf0->spine1 in\n{screen}"));
-    let pct: f64 = busy_line
-        .split_whitespace()
-        .find(|w| w.ends_with('%'))
-        .and_then(|w| w.trim_end_matches('%').parse().ok())
-        .unwrap_or_else(|| panic!("no busy share in {busy_line:?}"));
-    assert!(pct > 90.0, "{busy_line}");
-    let up_row = screen.lines().find(|l| l.contains("leaf0 up")).unwrap();
-    let cells: Vec<f64> = up_row
-        .split_whitespace()
-        .filter_map(|w| w.strip_suffix('%'))
-        .map(|w| w.parse().unwrap())
-        .collect();
-    assert!(cells[0] < 5.0 && cells[1] > 90.0, "{up_row}");
     std::thread::sleep(Duration::from_millis(500));
     let gone = Command::new("tmux")
         .args(["has-session", "-t", session])
         .output()
         .unwrap();
     assert!(!gone.status.success(), "top did not quit on q");
-    // Without a terminal (output piped, as here), `top` prints one frame as text (it
-    // panicked in ratatui's terminal set-up).
-    let out = closbox(&["top", "--fabric", "lt-flows"]);
-    assert!(out.status.success(), "{:?}", text(&out));
-    assert!(
-        text(&out).0.starts_with("fabric lt-flows"),
-        "{:?}",
-        text(&out)
-    );
-    let out = closbox(&["flows", "--fabric", "lt-flows"]);
-    let o = text(&out).0;
-    eprintln!("{o}");
-    for from in [format!("gpu0:{p0}"), format!("gpu1:{p1}")] {
-        let line = o
-            .lines()
-            .find(|l| l.split_whitespace().nth(1) == Some(from.as_str()))
-            .unwrap_or_else(|| panic!("no {from} in\n{o}"));
-        assert!(line.contains(" > leaf0 > spine1 > "), "{line}");
+    Collision {
+        screen,
+        total,
+        busy,
+        idle,
     }
-    // --top keeps the heaviest.
-    let out = closbox(&["flows", "--fabric", "lt-flows", "--top", "1"]);
-    let o = text(&out).0;
-    assert_eq!(o.matches("> leaf0 > spine1 >").count(), 1, "{o}");
-    // The head counts every flow, not those shown (it said "1 flow").
-    let all = serde_json::from_slice::<serde_json::Value>(
-        &closbox(&["flows", "--fabric", "lt-flows", "--json"]).stdout,
-    )
-    .unwrap()["flows"]
-        .as_array()
-        .unwrap()
-        .len();
-    assert!(all >= 4, "{all} flows");
-    let top1 = serde_json::from_slice::<serde_json::Value>(
-        &closbox(&["flows", "--fabric", "lt-flows", "--json", "--top", "1"]).stdout,
-    )
-    .unwrap();
-    assert_eq!(top1["flows"].as_array().unwrap().len(), 1, "{top1}");
-    assert_eq!(top1["flows_total"], all, "{top1}");
-    assert!(
-        o.contains(&format!(": {all} flows, the 1 heaviest shown (--top)")),
-        "{o}"
-    );
-    f.down();
+}
+
+/// The busy share `top`'s frame shows for `port` (its first percentage).
+fn busy_share(screen: &str, port: &str) -> f64 {
+    let line = screen
+        .lines()
+        .find(|l| l.contains(port))
+        .unwrap_or_else(|| panic!("no {port} in\n{screen}"));
+    line.split_whitespace()
+        .find(|w| w.ends_with('%'))
+        .and_then(|w| w.trim_end_matches('%').parse().ok())
+        .unwrap_or_else(|| panic!("no busy share in {line:?}"))
 }
 
 fn port_bytes(f: &TestFabric, name: &str) -> u64 {
