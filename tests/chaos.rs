@@ -360,29 +360,44 @@ buffer = "256KiB"
     }
 
     // A steady load across the leaves takes its share of TCP's path.
-    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
-    wait_for_port(&f, "gpu3", 5201);
     let out = run(&["load", "leaf0", "leaf1", "--rate", "1Gbit"]);
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(text(&out)
         .0
         .contains("load 4 started: leaf0 -> leaf1 at 1Gbit/s"));
-    let out = f.exec(
-        "gpu0",
-        &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
-    );
-    let _ = server.wait();
-    assert!(out.status.success(), "{:?}", text(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let bps = v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .unwrap();
-    eprintln!(
-        "iperf3 gpu0 -> gpu3 beside a 1 Gbit/s load over two 1 Gbit/s uplinks: {:.0} Mbit/s",
-        bps / 1e6
-    );
-    // Two uplinks of 1 Gbit/s, half of them taken: at most ~1 Gbit/s is left.
-    assert!(bps < 1.05e9 && bps > 0.3e9, "{bps}");
+    // Two uplinks of 1 Gbit/s, half of each taken: at most ~1 Gbit/s is left, ~0.93 when
+    // the 4 streams hash onto both uplinks, ~0.46 when onto one (1 run in 8). A run the
+    // fabric reports behind is repeated, up to twice, as `tcp_goodput_matches_link_rate`
+    // does (one CI run read 105 Mbit/s; 18 runs here were 0.44-0.93 Gbit/s).
+    for attempt in 0.. {
+        let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
+        wait_for_port(&f, "gpu3", 5201);
+        let out = f.exec(
+            "gpu0",
+            &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
+        );
+        let _ = server.wait();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap();
+        let st = f.status();
+        let behind = st["behind"] == true;
+        eprintln!(
+            "iperf3 gpu0 -> gpu3 beside a 1 Gbit/s load over two 1 Gbit/s uplinks: {:.0} Mbit/s (lateness p99 {} µs, behind {behind})",
+            bps / 1e6,
+            st["lateness_recent"]["p99_us"]
+        );
+        assert!(bps < 1.05e9, "{bps}");
+        if bps > 0.3e9 {
+            break;
+        }
+        assert!(
+            behind && attempt < 2,
+            "{bps} bit/s beside the load (attempt {attempt}, fabric behind: {behind})"
+        );
+    }
     let st = f.status();
     let l = &st["loads"][3];
     assert_eq!(l["active"], true);
