@@ -75,20 +75,7 @@ fn links_and_switches_go_down_and_come_back() {
     assert!(text(&out).0.contains("link leaf0-spine0 #0 down"));
     std::thread::sleep(Duration::from_millis(100));
     let dead_before = port_tx(&f, "leaf0->spine0");
-    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
-    wait_for_port(&f, "gpu3", 5201);
-    let out = f.exec(
-        "gpu0",
-        &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
-    );
-    let _ = server.wait();
-    assert!(out.status.success(), "{:?}", text(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let bps = v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .unwrap();
-    eprintln!("iperf3 with leaf0-spine0 down: {:.0} Mbit/s", bps / 1e6);
-    assert!(bps > 100e6, "{bps}");
+    iperf3_gpu0_to_gpu3(&f, 100e6, "with leaf0-spine0 down");
     assert_eq!(
         port_tx(&f, "leaf0->spine0"),
         dead_before,
@@ -235,6 +222,43 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
     f.down();
 }
 
+/// iperf3 from gpu0 to gpu3 (198.18.0.4), 4 streams for 2 s: the bits a second received,
+/// which must be above `floor`. A run the fabric reports behind (the box kept its data
+/// plane off a CPU) is repeated, up to twice, as `tcp_goodput_matches_link_rate` does: one
+/// CI run read 105 Mbit/s beside a load where 18 runs here read 0.44-0.93 Gbit/s, and
+/// with both cores taken by busy loops the same run read 77-94 Mbit/s, behind.
+fn iperf3_gpu0_to_gpu3(f: &TestFabric, floor: f64, what: &str) -> f64 {
+    for attempt in 0.. {
+        let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
+        wait_for_port(f, "gpu3", 5201);
+        let out = f.exec(
+            "gpu0",
+            &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
+        );
+        let _ = server.wait();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap();
+        let st = f.status();
+        let behind = st["behind"] == true;
+        eprintln!(
+            "iperf3 gpu0 -> gpu3 {what}: {:.0} Mbit/s (lateness p99 {} µs, behind {behind})",
+            bps / 1e6,
+            st["lateness_recent"]["p99_us"]
+        );
+        if bps > floor {
+            return bps;
+        }
+        assert!(
+            behind && attempt < 2,
+            "{bps} bit/s {what} (attempt {attempt}, fabric behind: {behind})"
+        );
+    }
+    unreachable!()
+}
+
 #[test]
 fn loads_and_incasts_fill_queues_and_are_counted_apart() {
     let _s = serial();
@@ -366,38 +390,13 @@ buffer = "256KiB"
         .0
         .contains("load 4 started: leaf0 -> leaf1 at 1Gbit/s"));
     // Two uplinks of 1 Gbit/s, half of each taken: at most ~1 Gbit/s is left, ~0.93 when
-    // the 4 streams hash onto both uplinks, ~0.46 when onto one (1 run in 8). A run the
-    // fabric reports behind is repeated, up to twice, as `tcp_goodput_matches_link_rate`
-    // does (one CI run read 105 Mbit/s; 18 runs here were 0.44-0.93 Gbit/s).
-    for attempt in 0.. {
-        let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
-        wait_for_port(&f, "gpu3", 5201);
-        let out = f.exec(
-            "gpu0",
-            &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
-        );
-        let _ = server.wait();
-        assert!(out.status.success(), "{:?}", text(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let bps = v["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap();
-        let st = f.status();
-        let behind = st["behind"] == true;
-        eprintln!(
-            "iperf3 gpu0 -> gpu3 beside a 1 Gbit/s load over two 1 Gbit/s uplinks: {:.0} Mbit/s (lateness p99 {} µs, behind {behind})",
-            bps / 1e6,
-            st["lateness_recent"]["p99_us"]
-        );
-        assert!(bps < 1.05e9, "{bps}");
-        if bps > 0.3e9 {
-            break;
-        }
-        assert!(
-            behind && attempt < 2,
-            "{bps} bit/s beside the load (attempt {attempt}, fabric behind: {behind})"
-        );
-    }
+    // the 4 streams hash onto both uplinks, ~0.46 when onto one (1 run in 8).
+    let bps = iperf3_gpu0_to_gpu3(
+        &f,
+        0.3e9,
+        "beside a 1 Gbit/s load over two 1 Gbit/s uplinks",
+    );
+    assert!(bps < 1.05e9, "{bps}");
     let st = f.status();
     let l = &st["loads"][3];
     assert_eq!(l["active"], true);
