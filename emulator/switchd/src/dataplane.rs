@@ -2959,15 +2959,17 @@ mod tun_ports_tests {
         );
         // Frames 0, 1, 3 (frame 2 lost): 0+1 go as one super-packet, 3 alone.
         let due = StdInstant::now();
-        let mut out: Vec<Outgoing> = [0, 1, 3]
-            .iter()
-            .map(|&i| Outgoing {
-                port: 1,
-                data: frames[i].clone(),
-                due,
-            })
-            .collect();
-        ports.send(&mut out);
+        let gap = |frames: &[Frame]| -> Vec<Outgoing> {
+            [0, 1, 3]
+                .iter()
+                .map(|&i| Outgoing {
+                    port: 1,
+                    data: frames[i].clone(),
+                    due,
+                })
+                .collect()
+        };
+        ports.send(&mut gap(&frames));
         assert_eq!(wait_done(&mut ports, 3).len(), 3);
         let mut b = vec![0u8; 70_000];
         let n = theirs[1].recv(&mut b).unwrap();
@@ -2997,17 +2999,8 @@ mod tun_ports_tests {
         assert_eq!(ports.heads.len(), 0);
         assert_eq!(again, frames, "the same frames, in reused heads");
         // The GPU's side gone, the same two writes fail: two errors, not one per frame.
-        let mut out: Vec<Outgoing> = [0, 1, 3]
-            .iter()
-            .map(|&i| Outgoing {
-                port: 1,
-                data: again[i].clone(),
-                due,
-            })
-            .collect();
-        let gone = theirs.pop().expect("port 1's peer");
-        drop(gone);
-        ports.send(&mut out);
+        drop(theirs.pop().expect("port 1's peer"));
+        ports.send(&mut gap(&again));
         let done = wait_done(&mut ports, 3);
         assert_eq!(done.iter().filter(|d| d.1).count(), 2, "{done:?}");
         drop(ports.into_tuns());
