@@ -11,7 +11,7 @@ build:
 # The main job: a guided tour (scripts/tour) of what GPU fabrics do, each step measured on
 # a shipped fabric beside the model's prediction: plan at 200,000 GPUs, scale-up vs
 # scale-out, oversubscription, incast, ECMP collisions, overlap, a spine failing. Results
-# and plots in tour/index.md. Needs root; ~3-5 min (up to ~11 when the host steals CPU
+# and plots in tour/index.md. Needs root; ~3-5 min (7-25 when the host steals CPU
 # time). `make demo-STEP` runs one step
 # (demo-plan, demo-scale-up, demo-oversubscription, demo-incast, demo-ecmp, demo-overlap,
 # demo-chaos, demo-lossless).
