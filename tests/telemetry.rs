@@ -532,24 +532,18 @@ fn flows_show_an_ecmp_collision() {
     // gpu0 → gpu2 and gpu1 → gpu3, both hashed onto leaf0 → spine1; spine0 idle.
     let c0 = cports_via(&topo, 0, 2, 5201, "leaf0->spine1");
     let c1 = cports_via(&topo, 1, 3, 5202, "leaf0->spine1");
-    // A run whose `top` frame says the fabric is behind (the box kept its data plane off
-    // a CPU: in one CI run the hypervisor took 20 % of the CPUs, lateness p99 19 ms, and
-    // the shared uplink was 79 % busy) is repeated from other source ports, up to twice, as
-    // `tcp_goodput_matches_link_rate` does; a fabric on time must show it over 90 % busy.
-    let mut attempt = 0;
-    let (p0, p1, run) = loop {
+    // A run whose `top` frame says the fabric is behind is repeated from other source
+    // ports (`unless_behind`: in one CI run the hypervisor took 20 % of the CPUs, lateness
+    // p99 19 ms, and the shared uplink was 79 % busy); on time it must be over 90 % busy.
+    let (p0, p1, run) = common::unless_behind("top's busy share of leaf0->spine1", |attempt| {
         let (p0, p1) = (c0[attempt], c1[attempt]);
         let run = collide(&f, p0, p1);
-        if busy_share(&run.screen, "leaf0->spine1") <= 90.0
-            && run.screen.contains("BEHIND")
-            && attempt < 2
-        {
-            eprintln!("attempt {attempt}: the fabric was behind\n{}", run.screen);
-            attempt += 1;
-            continue;
+        common::Measured {
+            met: busy_share(&run.screen, "leaf0->spine1") > 90.0,
+            behind: run.screen.contains("BEHIND"),
+            value: (p0, p1, run),
         }
-        break (p0, p1, run);
-    };
+    });
     let Collision {
         screen,
         total,
@@ -646,6 +640,7 @@ fn flows_show_an_ecmp_collision() {
 /// What `flows_show_an_ecmp_collision` saw of one run: `top`'s frame 1.7 s into the flows,
 /// the flows' bits a second together, and the bytes the shared and the idle uplink
 /// carried meanwhile.
+#[derive(Debug)]
 struct Collision {
     screen: String,
     total: f64,

@@ -32,6 +32,41 @@ pub fn toml_files(dir: &str) -> Vec<PathBuf> {
     files.sort();
     files
 }
+/// One measurement through a fabric: its value, whether it met its bound, and whether the
+/// fabric reported itself behind while it ran (`status`'s `behind`, or `top`'s BEHIND).
+pub struct Measured<T> {
+    pub value: T,
+    pub met: bool,
+    pub behind: bool,
+}
+
+/// Runs `measure` (given the attempt, from 0) until it meets its bound, repeating it, up
+/// to twice, only when the fabric reported itself behind: such a run measured the box (its
+/// data plane kept off a CPU; CI runs under 20 % steal read p99 lateness of 10-20 ms and
+/// missed throughput bounds by up to 3 x). A fabric on time must meet the bound, and one
+/// behind three times fails.
+pub fn unless_behind<T: std::fmt::Debug>(
+    what: &str,
+    mut measure: impl FnMut(usize) -> Measured<T>,
+) -> T {
+    for attempt in 0..3 {
+        let m = measure(attempt);
+        if m.met {
+            return m.value;
+        }
+        assert!(
+            m.behind && attempt < 2,
+            "{what}: {:?} misses its bound (attempt {attempt}, fabric behind: {})",
+            m.value,
+            m.behind
+        );
+        eprintln!(
+            "{what}: {:?} with the fabric behind (attempt {attempt}): again",
+            m.value
+        );
+    }
+    unreachable!("the third attempt returns or fails")
+}
 
 /// Live tests measure timing: they run one at a time.
 pub fn serial() -> MutexGuard<'static, ()> {
