@@ -62,6 +62,8 @@ pub struct Predictor {
     down: Vec<u32>,
     /// Wire rate of each port, bit/s.
     rate: Vec<f64>,
+    /// PFC or credits: a source's transfers move at one rate (`fluid::makespan`).
+    lossless: bool,
 }
 
 impl std::fmt::Debug for Predictor {
@@ -129,6 +131,7 @@ impl Predictor {
             known: None,
             down,
             rate,
+            lossless: f.flow_control.pause().is_some(),
         }
     }
 
@@ -452,7 +455,7 @@ impl Predictor {
                     }
                 }
             }
-            total += fluid::makespan(&self.cap, &transfers);
+            total += fluid::makespan(&self.cap, &transfers, self.lossless);
         }
         total / samples as f64
     }
@@ -661,6 +664,36 @@ mod tests {
             (18.0 / 11.0 - 0.02..19.0 / 11.0 + 0.02).contains(&a2a),
             "alltoall {a2a}"
         );
+    }
+
+    #[test]
+    fn a_lossless_fabric_holds_a_sources_transfers_to_its_slowest() {
+        // The 3:1 AllToAll of `configs/roce-3to1.toml`, lossy and with PFC: a GPU whose
+        // leaf-crossing block is held back at the uplinks holds back its same-leaf block
+        // with it (6 % slower at 8 MiB, for random paths). A ring, whose every source sends
+        // to one peer at a time, is predicted as before.
+        let fabric = |fc: &str| {
+            closbox_fabric::parse(
+                &format!(
+                    "[fabric]\nname = \"p\"\nmtu = 9000\nflow_control = \"{fc}\"\n\
+                     [topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 6\n\
+                     [links.nic]\nrate = \"400Gbit\"\n[links.leaf-spine]\nrate = \"400Gbit\"\n"
+                ),
+                "t",
+            )
+            .unwrap()
+        };
+        let (lossy, pfc) = (
+            Predictor::new(&fabric("none"), (0..12).collect(), 2),
+            Predictor::new(&fabric("pfc"), (0..12).collect(), 2),
+        );
+        let s = 8 << 20;
+        let a2a = pfc.predict(Op::AllToAll, Algo::Auto, s, 0)
+            / lossy.predict(Op::AllToAll, Algo::Auto, s, 0);
+        assert!((1.03..1.15).contains(&a2a), "alltoall pfc / lossy {a2a}");
+        let ring = pfc.predict(Op::AllReduce, Algo::Ring, s, 0)
+            / lossy.predict(Op::AllReduce, Algo::Ring, s, 0);
+        assert!((ring - 1.0).abs() < 1e-9, "ring pfc / lossy {ring}");
     }
 
     /// Endpoints for every connection of `n` ranks on hosts 0..n, each with a source port

@@ -37,7 +37,9 @@ pub struct Transfer {
 }
 
 /// Seconds until every transfer has arrived. `cap` is each port's rate in bytes/s.
-pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
+/// `lossless`: the fabric pauses a source's link as a whole (PFC, credits), so the
+/// transfers leaving one source move at one rate, their slowest's (see `Shares`).
+pub fn makespan(cap: &[f64], transfers: &[Transfer], lossless: bool) -> f64 {
     let mut sim = Sim::new(transfers);
     let mut remaining: Vec<f64> = transfers.iter().map(|t| t.bytes.max(0.0)).collect();
     let mut rate = vec![0.0f64; transfers.len()];
@@ -45,7 +47,7 @@ pub fn makespan(cap: &[f64], transfers: &[Transfer]) -> f64 {
     let mut active: Vec<usize> = Vec::new();
     let mut started = vec![0.0f64; transfers.len()];
     let (mut now, mut end) = (0.0f64, 0.0f64);
-    let mut share = Shares::new(cap.len());
+    let mut share = Shares::new(cap.len(), lossless);
     let mut changed = false;
     loop {
         // Start what is ready; zero-byte transfers are sent as they start.
@@ -189,29 +191,87 @@ impl<'a> Sim<'a> {
 
 /// First come, first served: in start order, each transfer takes what is left on the
 /// most loaded port of its path.
+///
+/// On a lossless fabric a source's transfers cannot pass each other: the first switch
+/// pauses the source's link as a whole once what it holds from it exceeds its threshold,
+/// whichever transfer's bytes those are, so a transfer held back downstream of its
+/// source holds back every transfer leaving that source (head-of-line blocking): none
+/// leaves faster than it. The shares are then taken again with that rate as a cap,
+/// which frees capacity for transfers from other sources, until no cap falls.
 struct Shares {
     left: Vec<f64>,
+    lossless: bool,
+    /// Per transfer, the most it may get (lossless: what its source's slowest transfer
+    /// held back downstream gets).
+    cap: Vec<f64>,
+    /// Per source port, the slowest rate of its transfers held back downstream.
+    held: Vec<f64>,
 }
 
 impl Shares {
-    fn new(ports: usize) -> Shares {
+    fn new(ports: usize, lossless: bool) -> Shares {
         Shares {
             left: vec![0.0; ports],
+            lossless,
+            cap: Vec::new(),
+            held: vec![f64::INFINITY; ports],
         }
     }
 
     /// `active` is in start order.
     fn compute(&mut self, cap: &[f64], transfers: &[Transfer], active: &[usize], rate: &mut [f64]) {
-        self.left.copy_from_slice(cap);
+        if self.cap.len() < transfers.len() {
+            self.cap.resize(transfers.len(), f64::INFINITY);
+        }
         for &i in active {
-            let path = &transfers[i].path;
-            let r = path
-                .iter()
-                .map(|&p| self.left[p as usize])
-                .fold(f64::INFINITY, f64::min);
-            rate[i] = r;
-            for &p in path {
-                self.left[p as usize] -= r;
+            self.cap[i] = f64::INFINITY;
+        }
+        // Caps only fall, each pass lowering some to a rate a transfer got; a few passes
+        // in practice, never more than one per active transfer.
+        for _ in 0..=active.len() {
+            self.left.copy_from_slice(cap);
+            for &i in active {
+                let path = &transfers[i].path;
+                let min_left = |ports: &[u32]| {
+                    ports
+                        .iter()
+                        .map(|&p| self.left[p as usize])
+                        .fold(f64::INFINITY, f64::min)
+                };
+                let (source, downstream) = match path.split_first() {
+                    Some((&s, rest)) => (self.left[s as usize], min_left(rest)),
+                    None => (f64::INFINITY, f64::INFINITY),
+                };
+                let r = source.min(downstream).min(self.cap[i]);
+                rate[i] = r;
+                if self.lossless && downstream < source && downstream < self.cap[i] {
+                    let h = &mut self.held[path[0] as usize];
+                    *h = h.min(r);
+                }
+                for &p in path {
+                    self.left[p as usize] -= r;
+                }
+            }
+            if !self.lossless {
+                return;
+            }
+            let mut lowered = false;
+            for &i in active {
+                if let Some(&s) = transfers[i].path.first() {
+                    let h = self.held[s as usize];
+                    if rate[i] > h * (1.0 + 1e-12) {
+                        self.cap[i] = h;
+                        lowered = true;
+                    }
+                }
+            }
+            for &i in active {
+                if let Some(&s) = transfers[i].path.first() {
+                    self.held[s as usize] = f64::INFINITY;
+                }
+            }
+            if !lowered {
+                return;
             }
         }
     }
@@ -236,7 +296,7 @@ mod tests {
 
     #[test]
     fn one_flow_takes_bytes_over_rate_plus_latency() {
-        let got = makespan(&[100.0], &[t(&[0], 1000.0, 0.5, &[])]);
+        let got = makespan(&[100.0], &[t(&[0], 1000.0, 0.5, &[])], false);
         assert!(close(got, 10.5), "{got}");
     }
 
@@ -252,6 +312,7 @@ mod tests {
                 t(&[0], 100.0, 0.0, &[]),
                 t(&[1], 1000.0, 0.0, &[Dep::Arrived(1)]),
             ],
+            false,
         );
         assert!(close(got, 21.0), "{got}");
     }
@@ -263,9 +324,51 @@ mod tests {
         let cap = [100.0, 30.0];
         let tr = [t(&[0, 1], 3000.0, 0.0, &[]), t(&[0], 700.0, 0.0, &[])];
         let mut rate = vec![0.0; 2];
-        Shares::new(2).compute(&cap, &tr, &[0, 1], &mut rate);
+        Shares::new(2, false).compute(&cap, &tr, &[0, 1], &mut rate);
         assert!(close(rate[0], 30.0) && close(rate[1], 70.0), "{rate:?}");
-        assert!(close(makespan(&cap, &tr), 100.0));
+        assert!(close(makespan(&cap, &tr, false), 100.0));
+    }
+
+    #[test]
+    fn a_lossless_source_sends_at_its_slowest_transfers_rate() {
+        // Source port 0 (100 B/s) carries a, held to 30 by port 1, and b. Lossy, b takes
+        // the 70 left; lossless, the pauses that hold a back hold b too: both at 30.
+        let cap = [100.0, 30.0];
+        let tr = [t(&[0, 1], 3000.0, 0.0, &[]), t(&[0], 700.0, 0.0, &[])];
+        let mut rate = vec![0.0; 2];
+        Shares::new(2, true).compute(&cap, &tr, &[0, 1], &mut rate);
+        assert!(close(rate[0], 30.0) && close(rate[1], 30.0), "{rate:?}");
+        // b then ends at 700 / 30 s instead of 7 s; then a, alone, is still held to 30.
+        let after_b = t(&[0], 0.0, 0.0, &[Dep::Sent(1)]);
+        let tr = [tr[0].clone(), tr[1].clone(), after_b];
+        assert!(close(makespan(&cap, &tr, true), 100.0));
+        // Where the source itself is the bottleneck, one rate is what they had anyway.
+        let even = [t(&[0], 500.0, 0.0, &[]), t(&[0], 500.0, 0.0, &[])];
+        assert!(close(makespan(&[100.0], &even, true), 10.0));
+    }
+
+    #[test]
+    fn a_lossless_pause_frees_what_the_paused_source_no_longer_sends() {
+        // Source 0 sends a over port 1 (held to 20 by port 2) and b over port 3; source 4
+        // sends c over port 3 too, having started after b. Lossy, b takes what a leaves of
+        // source 0 (80) and c port 3's remaining 20; lossless, b is held to a's 20, and c gets the 80 left on port 3.
+        let cap = [100.0, 100.0, 20.0, 100.0, 100.0];
+        let tr = [
+            t(&[0, 1, 2], 2000.0, 0.0, &[]),
+            t(&[0, 3], 1000.0, 0.0, &[]),
+            t(&[4, 3], 800.0, 0.0, &[]),
+        ];
+        let mut rate = vec![0.0; 3];
+        Shares::new(5, false).compute(&cap, &tr, &[0, 1, 2], &mut rate);
+        assert!(
+            close(rate[1], 80.0) && close(rate[2], 20.0),
+            "lossy {rate:?}"
+        );
+        Shares::new(5, true).compute(&cap, &tr, &[0, 1, 2], &mut rate);
+        assert!(
+            close(rate[0], 20.0) && close(rate[1], 20.0) && close(rate[2], 80.0),
+            "lossless {rate:?}"
+        );
     }
 
     #[test]
@@ -279,6 +382,7 @@ mod tests {
                 t(&[0], 100.0, 0.0, &[Dep::Arrived(0)]),
                 t(&[0], 1000.0, 0.0, &[]),
             ],
+            false,
         );
         assert!(close(got, 11.0), "{got}");
     }
@@ -293,6 +397,7 @@ mod tests {
                 t(&[0], 100.0, 2.0, &[]),
                 t(&[1], 100.0, 0.0, &[Dep::Sent(0)]),
             ],
+            false,
         );
         let arrived = makespan(
             &cap,
@@ -300,6 +405,7 @@ mod tests {
                 t(&[0], 100.0, 2.0, &[]),
                 t(&[1], 100.0, 0.0, &[Dep::Arrived(0)]),
             ],
+            false,
         );
         assert!(close(sent, 3.0), "{sent}");
         assert!(close(arrived, 4.0), "{arrived}");
@@ -313,6 +419,7 @@ mod tests {
                 t(&[0], 0.0, 1.0, &[]),
                 t(&[0], 0.0, 1.0, &[Dep::Arrived(0)]),
             ],
+            false,
         );
         assert!(close(got, 2.0), "{got}");
     }
@@ -332,7 +439,7 @@ mod tests {
             t(&[1], b, 2e-6, &[Dep::Sent(2)]),
         ];
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || tx.send(makespan(&[1.0, 3.0], &transfers)));
+        std::thread::spawn(move || tx.send(makespan(&[1.0, 3.0], &transfers, false)));
         let got = rx
             .recv_timeout(std::time::Duration::from_secs(60))
             .expect("makespan did not end");
