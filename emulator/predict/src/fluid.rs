@@ -226,8 +226,8 @@ impl Shares {
         for &i in active {
             self.cap[i] = f64::INFINITY;
         }
-        // Caps only fall, each pass lowering some to a rate a transfer got; a few passes
-        // in practice, never more than one per active transfer.
+        // Caps only fall, each pass lowering some to a rate a transfer got: a few passes
+        // in practice (bounded here by one more than the active transfers).
         for _ in 0..=active.len() {
             self.left.copy_from_slice(cap);
             for &i in active {
