@@ -183,13 +183,13 @@ enum Command {
     },
     /// End a partition.
     Heal {
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
     },
     /// The changes made to a fabric since it came up, with their fabric and wall times.
     Events {
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
         #[arg(long)]
         json: bool,
         /// Keep printing new events as they happen (JSON lines with --json).
@@ -287,8 +287,8 @@ enum Command {
         /// down), each with its reason as a packet comment.
         #[arg(long)]
         drops: bool,
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
     },
     /// Flows (5-tuples) through the fabric, heaviest first: packets, bytes, drops, ECN
     /// marks, and the path the fabric hashes each onto (ECMP collisions show as heavy
@@ -305,8 +305,8 @@ enum Command {
         since: Option<closbox_fabric::Duration>,
         #[arg(long)]
         json: bool,
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
     },
     /// Sample per-port queue depth and utilization at a fabric-time interval into a CSV
     /// file (the daemon samples, so the interval can be microseconds under dilation).
@@ -326,8 +326,8 @@ enum Command {
         /// Stop after this much fabric time (default: Ctrl-C).
         #[arg(long)]
         duration: Option<closbox_fabric::Duration>,
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
     },
     /// Draw a `closbox record` file as an SVG: queue depth (or utilization) over fabric
     /// time for the busiest ports.
@@ -349,8 +349,8 @@ enum Command {
         /// is not a terminal).
         #[arg(long)]
         once: bool,
-        #[arg(long, short, value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        #[command(flatten)]
+        fabric: FabricChoice,
     },
     /// Run an MPI program (Open MPI or MPICH) with one rank per selected GPU: the launcher
     /// built in (closbox starts the remote daemons in their GPUs), TCP over the GPUs'
@@ -718,6 +718,24 @@ fn parse_radix(s: &str) -> Result<u64, String> {
 /// (`closbox down configs/default.toml`), whose `[fabric] name` it is. A valid name is a
 /// name even if a file of that name exists; anything else that is a file, or ends in
 /// `.toml`, is read as a topology file (its errors name the file and line).
+/// A fabric as `status` and `down` take it, positional, or with `-f` as every command
+/// takes it: for commands with no other positional argument.
+#[derive(Debug, clap::Args)]
+struct FabricChoice {
+    /// Fabric: a name or its topology file (default: the only fabric up).
+    #[arg(value_name = "FABRIC", value_parser = fabric_ref)]
+    positional: Option<FabricName>,
+    /// The same, as other commands take it.
+    #[arg(long = "fabric", short = 'f', value_name = "FABRIC", value_parser = fabric_ref, conflicts_with = "positional")]
+    flag: Option<FabricName>,
+}
+
+impl FabricChoice {
+    fn get(&self) -> Option<&FabricName> {
+        self.positional.as_ref().or(self.flag.as_ref())
+    }
+}
+
 fn fabric_ref(s: &str) -> Result<FabricName, String> {
     if let Ok(name) = s.parse() {
         return Ok(name);
@@ -842,7 +860,7 @@ fn main() -> ExitCode {
             fabric,
             json,
             follow,
-        } => chaos::events(fabric.as_ref(), json, follow),
+        } => chaos::events(fabric.get(), json, follow),
         Command::Load {
             from,
             to,
@@ -900,7 +918,7 @@ fn main() -> ExitCode {
             drops,
             fabric,
         } => capture::capture(capture::Args {
-            fabric: fabric.as_ref(),
+            fabric: fabric.get(),
             select: capture::Selection {
                 ports: &ports,
                 links: &links,
@@ -918,7 +936,7 @@ fn main() -> ExitCode {
             since,
             json,
             fabric,
-        } => flows::flows(fabric.as_ref(), top, since, json),
+        } => flows::flows(fabric.get(), top, since, json),
         Command::Record {
             file,
             interval,
@@ -926,7 +944,7 @@ fn main() -> ExitCode {
             duration,
             fabric,
         } => record::record(record::RecordArgs {
-            fabric: fabric.as_ref(),
+            fabric: fabric.get(),
             file: &file,
             interval,
             ports: ports.as_deref(),
@@ -938,7 +956,7 @@ fn main() -> ExitCode {
             metric,
             top,
         } => record::plot(&file, &out, metric, top),
-        Command::Top { once, fabric } => top::top(fabric.as_ref(), once),
+        Command::Top { once, fabric } => top::top(fabric.get(), once),
         Command::Mpirun {
             fabric,
             gpus,
@@ -974,7 +992,7 @@ fn main() -> ExitCode {
             fabric,
         } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
-        Command::Heal { fabric } => chaos::change(fabric.as_ref(), ChangeRequest::Heal),
+        Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
         Command::Exec {
             gpu,
             fabric,

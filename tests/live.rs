@@ -86,6 +86,27 @@ fn lifecycle_exec_run_and_errors() {
         "{:?}",
         text(&out)
     );
+    // Commands with no other argument take the fabric as `status` and `down` do, or with -f.
+    for args in [
+        &["events", "lt-life"][..],
+        &["flows", "lt-life", "--top", "1"],
+        &["top", "lt-life", "--once"],
+        &["top", "-f", "lt-life", "--once"],
+    ] {
+        let out = closbox(args);
+        assert!(out.status.success(), "{args:?}: {:?}", text(&out));
+        assert!(
+            text(&out).0.contains("lt-life"),
+            "{args:?}: {:?}",
+            text(&out)
+        );
+    }
+    let out = closbox(&["events", "lt-nope"]);
+    assert!(
+        text(&out).1.contains("fabric lt-nope is not up"),
+        "{:?}",
+        text(&out)
+    );
     let out = closbox(&["up", f.config.to_str().unwrap(), "--detach"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).1.contains("already up"), "{:?}", text(&out));
