@@ -109,7 +109,9 @@ enum Command {
         /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
-        #[arg(last = true, required = true)]
+        /// The command and its arguments (after `--` if they could be taken for closbox's
+        /// own options).
+        #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         cmd: Vec<String>,
     },
     /// nccl-tests-style benchmark: agents in every GPU, a table with predictions.
@@ -387,7 +389,9 @@ enum Command {
         #[arg(long)]
         fabric_clock: bool,
 
-        #[arg(last = true, required = true)]
+        /// The command and its arguments (after `--` if they could be taken for closbox's
+        /// own options).
+        #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         cmd: Vec<String>,
     },
     /// (Internal) the remote-shell agent of `closbox mpirun`: runs CMD in GPU HOST, ended
@@ -449,7 +453,9 @@ enum Command {
         /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
-        #[arg(last = true, required = true)]
+        /// The command and its arguments (after `--` if they could be taken for closbox's
+        /// own options).
+        #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]
         cmd: Vec<String>,
     },
 }

@@ -71,6 +71,12 @@ fn train_and_run_options_are_checked_before_anything_runs() {
             vec!["plan", "x.toml", "--radix", "8"],
             "cannot be used with",
         ),
+        // A mistyped option before the command is not taken for the command.
+        (
+            vec!["run", "--gpu", "0", "true"],
+            "unexpected argument '--gpu'",
+        ),
+        (vec!["exec", "gpu0"], "<CMD>"),
         // One fabric, named once: as an argument or with -f.
         (vec!["top", "ab", "-f", "cd"], "cannot be used with"),
         (vec!["events", "Bad_Name"], "fabric name \"Bad_Name\""),

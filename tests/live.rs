@@ -86,6 +86,11 @@ fn lifecycle_exec_run_and_errors() {
         "{:?}",
         text(&out)
     );
+    // The command needs no `--` before it (as `ip netns exec`); its options are its own.
+    let out = closbox(&["exec", "-f", "lt-life", "gpu2", "hostname"]);
+    assert_eq!(text(&out).0, "gpu2\n", "{:?}", text(&out));
+    let out = closbox(&["exec", "-f", "lt-life", "gpu2", "sh", "-c", "echo $0", "-f"]);
+    assert_eq!(text(&out).0, "-f\n", "{:?}", text(&out));
     // Commands with no other argument take the fabric as `status` and `down` do, or with -f.
     for args in [
         &["events", "lt-life"][..],
