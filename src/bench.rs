@@ -109,48 +109,98 @@ fn topology_of(st: &State, sel: &[usize]) -> anyhow::Result<(Topology, Vec<u32>)
     Ok((topo, ranks))
 }
 
-/// The fabric as it is now, for predictions: the topology with the changed links'
-/// parameters, and the links that are down.
-/// The fabric as it is now: links changed in `topo`, the links down, and the load each
-/// port carries (port, bit/s on the wire) from running synthetic loads.
-fn fabric_now(st: &State, topo: &Topology) -> (Topology, Vec<u32>, Vec<(u32, f64)>) {
-    let mut now = topo.clone();
-    let mut down = Vec::new();
-    let mut background = Vec::new();
+/// The fabric as it is now.
+struct Now {
+    /// `topo` with the changed links' parameters.
+    topo: Topology,
+    /// Links down.
+    down: Vec<u32>,
+    /// The load each port carries from running synthetic loads (port, bit/s on the wire).
+    background: Vec<(u32, f64)>,
+    /// While a partition holds: the GPUs of each side (GPUs in none form one more).
+    partition: Vec<Vec<String>>,
+}
+
+fn fabric_now(st: &State, topo: &Topology) -> Now {
+    let mut now = Now {
+        topo: topo.clone(),
+        down: Vec::new(),
+        background: Vec::new(),
+        partition: Vec::new(),
+    };
     if let Some(s) = RunHealth::snapshot(&st.fabric) {
         for l in s.loads.iter().filter(|l| l.active) {
             for &(port, share) in &l.port_shares {
-                background.push((port, l.mean_bps * share));
+                now.background.push((port, l.mean_bps * share));
             }
         }
         for l in &s.changed_links {
-            let Some(link) = now.links.get_mut(l.id as usize) else {
+            let Some(link) = now.topo.links.get_mut(l.id as usize) else {
                 continue;
             };
             link.params.rate = closbox_fabric::Bandwidth::from_bps(l.rate_bps);
             link.params.delay = closbox_fabric::Duration::from_nanos(l.delay_ns);
             link.params.loss = l.loss;
             if !l.up {
-                down.push(l.id);
+                now.down.push(l.id);
             }
         }
+        now.partition = s.partition;
     }
-    (now, down, background)
+    now
 }
 
 /// The fabric as it is now (links down or changed, loads running), and a predictor for it.
+/// Refused when a selected GPU cannot reach another, through links down or across a
+/// partition: the agents would wait for it until their timeout.
 fn predictor_now(
     st: &State,
     topo: &Topology,
     ranks: Vec<u32>,
     channels: usize,
-) -> (Topology, Predictor) {
-    let (topo, down, background) = fabric_now(st, topo);
-    let mut p = Predictor::with_links_down(&topo, ranks, channels, down);
-    for (port, bps) in background {
+) -> anyhow::Result<(Topology, Predictor)> {
+    let now = fabric_now(st, topo);
+    let names: Vec<String> = ranks
+        .iter()
+        .map(|&h| st.gpus[h as usize].name.clone())
+        .collect();
+    // A GPU in no group of a partition is on the side of the rest.
+    let side = |name: &str| {
+        now.partition
+            .iter()
+            .position(|g| g.iter().any(|n| n == name))
+    };
+    if !now.partition.is_empty() {
+        if let Some(b) = names.iter().position(|n| side(n) != side(&names[0])) {
+            bail!(
+                "{} and {} are on two sides of a partition of fabric {}; `closbox heal` ends it, or choose GPUs of one side with --gpus",
+                names[0],
+                names[b],
+                st.fabric
+            );
+        }
+    }
+    let down_names: Vec<String> = now
+        .down
+        .iter()
+        .map(|&l| closbox_switchd::chaos::link_name(&now.topo, l))
+        .collect();
+    let mut p = Predictor::with_links_down(&now.topo, ranks, channels, now.down);
+    if let Some((a, b)) = p.unreachable() {
+        bail!(
+            "{} cannot reach {} on fabric {}: {} down ({}); bring {} up (`closbox link up`, `closbox gpu up`, `closbox switch up`, `closbox link reset`) or leave the GPUs cut off out with --gpus",
+            names[a],
+            names[b],
+            st.fabric,
+            if down_names.len() == 1 { "link" } else { "links" },
+            down_names.join(", "),
+            if down_names.len() == 1 { "it" } else { "them" },
+        );
+    }
+    for (port, bps) in now.background {
         p.add_background(port, bps);
     }
-    (topo, p)
+    Ok((now.topo, p))
 }
 
 /// What the fabric and the box did during a run, from status snapshots before and after.
@@ -674,7 +724,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         ),
     )?;
     // Predictions on the fabric as it is (links down or changed by `closbox link …`).
-    let (topo, predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
+    let (topo, predictor) = predictor_now(&st, &topo, ranks, a.target.channels)?;
     let total = a.ops.len() * spec.sizes.len();
     // What the sweep should take on the wall clock, from the model (random paths).
     let runs = (spec.iters + spec.warmup) as f64;
@@ -953,7 +1003,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
             crate::plan::approx_bytes(a.model_bytes as u64)
         ),
     )?;
-    let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels);
+    let (topo, mut predictor) = predictor_now(&st, &topo, ranks, a.target.channels)?;
     let buckets = bucket_sizes(a.model_bytes, a.bucket_bytes);
     let compute_ms = a.compute_ms.unwrap_or_else(|| {
         bucket_times_ms(&mut predictor, a.algo, &buckets)

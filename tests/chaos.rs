@@ -211,8 +211,40 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
         .unwrap()
         .iter()
         .any(|d| d[0] == "partitioned" && d[1].as_u64().unwrap() > 0));
+    // `bench` does not start agents that cannot reach each other: across the partition,
+    // nor with a GPU's only link down; GPUs of one side are benchmarked.
+    let out = closbox(&[
+        "bench", "--fabric", "lt-part", "--sizes", "64K", "--iters", "1",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .1
+            .contains("gpu0 and gpu3 are on two sides of a partition of fabric lt-part"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&[
+        "bench", "--fabric", "lt-part", "--gpus", "0-2", "--sizes", "64K", "--iters", "1",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
     // Healed, the same job runs through.
     assert!(closbox(&["heal", "--fabric", "lt-part"]).status.success());
+    assert!(closbox(&["gpu", "down", "gpu2", "--fabric", "lt-part"])
+        .status
+        .success());
+    let out = closbox(&["train", "--fabric", "lt-part", "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .1
+            .contains("gpu0 cannot reach gpu2 on fabric lt-part: link down (gpu2-leaf1 #0)"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(closbox(&["gpu", "up", "gpu2", "--fabric", "lt-part"])
+        .status
+        .success());
     let out = job("2");
     let (o, e) = text(&out);
     assert!(out.status.success(), "{o}\n{e}");

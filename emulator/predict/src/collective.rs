@@ -203,6 +203,21 @@ impl Predictor {
             .collect()
     }
 
+    /// A pair of ranks (from, to) with no route between them over the links up: the
+    /// first found, if any. Predictions assume every rank reaches every other.
+    pub fn unreachable(&self) -> Option<(usize, usize)> {
+        let n = self.n();
+        (0..n)
+            .flat_map(|a| (0..n).map(move |b| (a, b)))
+            .find(|&(a, b)| {
+                self.ranks[a] != self.ranks[b]
+                    && self
+                        .routes
+                        .next_hops(self.ranks[a], HostId(self.ranks[b]))
+                        .is_empty()
+            })
+    }
+
     /// Draws of paths to average over: one when the paths are known.
     fn samples(&self, random: usize) -> usize {
         if self.known.is_some() {
