@@ -62,7 +62,7 @@ pub struct Predictor {
     down: Vec<u32>,
     /// Wire rate of each port, bit/s.
     rate: Vec<f64>,
-    /// PFC or credits: a source's transfers move at one rate (`fluid::makespan`).
+    /// PFC or credits: links are paused as a whole (`fluid::makespan`).
     lossless: bool,
 }
 
@@ -685,7 +685,7 @@ mod tests {
     fn a_lossless_fabric_holds_a_sources_transfers_to_its_slowest() {
         // The 3:1 AllToAll of `configs/roce-3to1.toml`, lossy and with PFC: a GPU whose
         // leaf-crossing block is held back at the uplinks holds back its same-leaf block
-        // with it (6 % slower at 8 MiB, for random paths). A ring, whose every source sends
+        // with it (10 % slower at 8 MiB, for random paths). A ring, whose every source sends
         // to one peer at a time, is predicted as before.
         let fabric = |fc: &str| {
             closbox_fabric::parse(

@@ -37,8 +37,8 @@ pub struct Transfer {
 }
 
 /// Seconds until every transfer has arrived. `cap` is each port's rate in bytes/s.
-/// `lossless`: the fabric pauses a source's link as a whole (PFC, credits), so the
-/// transfers leaving one source move at one rate, their slowest's (see `Shares`).
+/// `lossless`: the fabric pauses links as a whole (PFC, credits), so no transfer crosses
+/// a link faster than the slowest one held back beyond it (see `Shares`).
 pub fn makespan(cap: &[f64], transfers: &[Transfer], lossless: bool) -> f64 {
     let mut sim = Sim::new(transfers);
     let mut remaining: Vec<f64> = transfers.iter().map(|t| t.bytes.max(0.0)).collect();
@@ -192,19 +192,20 @@ impl<'a> Sim<'a> {
 /// First come, first served: in start order, each transfer takes what is left on the
 /// most loaded port of its path.
 ///
-/// On a lossless fabric a source's transfers cannot pass each other: the first switch
-/// pauses the source's link as a whole once what it holds from it exceeds its threshold,
-/// whichever transfer's bytes those are, so a transfer held back downstream of its
-/// source holds back every transfer leaving that source (head-of-line blocking): none
-/// leaves faster than it. The shares are then taken again with that rate as a cap,
-/// which frees capacity for transfers from other sources, until no cap falls.
+/// On a lossless fabric transfers cannot pass each other on a link: the switch at its far
+/// end pauses the link as a whole once what it holds from it exceeds its threshold,
+/// whichever transfer's bytes those are, so a transfer held back further on holds back
+/// every transfer crossing the links before that point (head-of-line blocking, and
+/// congestion spreading upstream): none crosses them faster than it. The shares are then
+/// taken again with that rate as a cap, which frees capacity for other transfers, until
+/// no cap falls.
 struct Shares {
     left: Vec<f64>,
     lossless: bool,
-    /// Per transfer, the most it may get (lossless: what its source's slowest transfer
-    /// held back downstream gets).
+    /// Per transfer, the most it may get (lossless: the slowest rate of the transfers held
+    /// back beyond a port it crosses).
     cap: Vec<f64>,
-    /// Per source port, the slowest rate of its transfers held back downstream.
+    /// Per port, the slowest rate of the transfers held back beyond it.
     held: Vec<f64>,
 }
 
@@ -232,21 +233,19 @@ impl Shares {
             self.left.copy_from_slice(cap);
             for &i in active {
                 let path = &transfers[i].path;
-                let min_left = |ports: &[u32]| {
-                    ports
-                        .iter()
-                        .map(|&p| self.left[p as usize])
-                        .fold(f64::INFINITY, f64::min)
-                };
-                let (source, downstream) = match path.split_first() {
-                    Some((&s, rest)) => (self.left[s as usize], min_left(rest)),
-                    None => (f64::INFINITY, f64::INFINITY),
-                };
-                let r = source.min(downstream).min(self.cap[i]);
+                // The rate, and where on the path it is decided (the first port at it).
+                let (mut r, mut at) = (self.cap[i], None);
+                for (k, &p) in path.iter().enumerate() {
+                    if self.left[p as usize] < r {
+                        (r, at) = (self.left[p as usize], Some(k));
+                    }
+                }
                 rate[i] = r;
-                if self.lossless && downstream < source && downstream < self.cap[i] {
-                    let h = &mut self.held[path[0] as usize];
-                    *h = h.min(r);
+                if let (true, Some(k)) = (self.lossless, at) {
+                    for &p in &path[..k] {
+                        let h = &mut self.held[p as usize];
+                        *h = h.min(r);
+                    }
                 }
                 for &p in path {
                     self.left[p as usize] -= r;
@@ -257,17 +256,19 @@ impl Shares {
             }
             let mut lowered = false;
             for &i in active {
-                if let Some(&s) = transfers[i].path.first() {
-                    let h = self.held[s as usize];
-                    if rate[i] > h * (1.0 + 1e-12) {
-                        self.cap[i] = h;
-                        lowered = true;
-                    }
+                let path = &transfers[i].path;
+                let h = path
+                    .iter()
+                    .map(|&p| self.held[p as usize])
+                    .fold(f64::INFINITY, f64::min);
+                if rate[i] > h * (1.0 + 1e-12) {
+                    self.cap[i] = h;
+                    lowered = true;
                 }
             }
             for &i in active {
-                if let Some(&s) = transfers[i].path.first() {
-                    self.held[s as usize] = f64::INFINITY;
+                for &p in &transfers[i].path {
+                    self.held[p as usize] = f64::INFINITY;
                 }
             }
             if !lowered {
@@ -345,6 +346,29 @@ mod tests {
         // Where the source itself is the bottleneck, one rate is what they had anyway.
         let even = [t(&[0], 500.0, 0.0, &[]), t(&[0], 500.0, 0.0, &[])];
         assert!(close(makespan(&[100.0], &even, true), 10.0));
+    }
+
+    #[test]
+    fn a_lossless_pause_holds_a_shared_link_inside_the_fabric() {
+        // a (source 0) and b (source 1) share link 2; a is held to 20 at its destination
+        // port 3, b goes on to port 4. Lossy, b takes the 80 link 2 has left; lossless,
+        // the switch after link 2 pauses it for a's bytes and b's wait with them.
+        let cap = [100.0, 100.0, 100.0, 20.0, 100.0];
+        let tr = [
+            t(&[0, 2, 3], 2000.0, 0.0, &[]),
+            t(&[1, 2, 4], 1000.0, 0.0, &[]),
+        ];
+        let mut rate = vec![0.0; 2];
+        Shares::new(5, false).compute(&cap, &tr, &[0, 1], &mut rate);
+        assert!(
+            close(rate[0], 20.0) && close(rate[1], 80.0),
+            "lossy {rate:?}"
+        );
+        Shares::new(5, true).compute(&cap, &tr, &[0, 1], &mut rate);
+        assert!(
+            close(rate[0], 20.0) && close(rate[1], 20.0),
+            "lossless {rate:?}"
+        );
     }
 
     #[test]
