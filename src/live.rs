@@ -436,10 +436,10 @@ pub fn exec(
     closbox_switchd::require_root("closbox exec")?;
 
     let st = resolve(fabric)?;
+    let (_, g) = st.gpu(gpu).map_err(|e| crate::usage(format!("{e:#}")))?;
     if fabric_clock {
         enable_fabric_clock(&st)?;
     }
-    let (_, g) = st.gpu(gpu)?;
     let mut enter = netns::open_gpu(&st, g)?;
     // From a terminal, the command stays in the terminal's foreground group (Ctrl-C and
     // job control reach it); otherwise it leads a group of its own, and signals passed on
@@ -506,15 +506,18 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
                 }
                 out.extend(a..=b);
             }
-            _ => out.push(st.gpu(part)?.0),
+            _ => out.push(st.gpu(part).map_err(|e| crate::usage(format!("{e:#}")))?.0),
         }
     }
     let mut seen = std::collections::BTreeSet::new();
     if let Some(dup) = out.iter().find(|i| !seen.insert(**i)) {
-        bail!("GPU {} is selected twice", st.gpus[*dup].name);
+        return Err(crate::usage(format!(
+            "GPU {} is selected twice",
+            st.gpus[*dup].name
+        )));
     }
     if out.is_empty() {
-        bail!("no GPU selected");
+        return Err(crate::usage("no GPU selected"));
     }
     Ok(out)
 }

@@ -69,7 +69,15 @@ fn lifecycle_exec_run_and_errors() {
         Some(7)
     );
     let out = f.exec("gpu9", &["true"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a GPU outside the fabric is bad usage"
+    );
+    for sel in ["9", "0,0", "x", "8-9"] {
+        let out = closbox(&["run", "--fabric", "lt-life", "--gpus", sel, "true"]);
+        assert_eq!(out.status.code(), Some(2), "--gpus {sel}: {:?}", text(&out));
+    }
     assert!(
         text(&out).1.contains("has no GPU \"gpu9\""),
         "{:?}",
