@@ -737,8 +737,14 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 .wall_of(predictor.predict(op, spec.algo, size, spec.root) * runs)
         })
         .sum();
+    // Beyond an hour, in units a reader takes in (slow links, huge sizes, high scales).
+    let long = match expected {
+        e if e >= 86_400.0 => format!(" ({:.1} days; --timeout bounds it)", e / 86_400.0),
+        e if e >= 3_600.0 => format!(" ({:.1} hours; --timeout bounds it)", e / 3_600.0),
+        _ => String::new(),
+    };
     eprintln!(
-        "# {} ({} × {}), {} each: about {:.0} s of wall time by the model, plus start-up",
+        "# {} ({} × {}), {} each: about {:.0} s{long} of wall time by the model, plus start-up",
         plural(total, "result"),
         plural(a.ops.len(), "op"),
         plural(spec.sizes.len(), "size"),
