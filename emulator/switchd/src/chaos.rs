@@ -135,14 +135,16 @@ fn name(topo: &Topology, v: Vertex) -> &str {
     }
 }
 
-/// Names sharing `name`'s letters (its non-digit prefix), to say what exists.
+/// Names sharing `name`'s letters (its non-digit prefix), to say what exists; else every
+/// name, switches first (fewer, and what a scenario written for another fabric names:
+/// "spine1" on a single switch got "gpu0, …, gpu7 and 1 more").
 pub fn nearby(topo: &Topology, name: &str) -> String {
     let stem: String = name.chars().take_while(|c| !c.is_ascii_digit()).collect();
     let all = topo
-        .hosts
+        .switches
         .iter()
-        .map(|h| h.name.as_str())
-        .chain(topo.switches.iter().map(|s| s.name.as_str()));
+        .map(|s| s.name.as_str())
+        .chain(topo.hosts.iter().map(|h| h.name.as_str()));
     let mut near: Vec<&str> = all
         .clone()
         .filter(|n| !stem.is_empty() && n.starts_with(&stem))
@@ -642,6 +644,12 @@ mod tests {
         let e = resolve(&t, &down("leaf0", "spine7", None)).unwrap_err();
         assert!(
             e.contains("no GPU or switch \"spine7\"") && e.contains("spine0"),
+            "{e}"
+        );
+        // Nothing shares the letters: every name, switches first.
+        let e = resolve(&t, &down("leaf0", "core3", None)).unwrap_err();
+        assert!(
+            e.contains("names here: spine0, spine1, leaf0, leaf1, gpu0, gpu1, gpu2, gpu3"),
             "{e}"
         );
         let e = resolve(&t, &down("leaf0", "leaf1", None)).unwrap_err();
