@@ -720,10 +720,6 @@ fn parse_radix(s: &str) -> Result<u64, String> {
     Ok(k)
 }
 
-/// A fabric on the command line: its name, or the topology file it was brought up from
-/// (`closbox down configs/default.toml`), whose `[fabric] name` it is. A valid name is a
-/// name even if a file of that name exists; anything else that is a file, or ends in
-/// `.toml`, is read as a topology file (its errors name the file and line).
 /// A fabric as `status` and `down` take it, positional, or with `-f` as every command
 /// takes it: for commands with no other positional argument.
 #[derive(Debug, clap::Args)]
@@ -742,6 +738,10 @@ impl FabricChoice {
     }
 }
 
+/// A fabric on the command line: its name, or the topology file it was brought up from
+/// (`closbox down configs/default.toml`), whose `[fabric] name` it is. A valid name is a
+/// name even if a file of that name exists; anything else that is a file, or ends in
+/// `.toml`, is read as a topology file (its errors name the file and line).
 fn fabric_ref(s: &str) -> Result<FabricName, String> {
     if let Ok(name) = s.parse() {
         return Ok(name);
