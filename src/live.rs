@@ -436,7 +436,7 @@ pub fn exec(
     closbox_switchd::require_root("closbox exec")?;
 
     let st = resolve(fabric)?;
-    let (_, g) = st.gpu(gpu).map_err(|e| crate::usage(format!("{e:#}")))?;
+    let (_, g) = gpu_arg(&st, gpu)?;
     if fabric_clock {
         enable_fabric_clock(&st)?;
     }
@@ -481,6 +481,11 @@ pub fn exec(
 }
 
 /// Parses a GPU selection: "all", ranks and ranges ("0-3,6"), or names ("gpu0,gpu5").
+/// A GPU named on the command line: one the fabric does not have is bad usage (exit 2).
+fn gpu_arg<'a>(st: &'a State, spec: &str) -> anyhow::Result<(usize, &'a GpuState)> {
+    st.gpu(spec).map_err(|e| crate::usage(format!("{e:#}")))
+}
+
 pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
     if sel == "all" {
         return Ok((0..st.gpus.len()).collect());
@@ -506,7 +511,7 @@ pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
                 }
                 out.extend(a..=b);
             }
-            _ => out.push(st.gpu(part).map_err(|e| crate::usage(format!("{e:#}")))?.0),
+            _ => out.push(gpu_arg(st, part)?.0),
         }
     }
     let mut seen = std::collections::BTreeSet::new();

@@ -1000,12 +1000,15 @@ fn time_scale_auto_is_measured_at_up() {
         // 1538-byte frame (1500 + Ethernet framing) each way over two links of 1 µs,
         // serialized at each (at 1 Gbit/s 12.3 µs a link: 26.6 µs; at 100 Gbit/s 2.2 µs),
         // plus an ACK's serialization where it goes first.
-        let fabric_us: f64 = o
-            .split("took ")
-            .nth(1)
-            .and_then(|r| r.split(" µs of fabric time").next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no exchange timing in status: {o}"));
+        // "... took F µs of fabric time plus B µs of wall time the box adds".
+        let timing = |before: &str, after: &str| -> f64 {
+            o.split(before)
+                .nth(1)
+                .and_then(|r| r.split(after).next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no exchange timing in status: {o}"))
+        };
+        let fabric_us = timing("took ", " µs of fabric time");
         // Up to 1.4 × the model: in a slow phase of the box (the hypervisor taking 7–8 %
         // of the CPUs) 1 Gbit/s exchanges read 34.6–35.7 µs in four runs of four (one in
         // CI), the box's part not being the same at both timing scales then; a wall-time
@@ -1017,12 +1020,7 @@ fn time_scale_auto_is_measured_at_up() {
         );
         // The wall time the box adds to an exchange, which the scale must shrink under 5 %
         // of the exchange's fabric time.
-        let box_us: f64 = o
-            .split(" µs of fabric time plus ")
-            .nth(1)
-            .and_then(|r| r.split(" µs of wall time the box adds").next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no box part in status: {o}"));
+        let box_us = timing(" µs of fabric time plus ", " µs of wall time the box adds");
         eprintln!(
             "{rate} links: time_scale auto chose {k} (exchange {fabric_us} µs, the box adds {box_us} µs)"
         );

@@ -224,8 +224,11 @@ impl Shares {
         if self.cap.len() < transfers.len() {
             self.cap.resize(transfers.len(), f64::INFINITY);
         }
-        for &i in active {
-            self.cap[i] = f64::INFINITY;
+        // Caps are only ever lowered on a lossless fabric: lossy, they stay unbounded.
+        if self.lossless {
+            for &i in active {
+                self.cap[i] = f64::INFINITY;
+            }
         }
         // Caps only fall, each pass lowering some to a rate a transfer got: a few passes
         // in practice (bounded here by one more than the active transfers).
