@@ -36,7 +36,7 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
-use closbox_fabric::config::{line_col, plain_words, read_limited};
+use closbox_fabric::config::{line_col, plain_words, read_limited, unknown_field};
 use closbox_fabric::rng::Rng;
 use closbox_fabric::topology::{LinkClass, Topology};
 use closbox_fabric::{Bandwidth, Bytes, ConfigError, Duration};
@@ -171,10 +171,24 @@ pub fn load(path: &Path, topo: &Topology) -> Result<Scenario, ConfigError> {
 /// Checks scenario text against `topo`; `file` names it in errors.
 pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, ConfigError> {
     let cx = Cx { text, file };
-    let raw: RawScenario = toml::from_str(text).map_err(|e| ConfigError {
-        file: file.to_owned(),
-        position: e.span().map(|s| line_col(text, s.start)),
-        message: plain_words(e.message().trim_end()),
+    let raw: RawScenario = toml::from_str(text).map_err(|e| {
+        let mut message = plain_words(e.message().trim_end());
+        // A topology file's top-level keys where a scenario's were expected.
+        const TOPOLOGY_KEYS: [&str; 9] = [
+            "fabric", "topology", "node", "nic", "links", "switches", "switch", "host", "link",
+        ];
+        if unknown_field(&message).is_some_and(|k| TOPOLOGY_KEYS.contains(&k))
+            && message.contains("`random`")
+        {
+            message += "; this looks like a topology file, not a scenario file \
+                        (a scenario has [[event]] and [[random]] tables): bring it up with \
+                        `closbox up FILE`";
+        }
+        ConfigError {
+            file: file.to_owned(),
+            position: e.span().map(|s| line_col(text, s.start)),
+            message,
+        }
     })?;
     if raw.event.is_empty() && raw.random.is_empty() {
         return Err(ConfigError {
@@ -650,6 +664,15 @@ for = "1ms"
         assert!(e.contains("more than"), "{e}");
         let e = err("seed = 1\n");
         assert!(e.contains("does nothing"), "{e}");
+        let e = err("[fabric]\nname = \"c\"\n[topology]\nkind = \"single-switch\"\ngpus = 2\n");
+        assert!(
+            e.starts_with("s.toml:1:2: unknown field `fabric`")
+                && e.contains("looks like a topology file")
+                && e.contains("closbox up FILE"),
+            "{e}"
+        );
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"heal\"\nfabric = \"x\"\n");
+        assert!(!e.contains("topology file"), "{e}");
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"partition\"\ngroups = [\"0-9\"]\n");
         assert!(e.starts_with("s.toml:4:10:") && e.contains("0 to 3"), "{e}");
     }

@@ -89,7 +89,14 @@ pub fn read_limited(path: &Path, what: &str) -> Result<String, String> {
 pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
     let cx = Cx { text, file };
     let raw: RawFile = toml::from_str(text).map_err(|e| {
-        let msg = plain_words(e.message().trim_end());
+        let mut msg = plain_words(e.message().trim_end());
+        // A scenario file's top-level keys where a topology file's were expected.
+        if unknown_field(&msg).is_some_and(|k| ["event", "random", "seed"].contains(&k))
+            && msg.contains("`topology`")
+        {
+            msg += "; this looks like a chaos scenario file, not a topology file: \
+                    run it on a fabric that is up with `closbox chaos FILE` or `--chaos FILE`";
+        }
         cx.err_at(e.span(), msg)
     })?;
     if let Some(kind) = raw.nic.as_ref().and_then(|n| n.tcp_congestion.as_ref()) {
@@ -98,6 +105,11 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
         }
     }
     build(&cx, raw)
+}
+
+/// The key named by serde's "unknown field `KEY`, expected ..." message.
+pub fn unknown_field(msg: &str) -> Option<&str> {
+    msg.strip_prefix("unknown field `")?.split('`').next()
 }
 
 /// Serde's words for what it expected, in the words of topology files: no Rust types.
@@ -488,6 +500,24 @@ gpus_per_leaf = 4
         let e = err(&format!("{LS}bogus = 1\n"));
         assert!(e.starts_with("t.toml:9:1: "), "{e}");
         assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn a_scenario_file_is_named_as_such() {
+        let e = err(
+            "# spine fails\n[[event]]\nat = \"1ms\"\ndo = \"switch-down\"\nname = \"spine1\"\n",
+        );
+        assert!(e.starts_with("t.toml:2:3: unknown field `event`"), "{e}");
+        assert!(
+            e.contains("chaos scenario file") && e.contains("closbox chaos FILE"),
+            "{e}"
+        );
+        // An unknown `event` inside a table is only a wrong key.
+        let e = err(&format!("{LS}[links.nic]\nevent = 1\n"));
+        assert!(
+            e.contains("unknown field `event`") && !e.contains("scenario"),
+            "{e}"
+        );
     }
 
     #[test]
