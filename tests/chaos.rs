@@ -481,16 +481,40 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let out = closbox(&["chaos", good.to_str().unwrap(), "--fabric", "lt-scen"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let what: Vec<String> = text(&out).0.lines().map(str::to_owned).collect();
-    assert_eq!(what.len(), 5, "{what:?}");
+    // The 5 changes and, as they happen, the 3 loads' ends.
+    assert_eq!(what.len(), 8, "{what:?}");
     assert!(what[0].ends_with("link leaf0-spine0 #0 down"), "{what:?}");
-    assert!(what[4].ends_with("link leaf0-spine0 #0 up"), "{what:?}");
+    assert!(what[2].contains("load 1 done: "), "{what:?}");
+    assert!(what[7].ends_with("link leaf0-spine0 #0 up"), "{what:?}");
     let events: Vec<serde_json::Value> =
         serde_json::from_slice(&closbox(&["events", "--json", "--fabric", "lt-scen"]).stdout)
             .unwrap();
-    let t0 = events[0]["fabric_ns"].as_u64().unwrap();
-    let t_up = events[4]["fabric_ns"].as_u64().unwrap();
+    let at = |what: &str| -> Vec<u64> {
+        events
+            .iter()
+            .filter(|e| e["what"].as_str().unwrap().starts_with(what))
+            .map(|e| e["fabric_ns"].as_u64().unwrap())
+            .collect()
+    };
+    let (t0, t_up) = (
+        at("link leaf0-spine0 #0 down"),
+        at("link leaf0-spine0 #0 up"),
+    );
     // 200 ms apart in fabric time (time_scale 1), to the loop's precision.
-    assert!((t_up - t0).abs_diff(200_000_000) < 5_000_000, "{events:?}");
+    assert!(
+        (t_up[0] - t0[0]).abs_diff(200_000_000) < 5_000_000,
+        "{events:?}"
+    );
+    // Each load logs its end: its last packet left within 5 ms of fabric time of its
+    // start, less than a packet's time (123 us at 100 Mbit/s) before that.
+    let (started, done) = (at("load 1 started"), at("load 1 done: "));
+    assert_eq!((started.len(), done.len()), (1, 1), "{events:?}");
+    let lasted = done[0] - started[0];
+    assert!(
+        (4_877_000..5_000_000).contains(&lasted),
+        "{lasted} ns: {events:?}"
+    );
+    assert_eq!(at("load ").len(), 6, "{events:?}");
     // `run --chaos`: the timeline starts with the job and what the job outlives is
     // cancelled.
     let out = closbox(&[

@@ -482,6 +482,9 @@ pub struct Fabric {
     /// Synthetic loads, in the order they started (their index is their generator's
     /// event key above the ports').
     loads: Vec<LoadState>,
+    /// Loads that ended on their own (their last packet left), with when: for the
+    /// event log (`take_ended_loads`).
+    ended_loads: Vec<(u32, Instant)>,
     /// Of `in_transit`, synthetic packets.
     load_in_transit: u64,
     seed: u64,
@@ -594,6 +597,7 @@ impl Fabric {
             degraded: false,
             partition: None,
             loads: Vec::new(),
+            ended_loads: Vec::new(),
             load_in_transit: 0,
             seed,
             taps: None,
@@ -1031,6 +1035,12 @@ impl Fabric {
             .collect()
     }
 
+    /// Loads that ended on their own since the last call (not those stopped), each with
+    /// its last packet's departure, in the order they ended.
+    pub fn take_ended_loads(&mut self) -> Vec<(u32, Instant)> {
+        std::mem::take(&mut self.ended_loads)
+    }
+
     /// The share of a load's packets that crosses each port, as the fabric routes them
     /// now (split evenly at every equal-cost branch): what it takes from each link, for
     /// predictions. Empty for an unknown id.
@@ -1138,7 +1148,10 @@ impl Fabric {
         st.gen.sent(t, len, wire_bits);
         match st.gen.next {
             Some(n) => self.events.push(Reverse(pack(n, key))),
-            None => st.active = false,
+            None => {
+                st.active = false;
+                self.ended_loads.push((st.gen.spec.id, t));
+            }
         }
         st.counters.sent_packets += 1;
         st.counters.sent_bytes += len as u64;

@@ -348,6 +348,21 @@ impl fmt::Display for Bytes {
     }
 }
 
+/// A byte count for people: "1.3 GiB", "512 MiB", "40 KiB".
+pub fn approx_bytes(b: u64) -> String {
+    for (div, unit) in [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+        if b >= div {
+            let v = b as f64 / div as f64;
+            return if v >= 100.0 || b % div == 0 {
+                format!("{v:.0} {unit}")
+            } else {
+                format!("{v:.1} {unit}")
+            };
+        }
+    }
+    format!("{b} B")
+}
+
 impl FromStr for Bytes {
     type Err = UnitError;
 

@@ -1136,6 +1136,7 @@ fn a_load_spreads_over_equal_cost_paths_and_takes_its_share_of_each_link() {
     run(&mut f);
     let l = &f.loads()[0];
     assert!(!l.active);
+    assert_eq!(f.take_ended_loads(), [], "stopped, not ended on its own");
     // 1 ms at 2 Gbit/s of 1038-byte frames.
     assert_eq!(l.counters.sent_packets, 241, "{l:?}");
     loads_conserved(&f);
@@ -1244,6 +1245,11 @@ fn incast_bursts_fill_the_port_buffer_and_are_dropped_and_marked() {
         assert_eq!(l.counters.sent_bytes, 400_000, "two bursts of 200 KB");
         assert!(!l.active, "done after its count");
     }
+    // Each ended when the last packet of its second burst left: 10 ms, then 199 frames
+    // of 1038 bytes at 1 Gbit/s (8.304 us each).
+    let last = Instant::from_nanos(10_000_000 + 199 * 8_304);
+    assert_eq!(f.take_ended_loads(), [(0, last), (1, last), (2, last)]);
+    assert_eq!(f.take_ended_loads(), [], "taken once");
 }
 
 #[test]

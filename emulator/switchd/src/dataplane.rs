@@ -1982,8 +1982,20 @@ impl<P: Ports> DataPlane<P> {
     }
 
     /// Applies the scheduled changes that are due.
+    /// Logs the loads that ended on their own first: they ended before now.
     fn apply_due(&mut self, wall: StdInstant) {
         let now = self.fabric_now(wall);
+        for (id, at) in self.model.take_ended_loads() {
+            let sent = self
+                .model
+                .loads()
+                .into_iter()
+                .find(|l| l.spec.id == id)
+                .map_or(0, |l| l.counters.sent_bytes);
+            let ago = self.time_scale.to_wall(now.saturating_since(at));
+            let sent = closbox_fabric::units::approx_bytes(sent);
+            self.log(at, ago, format!("load {id} done: {sent} sent"));
+        }
         while let Some(entry) = self.scheduled.first_entry() {
             if entry.key().0 > now {
                 break;
@@ -1995,16 +2007,23 @@ impl<P: Ports> DataPlane<P> {
 
     fn apply(&mut self, now: Instant, change: Change, what: String) -> Event {
         let done = self.model.apply(now, change);
+        let what = if done {
+            what
+        } else {
+            format!("{what} (already so)")
+        };
+        self.log(now, StdDuration::ZERO, what)
+    }
+
+    /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago.
+    fn log(&mut self, at: Instant, ago: StdDuration, what: String) -> Event {
         let event = Event {
-            fabric_ns: now.as_nanos(),
+            fabric_ns: at.as_nanos(),
             wall_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
+                .checked_sub(ago)
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                 .map_or(0, |d| d.as_millis() as u64),
-            what: if done {
-                what
-            } else {
-                format!("{what} (already so)")
-            },
+            what,
             seq: self.events_total + 1,
         };
         tracing::info!("fabric {}: {}", self.name, event.what);
