@@ -277,7 +277,7 @@ enum Command {
         #[arg(short = 'w', long = "write", value_name = "FILE")]
         file: PathBuf,
         /// Stop after this many packets.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, value_parser = at_least_one)]
         count: Option<u64>,
         /// Stop after this much fabric time, e.g. 10ms.
         #[arg(long)]
@@ -645,6 +645,15 @@ fn positive(s: &str) -> Result<f64, String> {
             Err("must be above 0".into())
         }
     })
+}
+
+/// A count of 1 or more (clap's own range names u64::MAX as its end).
+fn at_least_one(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
 }
 
 fn non_negative(s: &str) -> Result<f64, String> {

@@ -80,6 +80,10 @@ fn train_and_run_options_are_checked_before_anything_runs() {
         // One fabric, named once: as an argument or with -f.
         (vec!["top", "ab", "-f", "cd"], "cannot be used with"),
         (vec!["events", "Bad_Name"], "fabric name \"Bad_Name\""),
+        (
+            vec!["capture", "--all", "-w", "x.pcap", "--count", "0"],
+            "'0' for '--count <COUNT>': must be at least 1",
+        ),
     ] {
         usage_error(&args, needle);
     }
