@@ -1981,20 +1981,22 @@ impl<P: Ports> DataPlane<P> {
         self.fabric_now(self.ports.now()).as_nanos()
     }
 
-    /// Applies the scheduled changes that are due.
-    /// Logs the loads that ended on their own first: they ended before now.
+    /// Logs the loads that ended on their own (before now, so first), then applies the
+    /// scheduled changes that are due.
     fn apply_due(&mut self, wall: StdInstant) {
         let now = self.fabric_now(wall);
-        for (id, at) in self.model.take_ended_loads() {
-            let sent = self
-                .model
-                .loads()
-                .into_iter()
-                .find(|l| l.spec.id == id)
-                .map_or(0, |l| l.counters.sent_bytes);
-            let ago = self.time_scale.to_wall(now.saturating_since(at));
-            let sent = closbox_fabric::units::approx_bytes(sent);
-            self.log(at, ago, format!("load {id} done: {sent} sent"));
+        let ended = self.model.take_ended_loads();
+        if !ended.is_empty() {
+            let loads = self.model.loads();
+            for (id, at) in ended {
+                let sent = loads
+                    .iter()
+                    .find(|l| l.spec.id == id)
+                    .map_or(0, |l| l.counters.sent_bytes);
+                let ago = self.time_scale.to_wall(now.saturating_since(at));
+                let sent = closbox_fabric::units::approx_bytes(sent);
+                self.log(at, ago, format!("load {id} done: {sent} sent"));
+            }
         }
         while let Some(entry) = self.scheduled.first_entry() {
             if entry.key().0 > now {
