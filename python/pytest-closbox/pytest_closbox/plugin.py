@@ -123,6 +123,25 @@ class Fabric:
     def link_up(self, a: str, b: str) -> None:
         self._closbox(["link", "up", a, b, "--fabric", self.name], check=True)
 
+    def closbox(self, *args: str, check: bool = True,
+                timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+        """Any other closbox command on this fabric, as on the command line without
+        `--fabric`: `fabric.closbox("partition", "0-1", "2-3")`, `fabric.closbox("load",
+        "leaf0", "leaf1", "--rate", "500Mbit", "--for", "20ms")`, `fabric.closbox("chaos",
+        "scenario.toml")`. Raises ClosboxError when it fails (check=False: returns it).
+        Commands run in GPUs have their own methods (.exec, .run, .mpirun)."""
+        if not args:
+            raise ValueError("closbox(): which command?")
+        if args[0] in ("exec", "run", "mpirun", "up", "down"):
+            raise ValueError(f"closbox({args[0]!r}, ...): use .{args[0]}() or the fixture")
+        return self._closbox([*args, "--fabric", self.name], check=check, timeout=timeout)
+
+    def events(self) -> list:
+        """Every change since the fabric came up, oldest first (`closbox events --json`):
+        dicts with `seq`, `fabric_ns`, `wall_ms` and `what`."""
+        r = self._closbox(["events", self.name, "--json"], check=True)
+        return json.loads(r.stdout or "[]")
+
     def down(self) -> None:
         """Takes the fabric down (the fixture does it after the test otherwise)."""
         if not self._up:

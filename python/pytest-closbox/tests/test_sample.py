@@ -74,6 +74,29 @@ def test_a_failed_uplink_is_reported_and_routed_around(closbox_fabric):
         fabric.link_down("leaf0", "nowhere")
 
 
+def test_cross_traffic_and_a_partition_show_in_the_counters_and_events(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    # 500 Mbit/s of synthetic load from leaf0 to leaf1 for 20 ms of fabric time.
+    fabric.closbox("load", "leaf0", "leaf1", "--rate", "500Mbit", "--for", "20ms")
+    fabric.closbox("partition", "0-1", "2-3")
+    ping = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "1", "gpu2"])
+    assert ping.returncode != 0, "gpu0 and gpu2 are on two sides"
+    assert fabric.exec("gpu0", ["ping", "-c", "1", "-W", "1", "gpu1"]).returncode == 0
+    fabric.closbox("heal")
+    assert fabric.exec("gpu0", ["ping", "-c", "1", "-W", "1", "gpu2"]).returncode == 0
+    what = [e["what"] for e in fabric.events()]
+    assert what[0].startswith("load 1 started: leaf0 -> leaf1"), what
+    assert any(w.startswith("load 1 done: ") for w in what), what
+    changes = [w.split()[0] for w in what if not w.startswith("load ")]
+    assert changes == ["partition", "heal:"], what
+    st = fabric.status()
+    assert dict(st["drops"])["partitioned"] >= 1, st["drops"]
+    load_tx = sum(p["load_tx_bytes"] for p in st["ports"] if p["port"].startswith("leaf0->spine"))
+    assert load_tx > 1_000_000, st["ports"]
+    with pytest.raises(ClosboxError, match="spine9"):
+        fabric.closbox("link", "down", "leaf0", "spine9")
+
+
 def test_mpi_hello_through_closbox_mpirun(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
     r = fabric.mpirun(["/usr/bin/python3", "-m", "mpi4py.bench", "helloworld"], timeout=120)
