@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use anyhow::{bail, Context};
-pub use closbox_switchd::chaos::ChangeRequest;
+pub use closbox_switchd::chaos::{ChangeRequest, Event};
 use closbox_switchd::control::{self, Reply, Request};
 pub use closbox_switchd::dataplane::Status;
 use closbox_switchd::state::FabricName;
@@ -244,6 +244,16 @@ impl Fabric {
     pub fn change(&self, change: ChangeRequest) -> anyhow::Result<()> {
         match control::request(&self.name, &Request::Change(change))? {
             Reply::Changed { .. } => Ok(()),
+            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
+            _ => bail!("fabric {}: the daemon answered something else", self.name),
+        }
+    }
+
+    /// Every change since the fabric came up, oldest first (what `closbox events` lists):
+    /// changes applied, and loads that started, were stopped or ended.
+    pub fn events(&self) -> anyhow::Result<Vec<Event>> {
+        match control::request(&self.name, &Request::Events)? {
+            Reply::Events { events } => Ok(events),
             Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
         }

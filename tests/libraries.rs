@@ -92,6 +92,10 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     let st = f.status().unwrap();
     assert_eq!(st.changed_links.len(), 1, "{:?}", st.changed_links);
     assert!(f.link_down("leaf0", "nowhere").is_err());
+    let events = f.events().unwrap();
+    let what: Vec<&str> = events.iter().map(|e| e.what.as_str()).collect();
+    assert_eq!(what, ["link leaf0-spine0 #0 down"], "{events:?}");
+    assert_eq!(events[0].seq, 1);
     drop(f);
     assert!(
         common::leftovers("lfix").is_empty(),
