@@ -492,7 +492,7 @@ enum LinkCmd {
         #[arg(long)]
         delay: Option<closbox_fabric::Duration>,
         /// Probability a packet is lost on the wire, in [0, 1).
-        #[arg(long)]
+        #[arg(long, value_parser = probability, allow_negative_numbers = true)]
         loss: Option<f64>,
         /// Egress buffer at both ends, e.g. 1MiB.
         #[arg(long)]
@@ -645,6 +645,16 @@ fn positive(s: &str) -> Result<f64, String> {
             Err("must be above 0".into())
         }
     })
+}
+
+/// A loss probability, as topology files give it: 0.001 for 0.1 %.
+fn probability(s: &str) -> Result<f64, String> {
+    let hint = |why: &str| format!("{why}: a probability in [0, 1) such as 0.001 (0.1 %)");
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+        Ok(_) => Err(hint("out of range")),
+        Err(_) => Err(hint("not a number")),
+    }
 }
 
 /// A count of 1 or more (clap's own range names u64::MAX as its end).

@@ -427,6 +427,9 @@ fn split_number<'a>(s: &'a str, what: &'static str) -> Result<(f64, &'a str), Un
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(end);
+    if t.starts_with('-') {
+        return Err(UnitError::new(s, what, "must not be negative"));
+    }
     if num.is_empty() {
         return Err(UnitError::new(s, what, "expected a number first"));
     }
@@ -556,6 +559,16 @@ mod tests {
         for bad in ["1.5", "12 parsecs", "KiB"] {
             assert!(bad.parse::<Bytes>().is_err(), "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn negative_values_are_named_as_such() {
+        let e = "-1us".parse::<Duration>().unwrap_err().to_string();
+        assert_eq!(e, "invalid duration \"-1us\": must not be negative");
+        let e = " -5Gbit".parse::<Bandwidth>().unwrap_err().to_string();
+        assert!(e.ends_with("must not be negative"), "{e}");
+        let e = "-1M".parse::<Bytes>().unwrap_err().to_string();
+        assert!(e.ends_with("must not be negative"), "{e}");
     }
 
     #[test]
