@@ -423,13 +423,13 @@ impl UnitError {
 /// Splits "2.5ms" into (2.5, "ms"). The number must be finite and non-negative.
 fn split_number<'a>(s: &'a str, what: &'static str) -> Result<(f64, &'a str), UnitError> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(UnitError::new(s, what, "must not be negative"));
+    }
     let end = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(end);
-    if t.starts_with('-') {
-        return Err(UnitError::new(s, what, "must not be negative"));
-    }
     if num.is_empty() {
         return Err(UnitError::new(s, what, "expected a number first"));
     }

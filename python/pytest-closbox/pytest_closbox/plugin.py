@@ -132,8 +132,10 @@ class Fabric:
         Commands run in GPUs have their own methods (.exec, .run, .mpirun)."""
         if not args:
             raise ValueError("closbox(): which command?")
-        if args[0] in ("exec", "run", "mpirun", "up", "down"):
-            raise ValueError(f"closbox({args[0]!r}, ...): use .{args[0]}() or the fixture")
+        instead = {"exec": ".exec()", "run": ".run()", "mpirun": ".mpirun()", "down": ".down()",
+                   "up": "the closbox_fabric fixture"}
+        if args[0] in instead:
+            raise ValueError(f"closbox({args[0]!r}, ...): use {instead[args[0]]}")
         return self._closbox([*args, "--fabric", self.name], check=check, timeout=timeout)
 
     def events(self) -> list:
