@@ -22,6 +22,8 @@ fn lifecycle_exec_run_and_errors() {
     // Each GPU has its own hostname, address and hosts file.
     let out = f.exec("gpu1", &["hostname"]);
     assert_eq!(text(&out).0.trim(), "gpu1");
+    let out = f.exec("gpu1", &["cat", "/etc/hostname"]);
+    assert_eq!(text(&out).0, "gpu1\n");
     let out = f.exec("3", &["cat", "/etc/hosts"]);
     let hosts = text(&out).0;
     assert!(

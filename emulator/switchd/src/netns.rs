@@ -121,6 +121,8 @@ fn write_hosts(state: &State, topo: &Topology) -> anyhow::Result<()> {
             .with_context(|| format!("creating {}", g.etc_dir().display()))?;
         let mut f = fs::File::create(g.hosts_path())?;
         f.write_all(text.as_bytes())?;
+        fs::write(g.hostname_path(), format!("{}\n", g.name))
+            .with_context(|| format!("writing {}", g.hostname_path().display()))?;
     }
     Ok(())
 }
@@ -179,7 +181,12 @@ pub fn open_gpu(state: &State, g: &GpuState) -> anyhow::Result<sys::EnterGpu> {
             .into())
     };
     let net = open(&g.netns_path())?;
-    Ok(sys::EnterGpu::new(net, &g.name, &g.hosts_path())?)
+    Ok(sys::EnterGpu::new(
+        net,
+        &g.name,
+        &g.hosts_path(),
+        &g.hostname_path(),
+    )?)
 }
 
 /// A GPU's TUN drop counters, from its kernel.

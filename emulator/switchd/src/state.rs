@@ -179,6 +179,11 @@ impl GpuState {
     pub fn hosts_path(&self) -> PathBuf {
         self.etc_dir().join("hosts")
     }
+
+    /// The GPU's `/etc/hostname` (its name), as `ip netns exec` would bind it too.
+    pub fn hostname_path(&self) -> PathBuf {
+        self.etc_dir().join("hostname")
+    }
 }
 
 impl State {
@@ -675,11 +680,9 @@ pub fn remove_objects(state: &State) -> anyhow::Result<()> {
         // must not lead to another `hosts`.
         match real_dir(&g.etc_dir()) {
             Ok(true) => {
-                note(
-                    &mut errors,
-                    &g.hosts_path(),
-                    remove_plain_file(&g.hosts_path()),
-                );
+                for file in [g.hosts_path(), g.hostname_path()] {
+                    note(&mut errors, &file, remove_plain_file(&file));
+                }
                 note(&mut errors, &g.etc_dir(), remove_empty_dir(&g.etc_dir()));
             }
             Ok(false) => {}

@@ -472,8 +472,8 @@ pub fn kill(pid: i32, sig: libc::c_int) -> io::Result<bool> {
 
 /// Things a forked child does before exec to become a GPU: join its network namespace,
 /// get a UTS namespace of its own with the GPU's hostname and a private mount namespace
-/// with the GPU's /etc/hosts and a sysfs of its network namespace (as `ip netns exec`
-/// does), and lead a new process group.
+/// with the GPU's /etc/hosts, /etc/hostname and a sysfs of its network namespace (as `ip
+/// netns exec` does), and lead a new process group.
 ///
 /// The UTS namespace is the process's, not one per GPU kept by a mount: each mount of a
 /// GPU is copied into every process's mount namespace, for every GPU of every fabric up.
@@ -482,6 +482,7 @@ pub struct EnterGpu {
     pub net: OwnedFd,
     hostname: CString,
     hosts_src: CString,
+    hostname_src: CString,
     /// Lead a new process group (for `run`); `exec` stays in the terminal's group.
     pub new_group: bool,
     /// The process that spawns: its command gets SIGTERM when it dies, however it dies.
@@ -489,12 +490,18 @@ pub struct EnterGpu {
 }
 
 impl EnterGpu {
-    pub fn new(net: OwnedFd, hostname: &str, hosts_file: &Path) -> io::Result<EnterGpu> {
+    pub fn new(
+        net: OwnedFd,
+        hostname: &str,
+        hosts_file: &Path,
+        hostname_file: &Path,
+    ) -> io::Result<EnterGpu> {
         Ok(EnterGpu {
             net,
             hostname: CString::new(hostname)
                 .map_err(|_| io::Error::other("a hostname with a NUL byte"))?,
             hosts_src: cstr(hosts_file)?,
+            hostname_src: cstr(hostname_file)?,
             new_group: false,
             parent: Some(process::getpid()),
         })
@@ -517,6 +524,9 @@ impl EnterGpu {
             mount::MountPropagationFlags::DOWNSTREAM | mount::MountPropagationFlags::REC,
         )?;
         mount::mount_bind(self.hosts_src.as_c_str(), c"/etc/hosts")?;
+        // Programs that read the file rather than ask the kernel; a host without one (a
+        // container), or a fabric brought up before closbox wrote it, keeps its own.
+        let _ = mount::mount_bind(self.hostname_src.as_c_str(), c"/etc/hostname");
         // A sysfs that shows this namespace's interfaces; failing that, keep the old.
         if mount::unmount(c"/sys", mount::UnmountFlags::DETACH).is_ok() {
             let _ = mount::mount(
