@@ -52,6 +52,12 @@ fn lifecycle_exec_run_and_errors() {
         ],
     );
     assert_eq!(text(&out).0, "reno\n1\n0\n", "{:?}", text(&out));
+    // Socket buffers start at their maximum (the host's maximum).
+    let host = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_rmem").unwrap();
+    let max = host.split_whitespace().last().unwrap().to_owned();
+    let out = f.exec("gpu1", &["cat", "/proc/sys/net/ipv4/tcp_rmem"]);
+    let gpu: Vec<String> = text(&out).0.split_whitespace().map(str::to_owned).collect();
+    assert_eq!(gpu[1..], [max.clone(), max], "{:?}", text(&out));
 
     // Traffic crosses the fabric: a UDP datagram from gpu0 to gpu3.
     let echo = "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('gpu3', 7007)); d,a=s.recvfrom(100); s.sendto(d.upper(), a)";
