@@ -601,10 +601,11 @@ fn a_load_on_the_uplinks_slows_an_alltoall_as_predicted() {
     );
     // The prediction charges each link the load's full rate all along. In a FIFO with
     // deep buffers (64 MiB), TCP's bursts take a share in proportion to what arrives
-    // (up to 2/3 of a link beside a half-rate load) while the load's excess waits in the
-    // queue, to leave between steps: measured runs 0.87-0.98 of the prediction (5 runs),
-    // never slower than predicted.
-    assert!((0.8..=1.1).contains(&ratio_loaded), "{ratio_loaded}");
+    // (up to 2/3 of a link beside a half-rate load, so down to 0.75 of the predicted
+    // time) while the load's excess waits in the queue, to leave between steps: measured
+    // 0.87-0.98 of the prediction (5 runs) while sockets started with small buffers, 0.79
+    // (4 runs) since they start with their largest: never slower than predicted.
+    assert!((0.74..=1.1).contains(&ratio_loaded), "{ratio_loaded}");
     assert!(loaded < 0.75 * alone, "{loaded} vs {alone}");
     f.down();
 }
