@@ -116,9 +116,9 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Re
     Ok(tun)
 }
 
-/// Each GPU's /etc/hosts: the GPUs, and the switches by the addresses their ICMP errors
-/// come from (`traceroute` and `ping -t` name the hop).
-fn write_hosts(state: &State, topo: &Topology) -> anyhow::Result<()> {
+/// Each GPU's /etc/hosts (the GPUs, and the switches by the addresses their ICMP errors
+/// come from: `traceroute` and `ping -t` name the hop) and /etc/hostname.
+fn write_etc(state: &State, topo: &Topology) -> anyhow::Result<()> {
     let mut text = String::from("# written by closbox for fabric ");
     text += state.fabric.as_str();
     text += "\n127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
@@ -147,7 +147,7 @@ pub fn create_all(state: &State, topo: &Topology, offload: bool) -> anyhow::Resu
     let mtu = topo.fabric.mtu;
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
-    write_hosts(state, topo)?;
+    write_etc(state, topo)?;
     let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
     let results: Vec<anyhow::Result<Vec<(usize, OwnedFd)>>> = thread::scope(|s| {
