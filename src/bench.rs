@@ -215,8 +215,8 @@ pub struct RunHealth {
     time_scale: TimeScale,
     /// Drops of every other reason during the run (link_down, no_route, …), by name.
     other_drops: Vec<(String, u64)>,
-    /// Changes made to the fabric during the run (`closbox events`), and links that are
-    /// down or changed at its end.
+    /// Events during the run (`closbox events`: the changes made to the fabric, and
+    /// loads that ended), and links that are down or changed at its end.
     changes: u64,
     changed_links: Vec<String>,
     /// The changes during the run, as `closbox events` prints them.
@@ -514,7 +514,7 @@ impl RunHealth {
         if self.changes > 0 || !self.changed_links.is_empty() {
             let _ = writeln!(
                 s,
-                "# the fabric changed: {} change(s) during the run (`closbox events`){}",
+                "# the fabric changed: {} event(s) during the run (`closbox events`){}",
                 self.changes,
                 if self.changed_links.is_empty() {
                     String::new()
