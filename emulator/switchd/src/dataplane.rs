@@ -1184,6 +1184,8 @@ pub struct DataPlane<P: Ports> {
     /// The thread (and the box's steal), sampled each window slot, the last `WINDOW` of
     /// them (`CpuUse`).
     cpu: std::collections::VecDeque<CpuSample>,
+    /// Told the new rate of a link whose rate changes (GPUs' non-TCP pacing).
+    pacer: Option<crate::pace::Pacer>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -1258,6 +1260,7 @@ impl<P: Ports> DataPlane<P> {
             wake: WakeMargin::default(),
             idle_poll: false,
             cpu: Default::default(),
+            pacer: None,
         }
     }
 
@@ -1265,6 +1268,12 @@ impl<P: Ports> DataPlane<P> {
     /// request; see `Scheduling::idle_poll`).
     pub fn idle_poll(mut self, on: bool) -> Self {
         self.idle_poll = on;
+        self
+    }
+
+    /// Follows the links' rate changes into the GPUs' pacing qdiscs (see `pace`).
+    pub fn pacer(mut self, pacer: Option<crate::pace::Pacer>) -> Self {
+        self.pacer = pacer;
         self
     }
 
@@ -2008,7 +2017,23 @@ impl<P: Ports> DataPlane<P> {
     }
 
     fn apply(&mut self, now: Instant, change: Change, what: String) -> Event {
+        let rate = match &change {
+            Change::SetLink {
+                link,
+                rate: Some(r),
+                ..
+            } => Some((*link, r.bps())),
+            Change::ResetLink(link) => self
+                .topo
+                .links
+                .get(*link as usize)
+                .map(|l| (*link, l.params.rate.bps())),
+            _ => None,
+        };
         let done = self.model.apply(now, change);
+        if let (true, Some((link, bps)), Some(p)) = (done, rate, &self.pacer) {
+            p.link_rate(link, bps);
+        }
         let what = if done {
             what
         } else {

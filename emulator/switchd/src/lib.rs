@@ -14,6 +14,7 @@ pub mod histogram;
 pub mod metrics;
 pub mod netns;
 pub mod offload;
+pub mod pace;
 pub mod pcapng;
 pub mod scenario;
 pub mod state;
@@ -239,6 +240,19 @@ pub fn run_fabric(
     } else {
         (topo, tuns)
     };
+    // Non-TCP senders held to their links' rates (see `pace`): a host without htb or u32
+    // keeps going without.
+    let pacer = match pace::install_all(&st, topo)
+        .and_then(|plans| Ok(pace::Pacer::start(&st, topo, plans)?))
+    {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::warn!(
+                "fabric {name}: GPUs' UDP and ICMP not paced to their links (they may offer more than a link carries, and lose the excess in the fabric): {e:#}"
+            );
+            None
+        }
+    };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
     let dp = DataPlane::new(
@@ -247,7 +261,8 @@ pub fn run_fabric(
         ctl_rx,
     )
     .realtime(sched.realtime)
-    .idle_poll(sched.idle_poll);
+    .idle_poll(sched.idle_poll)
+    .pacer(pacer);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;

@@ -1,0 +1,598 @@
+//! Holding a GPU's non-TCP senders to its links' rates, as a host's qdisc does.
+//!
+//! A host's qdisc keeps a packet charged to its socket until the NIC takes it, so a UDP
+//! sender above its link blocks in `sendmsg` once its send buffer is queued. A TUN
+//! releases each packet as it takes it (`tun_net_xmit` orphans it): without help, a UDP
+//! sender at 2 Gbit/s on a 1 Gbit/s link fills the GPU's NIC queue in the model and loses
+//! the excess there (and with one fragment lost, the whole datagram).
+//!
+//! So each GPU's TUN gets an htb qdisc, installed over rtnetlink in its namespace:
+//! - TCP goes to htb's direct queue, unshaped, as before (its own congestion control and
+//!   the model's NIC queue pace it; every calibrated prediction was measured that way);
+//! - every other packet (UDP and its fragments, ICMP) goes to a class at the rate of the
+//!   link(s) it leaves on, divided by the time scale, with the fabric's per-frame framing
+//!   as htb's overhead: a class per distinct set of first-hop ports (the NIC, a scale-up
+//!   link, each direct link of a mesh; ECMP over several NIC links: their sum). The class
+//!   with the most destinations is htb's default; the others are chosen by destination
+//!   address (u32 filters).
+//!
+//! The model still serializes every frame; the qdisc only stops the sender from offering
+//! more than the link carries. Rate changes on a GPU's link (`closbox link set`) follow
+//! (`install` again, which replaces the classes).
+
+use std::collections::HashMap;
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::mpsc;
+
+use anyhow::Context;
+use closbox_fabric::routing::Routes;
+use closbox_fabric::{HostId, Topology};
+use rustix::net::{self, AddressFamily, SocketFlags, SocketType};
+
+use crate::state::State;
+use crate::sys;
+
+/// What one GPU's qdisc holds its non-TCP packets to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The links of each class's first-hop ports (class `1:(i + 1)`).
+    pub links: Vec<Vec<u32>>,
+    /// Wall-time rate of each class in bytes/s: its links' rates summed, ÷ time scale.
+    pub rates: Vec<u64>,
+    /// The class of packets no destination filter picks.
+    pub default: usize,
+    /// Destinations whose packets leave on another class than the default.
+    pub by_dst: Vec<(Ipv4Addr, usize)>,
+    /// Bytes htb adds to each packet (the fabric's framing per frame).
+    pub overhead: u16,
+    time_scale: f64,
+}
+
+/// A class without links (a GPU that reaches nobody) is not held back: 8 Tbit/s.
+const UNPACED: u64 = 1 << 40;
+
+/// The plan for GPU `gpu`, from the routes' first hops and the links' rates
+/// (`rate_of(link index)` in bits/s of fabric time), at `time_scale`.
+pub fn plan(
+    topo: &Topology,
+    routes: &Routes,
+    gpu: HostId,
+    time_scale: f64,
+    rate_of: impl Fn(u32) -> u64,
+) -> Plan {
+    // First-hop link sets, in order of first appearance; destinations of each.
+    let mut sets: Vec<(Vec<u32>, Vec<Ipv4Addr>)> = Vec::new();
+    for (i, h) in topo.hosts.iter().enumerate() {
+        if i == gpu.0 as usize {
+            continue;
+        }
+        let mut links: Vec<u32> = routes
+            .next_hops(gpu.0, HostId(i as u32))
+            .iter()
+            .map(|p| routes.port(*p).link)
+            .collect();
+        if links.is_empty() {
+            continue;
+        }
+        links.sort_unstable();
+        links.dedup();
+        match sets.iter_mut().find(|(l, _)| *l == links) {
+            Some((_, dsts)) => dsts.push(h.addr),
+            None => sets.push((links, vec![h.addr])),
+        }
+    }
+    if sets.is_empty() {
+        sets.push((Vec::new(), Vec::new()));
+    }
+    let default = sets
+        .iter()
+        .enumerate()
+        .max_by_key(|(i, (_, d))| (d.len(), std::cmp::Reverse(*i)))
+        .map_or(0, |(i, _)| i);
+    let by_dst = sets
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != default)
+        .flat_map(|(i, (_, dsts))| dsts.iter().map(move |a| (*a, i)))
+        .collect();
+    let mut p = Plan {
+        links: sets.into_iter().map(|(l, _)| l).collect(),
+        rates: Vec::new(),
+        default,
+        by_dst,
+        overhead: topo.fabric.l2_overhead.min(u16::MAX as u32) as u16,
+        time_scale: time_scale.max(1.0),
+    };
+    p.rerate(rate_of);
+    p
+}
+
+impl Plan {
+    /// Recomputes the classes' rates from the links' (`rate_of`, bits/s of fabric time);
+    /// true if one changed.
+    pub fn rerate(&mut self, rate_of: impl Fn(u32) -> u64) -> bool {
+        let rates: Vec<u64> = self
+            .links
+            .iter()
+            .map(|links| {
+                if links.is_empty() {
+                    return UNPACED;
+                }
+                let bps = links
+                    .iter()
+                    .map(|&l| rate_of(l))
+                    .fold(0u64, u64::saturating_add);
+                ((bps as f64 / 8.0 / self.time_scale) as u64).max(1)
+            })
+            .collect();
+        let changed = rates != self.rates;
+        self.rates = rates;
+        changed
+    }
+}
+
+/// Installs `plan` on interface `dev` of the calling thread's network namespace,
+/// replacing whatever qdisc it had (so installing again changes the rates).
+pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
+    let mut nl = Netlink::open()?;
+    let ifindex = net::netdevice::name_to_index(&nl.fd, dev)? as i32;
+    // The root qdisc, 1:, htb; unclassified packets to the default class.
+    let mut a = Attrs::default();
+    a.put(TCA_KIND, b"htb\0");
+    let opts = a.begin(TCA_OPTIONS);
+    let mut glob = Vec::with_capacity(20);
+    for v in [3u32, 10, plan.default as u32 + 1, 0, 0] {
+        glob.extend_from_slice(&v.to_ne_bytes());
+    }
+    a.put(TCA_HTB_INIT, &glob);
+    a.end(opts);
+    nl.request(
+        RTM_NEWQDISC,
+        NLM_F_CREATE | NLM_F_REPLACE,
+        tcmsg(ifindex, 0x0001_0000, TC_H_ROOT, 0),
+        &a.0,
+    );
+    classes(&mut nl, ifindex, plan);
+    filters(&mut nl, ifindex, plan);
+    nl.flush()
+}
+
+/// Changes the rates of the classes `install` made for `plan` (the same classes, new
+/// rates): what they hold stays queued.
+pub fn set_rates(dev: &str, plan: &Plan) -> io::Result<()> {
+    let mut nl = Netlink::open()?;
+    let ifindex = net::netdevice::name_to_index(&nl.fd, dev)? as i32;
+    classes(&mut nl, ifindex, plan);
+    nl.flush()
+}
+
+fn classes(nl: &mut Netlink, ifindex: i32, plan: &Plan) {
+    for (i, &rate) in plan.rates.iter().enumerate() {
+        let mut a = Attrs::default();
+        a.put(TCA_KIND, b"htb\0");
+        let opts = a.begin(TCA_OPTIONS);
+        a.put(TCA_HTB_PARMS, &htb_opt(rate, plan.overhead));
+        if rate > u32::MAX as u64 {
+            a.put(TCA_HTB_RATE64, &rate.to_ne_bytes());
+            a.put(TCA_HTB_CEIL64, &rate.to_ne_bytes());
+        }
+        a.end(opts);
+        nl.request(
+            RTM_NEWTCLASS,
+            NLM_F_CREATE | NLM_F_REPLACE,
+            tcmsg(ifindex, 0x0001_0000 | (i as u32 + 1), 0x0001_0000, 0),
+            &a.0,
+        );
+    }
+}
+
+/// TCP to the direct queue (class 1:0) first, then destinations (on a qdisc just made:
+/// there are none from before).
+fn filters(nl: &mut Netlink, ifindex: i32, plan: &Plan) {
+    // tcm_info: the filter's priority, and the protocol (ETH_P_IP) in network order.
+    let info = |prio: u32| (prio << 16) | 0x0800u16.to_be() as u32;
+    nl.request(
+        RTM_NEWTFILTER,
+        NLM_F_CREATE | NLM_F_EXCL,
+        tcmsg(ifindex, 0, 0x0001_0000, info(1)),
+        &u32_filter(0x0001_0000, &[(8, 0x00ff_0000, 0x0006_0000)]),
+    );
+    for (addr, class) in &plan.by_dst {
+        nl.request(
+            RTM_NEWTFILTER,
+            NLM_F_CREATE | NLM_F_EXCL,
+            tcmsg(ifindex, 0, 0x0001_0000, info(2)),
+            &u32_filter(
+                0x0001_0000 | (*class as u32 + 1),
+                &[(16, u32::MAX, u32::from(*addr))],
+            ),
+        );
+    }
+}
+
+/// Follows rate changes of the GPUs' links into their classes, on a thread of its own
+/// (it moves between the GPUs' namespaces; the data plane only says what changed).
+#[derive(Clone, Debug)]
+pub struct Pacer(mpsc::Sender<(u32, u64)>);
+
+impl Pacer {
+    /// Starts the thread for the plans `install_all` installed.
+    pub fn start(state: &State, topo: &Topology, mut plans: Vec<Plan>) -> io::Result<Pacer> {
+        let (tx, rx) = mpsc::channel::<(u32, u64)>();
+        let mut rates: Vec<u64> = topo.links.iter().map(|l| l.params.rate.bps()).collect();
+        let mut users: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, p) in plans.iter().enumerate() {
+            for &l in p.links.iter().flatten() {
+                users.entry(l).or_default().push(i);
+            }
+        }
+        let gpus = state.gpus.clone();
+        let tun = state.tun.clone();
+        // The thread goes back here after each change: a namespace is not held by it
+        // once its GPU's fabric is down.
+        let home = std::fs::File::open("/proc/thread-self/ns/net")?;
+        std::thread::Builder::new()
+            .name("pacer".into())
+            .spawn(move || {
+                for (link, bps) in rx {
+                    let Some(r) = rates.get_mut(link as usize) else {
+                        continue;
+                    };
+                    *r = bps;
+                    for &i in users.get(&link).map_or(&[][..], |v| &v[..]) {
+                        if !plans[i].rerate(|l| rates[l as usize]) {
+                            continue;
+                        }
+                        let g = &gpus[i];
+                        let done = std::fs::File::open(g.netns_path())
+                            .and_then(|ns| sys::enter_netns(ns.as_fd()))
+                            .and_then(|()| set_rates(&tun, &plans[i]));
+                        if let Err(e) = done {
+                            tracing::warn!(
+                                "{}: pacing its non-TCP packets at the new rate: {e}",
+                                g.name
+                            );
+                        }
+                        if let Err(e) = sys::enter_netns(home.as_fd()) {
+                            tracing::warn!("pacer: back to the daemon's namespace: {e}");
+                        }
+                    }
+                }
+            })?;
+        Ok(Pacer(tx))
+    }
+
+    /// Link `link` now runs at `bps` (bits/s of fabric time).
+    pub fn link_rate(&self, link: u32, bps: u64) {
+        // The thread ends only with the process.
+        let _ = self.0.send((link, bps));
+    }
+}
+
+/// Installs every GPU's plan, at the topology's link rates and time scale (once `up` has
+/// settled it), and returns the plans. Each worker thread moves between the GPUs'
+/// namespaces.
+pub fn install_all(state: &State, topo: &Topology) -> anyhow::Result<Vec<Plan>> {
+    let routes = Routes::new(topo);
+    let k = topo.fabric.time_scale.get();
+    let plans: Vec<Plan> = (0..state.gpus.len())
+        .map(|i| {
+            plan(topo, &routes, HostId(i as u32), k, |l| {
+                topo.links[l as usize].params.rate.bps()
+            })
+        })
+        .collect();
+    let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
+    let plans_ref = &plans;
+    std::thread::scope(|s| {
+        let workers: Vec<_> = state
+            .gpus
+            .chunks(chunk)
+            .zip(plans_ref.chunks(chunk))
+            .map(|(gpus, plans)| {
+                s.spawn(move || -> anyhow::Result<()> {
+                    for (g, p) in gpus.iter().zip(plans) {
+                        let ns = std::fs::File::open(g.netns_path())
+                            .with_context(|| format!("opening {}", g.netns_path().display()))?;
+                        sys::enter_netns(ns.as_fd())
+                            .with_context(|| format!("entering {}", g.netns))?;
+                        install(&state.tun, p).with_context(|| {
+                            format!(
+                                "{}: an htb qdisc on {} (pacing its non-TCP packets)",
+                                g.name, state.tun
+                            )
+                        })?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("pacing thread panicked"))?
+        })
+    })?;
+    Ok(plans)
+}
+
+/// Threads installing the GPUs' qdiscs at once.
+const PARALLEL: usize = 4;
+
+const RTM_NEWQDISC: u16 = 36;
+const RTM_NEWTCLASS: u16 = 40;
+const RTM_NEWTFILTER: u16 = 44;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_REPLACE: u16 = 0x100;
+const NLM_F_EXCL: u16 = 0x200;
+const NLM_F_CREATE: u16 = 0x400;
+const NLMSG_ERROR: u16 = 2;
+const TC_H_ROOT: u32 = 0xFFFF_FFFF;
+const TCA_KIND: u16 = 1;
+const TCA_OPTIONS: u16 = 2;
+const TCA_HTB_PARMS: u16 = 1;
+const TCA_HTB_INIT: u16 = 2;
+const TCA_HTB_RATE64: u16 = 6;
+const TCA_HTB_CEIL64: u16 = 7;
+const TCA_U32_CLASSID: u16 = 1;
+const TCA_U32_SEL: u16 = 5;
+const TC_U32_TERMINAL: u8 = 1;
+const TC_LINKLAYER_ETHERNET: u8 = 1;
+
+/// `struct tcmsg`.
+fn tcmsg(ifindex: i32, handle: u32, parent: u32, info: u32) -> [u8; 20] {
+    let mut m = [0u8; 20];
+    // family AF_UNSPEC and padding stay 0.
+    m[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    m[8..12].copy_from_slice(&handle.to_ne_bytes());
+    m[12..16].copy_from_slice(&parent.to_ne_bytes());
+    m[16..20].copy_from_slice(&info.to_ne_bytes());
+    m
+}
+
+/// `struct tc_htb_opt` for a class at `rate` bytes/s (rate and ceil alike), with a bucket
+/// of a millisecond at that rate but at least two 64 KiB packets (what a GSO packet may
+/// be): a sender that paused may burst that much, as a host's NIC ring takes a burst.
+fn htb_opt(rate: u64, overhead: u16) -> [u8; 44] {
+    let spec = |m: &mut [u8]| {
+        m[0] = 0; // cell_log: no rate table (linklayer set)
+        m[1] = TC_LINKLAYER_ETHERNET;
+        m[2..4].copy_from_slice(&overhead.to_ne_bytes());
+        // cell_align 0, mpu 0
+        m[8..12].copy_from_slice(&(rate.min(u32::MAX as u64) as u32).to_ne_bytes());
+    };
+    let burst = (rate / 1000).max(2 * 65536) as f64;
+    // htb's buckets are in psched ticks of 64 ns.
+    let ticks = (burst / rate as f64 * 1e9 / 64.0).min((u32::MAX / 2) as f64) as u32;
+    let mut m = [0u8; 44];
+    spec(&mut m[0..12]);
+    spec(&mut m[12..24]);
+    m[24..28].copy_from_slice(&ticks.to_ne_bytes());
+    m[28..32].copy_from_slice(&ticks.to_ne_bytes());
+    m[32..36].copy_from_slice(&65536u32.to_ne_bytes()); // quantum
+    m
+}
+
+/// A u32 filter's options: all `keys` (offset into the IP header, mask, value; host
+/// order) must match, then the packet goes to `classid`.
+fn u32_filter(classid: u32, keys: &[(i32, u32, u32)]) -> Vec<u8> {
+    let mut a = Attrs::default();
+    a.put(TCA_KIND, b"u32\0");
+    let opts = a.begin(TCA_OPTIONS);
+    a.put(TCA_U32_CLASSID, &classid.to_ne_bytes());
+    // struct tc_u32_sel (16 bytes) and its keys (16 bytes each).
+    let mut sel = vec![0u8; 16];
+    sel[0] = TC_U32_TERMINAL;
+    sel[2] = keys.len() as u8;
+    for &(off, mask, val) in keys {
+        sel.extend_from_slice(&mask.to_be_bytes());
+        sel.extend_from_slice(&(val & mask).to_be_bytes());
+        sel.extend_from_slice(&off.to_ne_bytes());
+        sel.extend_from_slice(&0i32.to_ne_bytes());
+    }
+    a.put(TCA_U32_SEL, &sel);
+    a.end(opts);
+    a.0
+}
+
+/// Netlink attributes, appended with their 4-byte alignment.
+#[derive(Default)]
+struct Attrs(Vec<u8>);
+
+impl Attrs {
+    fn put(&mut self, ty: u16, payload: &[u8]) {
+        self.0
+            .extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+        self.0.extend_from_slice(&ty.to_ne_bytes());
+        self.0.extend_from_slice(payload);
+        self.pad();
+    }
+
+    /// Starts a nested attribute; `end` with what it returns.
+    fn begin(&mut self, ty: u16) -> usize {
+        let at = self.0.len();
+        self.0.extend_from_slice(&[0, 0]);
+        self.0.extend_from_slice(&ty.to_ne_bytes());
+        at
+    }
+
+    fn end(&mut self, at: usize) {
+        let len = (self.0.len() - at) as u16;
+        self.0[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+    }
+
+    fn pad(&mut self) {
+        while self.0.len() % 4 != 0 {
+            self.0.push(0);
+        }
+    }
+}
+
+/// A NETLINK_ROUTE socket of the calling thread's network namespace.
+struct Netlink {
+    fd: OwnedFd,
+    /// Requests not sent yet, and how many wait for an acknowledgement.
+    out: Vec<u8>,
+    pending: u32,
+}
+
+impl Netlink {
+    fn open() -> io::Result<Netlink> {
+        let fd = net::socket_with(
+            AddressFamily::NETLINK,
+            SocketType::RAW,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        Ok(Netlink {
+            fd,
+            out: Vec::new(),
+            pending: 0,
+        })
+    }
+
+    /// Queues one request (sent by `flush`, acknowledged one by one).
+    fn request(&mut self, ty: u16, flags: u16, header: [u8; 20], attrs: &[u8]) {
+        let len = 16 + header.len() + attrs.len();
+        self.pending += 1;
+        let m = &mut self.out;
+        m.extend_from_slice(&(len as u32).to_ne_bytes());
+        m.extend_from_slice(&ty.to_ne_bytes());
+        m.extend_from_slice(&(flags | NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+        m.extend_from_slice(&self.pending.to_ne_bytes()); // sequence
+        m.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel assigns
+        m.extend_from_slice(&header);
+        m.extend_from_slice(attrs);
+        // Each message is a multiple of 4 bytes long already (header 36, attributes
+        // padded).
+    }
+
+    /// Sends the queued requests in one datagram (the kernel runs them in order) and
+    /// reads an acknowledgement for each: the first error, if any.
+    fn flush(&mut self) -> io::Result<()> {
+        net::send(self.fd.as_fd(), &self.out, net::SendFlags::empty())?;
+        self.out.clear();
+        let mut first_err = None;
+        let mut buf = vec![0u8; 16384];
+        while self.pending > 0 {
+            let n = net::recv(self.fd.as_fd(), &mut buf[..], net::RecvFlags::empty())?.0;
+            let mut at = 0;
+            while at + 16 <= n {
+                let mlen =
+                    u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+                let mty = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+                if mty == NLMSG_ERROR && at + 20 <= n {
+                    self.pending -= 1;
+                    let err =
+                        i32::from_ne_bytes(buf[at + 16..at + 20].try_into().expect("4 bytes"));
+                    if err != 0 && first_err.is_none() {
+                        first_err = Some(io::Error::from_raw_os_error(-err));
+                    }
+                }
+                if mlen < 16 {
+                    break;
+                }
+                at += (mlen + 3) & !3;
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo(body: &str) -> Topology {
+        closbox_fabric::parse(&format!("[fabric]\nname = \"t\"\n{body}"), "t.toml").unwrap()
+    }
+
+    fn plan_of(t: &Topology, gpu: u32, k: f64) -> Plan {
+        let routes = Routes::new(t);
+        plan(t, &routes, HostId(gpu), k, |l| {
+            t.links[l as usize].params.rate.bps()
+        })
+    }
+
+    const LS: &str = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n[links.nic]\nrate = \"1Gbit\"\n[links.leaf-spine]\nrate = \"10Gbit\"\n";
+
+    #[test]
+    fn a_gpu_with_one_nic_paces_everything_at_its_rate() {
+        let t = topo(LS);
+        let p = plan_of(&t, 0, 1.0);
+        assert_eq!(p.rates, vec![125_000_000]);
+        assert_eq!((p.default, p.by_dst.len()), (0, 0));
+        assert_eq!(p.overhead as u32, t.fabric.l2_overhead);
+        // Dilated: the wall rate is the fabric's ÷ time scale.
+        assert_eq!(plan_of(&t, 3, 1000.0).rates, vec![125_000]);
+    }
+
+    #[test]
+    fn scale_up_peers_get_their_own_class_and_the_nic_is_the_default() {
+        let t = topo(
+            "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 8\n[node]\ngpus_per_node = 4\nrate = \"900Gbit\"\n[links.nic]\nrate = \"400Gbit\"\n[links.leaf-spine]\nrate = \"400Gbit\"\n",
+        );
+        let p = plan_of(&t, 5, 1.0);
+        // 3 node peers over the scale-up link, 12 others over the NIC.
+        assert_eq!(p.rates.len(), 2);
+        let nic = p.default;
+        assert_eq!(p.rates[nic], 50_000_000_000);
+        assert_eq!(p.rates[1 - nic], 112_500_000_000);
+        let mut peers: Vec<Ipv4Addr> = p.by_dst.iter().map(|(a, _)| *a).collect();
+        peers.sort();
+        let want: Vec<Ipv4Addr> = [4, 6, 7].iter().map(|&i| t.hosts[i].addr).collect();
+        assert_eq!(peers, want);
+        assert!(p.by_dst.iter().all(|(_, c)| *c == 1 - nic));
+    }
+
+    #[test]
+    fn a_mesh_has_a_class_per_direct_link() {
+        let t = topo("[topology]\nkind = \"full-mesh\"\ngpus = 4\n[links.nic]\nrate = \"2Gbit\"\n");
+        let p = plan_of(&t, 0, 1.0);
+        assert_eq!(p.rates, vec![250_000_000; 3]);
+        assert_eq!(p.by_dst.len(), 2);
+        assert!(p.by_dst.iter().all(|(_, c)| *c != p.default));
+    }
+
+    #[test]
+    fn a_rate_change_reaches_only_the_classes_over_that_link() {
+        let t = topo(LS);
+        let mut p = plan_of(&t, 0, 10.0);
+        let nic = p.links[0][0];
+        assert!(!p.rerate(|l| t.links[l as usize].params.rate.bps()));
+        assert!(p.rerate(|l| if l == nic { 100_000_000 } else { 1 }));
+        assert_eq!(p.rates, vec![1_250_000]);
+    }
+
+    #[test]
+    fn netlink_messages_are_laid_out_as_the_kernel_reads_them() {
+        // tc_htb_opt: rate and ceil specs (linklayer ethernet, overhead), then buffer and
+        // cbuffer in 64 ns ticks, quantum.
+        let o = htb_opt(125_000_000, 38);
+        assert_eq!((o[1], u16::from_ne_bytes([o[2], o[3]])), (1, 38));
+        assert_eq!(
+            u32::from_ne_bytes(o[8..12].try_into().unwrap()),
+            125_000_000
+        );
+        assert_eq!(o[12..24], o[0..12]);
+        let ticks = u32::from_ne_bytes(o[24..28].try_into().unwrap()) as f64;
+        // The bucket: 2 x 64 KiB at 1 Gbit/s is 1.05 ms.
+        assert!((ticks * 64.0 - 1_048_576.0).abs() < 100.0, "{ticks}");
+        // A u32 filter: kind, then options nesting classid and a selector with one key.
+        let f = u32_filter(0x0001_0002, &[(16, u32::MAX, 0xc612_0001)]);
+        assert_eq!(&f[4..8], b"u32\0");
+        let opts_len = u16::from_ne_bytes([f[8], f[9]]) as usize;
+        assert_eq!(opts_len, f.len() - 8);
+        assert_eq!(
+            u32::from_ne_bytes(f[16..20].try_into().unwrap()),
+            0x0001_0002
+        );
+        let sel = &f[24..];
+        assert_eq!((sel[0], sel[2]), (TC_U32_TERMINAL, 1));
+        assert_eq!(&sel[16..20], &[0xff; 4]);
+        assert_eq!(&sel[20..24], &[0xc6, 0x12, 0, 1]);
+        assert_eq!(i32::from_ne_bytes(sel[24..28].try_into().unwrap()), 16);
+    }
+}
