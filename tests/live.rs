@@ -400,6 +400,80 @@ fn tcp_goodput_matches_link_rate() {
     }
 }
 
+/// iperf3 UDP from gpu0 to gpu3 offered at `rate` in 8,000-byte datagrams (6 fragments
+/// each at mtu 1500) for 2 s: bits a second received, and the share of datagrams lost.
+fn iperf_udp(f: &TestFabric, rate: &str) -> (f64, f64) {
+    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
+    wait_for_port(f, "gpu3", 5201);
+    let out = f.exec(
+        "gpu0",
+        &[
+            "iperf3",
+            "-c",
+            "198.18.0.4",
+            "-u",
+            "-b",
+            rate,
+            "-l",
+            "8000",
+            "-t",
+            "2",
+            "-J",
+        ],
+    );
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
+    let r = &v["end"]["sum_received"];
+    (
+        r["bits_per_second"].as_f64().expect("received rate"),
+        r["lost_percent"].as_f64().expect("lost percent") / 100.0,
+    )
+}
+
+/// A GPU that sends UDP above its link's rate is held to that rate, as a host's qdisc
+/// holds the sending socket (the pacing qdisc on each GPU's TUN), and to the new rate
+/// once the link is degraded: the datagrams arrive at the link's rate instead of being
+/// lost in its NIC queue (without the qdisc: ~10 % of 1 Gbit/s received, 26 % of the
+/// datagrams lost, the reassembly queue clogged with halves). With framing, 8,000 B of
+/// payload take 8,356 B on the wire: the ceiling is 95.7 % of the link.
+#[test]
+fn udp_above_its_link_is_held_to_the_link_rate() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    common::unless_behind("UDP at 3 x the link", |_| {
+        let f = TestFabric::up("lt-udp", &leaf_spine_4("100Mbit", "20us"));
+        let (full, lost_full) = iperf_udp(&f, "300M");
+        let out = closbox(&[
+            "link", "set", "gpu0", "leaf0", "--rate", "50Mbit", "-f", "lt-udp",
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+        let (half, lost_half) = iperf_udp(&f, "300M");
+        let nic = f.port("gpu0->leaf0");
+        let st = f.status();
+        f.down();
+        let behind = st["behind"] == true;
+        eprintln!(
+            "UDP offered at 300 Mbit/s: {:.1} Mbit/s received on 100 Mbit/s ({:.2} % lost), {:.1} on 50 Mbit/s ({:.2} % lost); NIC queue drops {}, behind {behind}",
+            full / 1e6,
+            lost_full * 100.0,
+            half / 1e6,
+            lost_half * 100.0,
+            nic["drops_buffer"]
+        );
+        common::Measured {
+            value: (full, lost_full, half, lost_half),
+            met: (0.88e8..=1e8).contains(&full)
+                && (0.44e8..=0.5e8).contains(&half)
+                && lost_full < 0.01
+                && lost_half < 0.01
+                && nic["drops_buffer"] == 0,
+            behind,
+        }
+    });
+}
+
 /// Median one-way latency (half of sockperf's ping-pong round trip), µs. The client polls
 /// its socket (`--nonblocked`): a client that sleeps through a long round trip is woken
 /// ~35 µs late by this VM (halt polling gives up after ~100 µs), which is the host's
