@@ -142,9 +142,9 @@ pub fn up(
             format!("Ctrl-C or `closbox down {}` to stop", st.fabric)
         };
         println!(
-            "fabric {} up: {} GPUs in {:.2} s, {} (namespaces {} … {}); {how}",
+            "fabric {} up: {} in {:.2} s, {} (namespaces {} … {}); {how}",
             st.fabric,
-            st.gpus.len(),
+            crate::bench::plural(st.gpus.len(), "GPU"),
             took.as_secs_f64(),
             time_scale_note(st),
             st.gpus.first().map_or("", |g| &g.netns),
@@ -216,8 +216,8 @@ fn up_detached(
         if let Ok(Some(st)) = State::load(name) {
             if st.phase == Phase::Ready && st.daemon_pid == child.id() {
                 println!(
-                    "fabric {name} up: {} GPUs in {:.2} s, {} (daemon pid {}, log {}); `closbox down {name}` to stop",
-                    st.gpus.len(),
+                    "fabric {name} up: {} in {:.2} s, {} (daemon pid {}, log {}); `closbox down {name}` to stop",
+                    crate::bench::plural(st.gpus.len(), "GPU"),
                     started.elapsed().as_secs_f64(),
                     time_scale_note(&st),
                     child.id(),

@@ -179,9 +179,9 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "fabric {} ({} GPUs, time_scale {}, config {})",
+        "fabric {} ({}, time_scale {}, config {})",
         st.fabric,
-        st.gpus.len(),
+        crate::bench::plural(st.gpus.len(), "GPU"),
         st.time_scale,
         st.config.display()
     );

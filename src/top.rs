@@ -169,8 +169,10 @@ fn draw(f: &mut Frame, v: &View) {
                 Style::default().add_modifier(Modifier::BOLD),
             ),
             Span::raw(format!(
-                "  {} GPUs  time_scale {}  fabric time {:.6} s",
-                s.gpus, s.time_scale, s.fabric_time_s
+                "  {}  time_scale {}  fabric time {:.6} s",
+                crate::bench::plural(s.gpus, "GPU"),
+                s.time_scale,
+                s.fabric_time_s
             )),
         ]),
         Line::from(vec![
