@@ -273,6 +273,12 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     }
     if !s.scheduling.is_empty() {
         let _ = writeln!(o, "  data plane {}", s.scheduling);
+        if !s.gpu_pacing {
+            let _ = writeln!(
+                o,
+                "  pacing    OFF: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue); `up` could not install the qdisc, its log says why"
+            );
+        }
     }
     if let Some(c) = &s.cpu_recent {
         let _ = writeln!(

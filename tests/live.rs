@@ -444,6 +444,7 @@ fn udp_above_its_link_is_held_to_the_link_rate() {
     }
     common::unless_behind("UDP at 3 x the link", |_| {
         let f = TestFabric::up("lt-udp", &leaf_spine_4("100Mbit", "20us"));
+        assert_eq!(f.status()["gpu_pacing"], true);
         let (full, lost_full) = iperf_udp(&f, "300M");
         let out = closbox(&[
             "link", "set", "gpu0", "leaf0", "--rate", "50Mbit", "-f", "lt-udp",

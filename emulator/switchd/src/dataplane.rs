@@ -342,6 +342,10 @@ pub struct Status {
     /// Started with `--idle-poll`: idle CPUs poll instead of halting while it is up.
     #[serde(default)]
     pub idle_poll: bool,
+    /// The GPUs' non-TCP packets are held to their links' rates by a qdisc (`pace`);
+    /// false where `up` could not install it (its log says why).
+    #[serde(default)]
+    pub gpu_pacing: bool,
     /// The data-plane thread over about the last `WINDOW` (see `CpuUse`).
     #[serde(default)]
     pub cpu_recent: Option<CpuUse>,
@@ -2183,6 +2187,7 @@ impl<P: Ports> DataPlane<P> {
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
             idle_poll: self.idle_poll,
+            gpu_pacing: self.pacer.is_some(),
             cpu_recent: self.cpu_recent(cpu),
             thread_cpu_ns: cpu.map(|c| (c.run_ns, c.wait_ns)),
             box_cpu_ticks: cpu.map(|c| c.box_ticks),

@@ -17,19 +17,18 @@
 //!   address (u32 filters).
 //!
 //! The model still serializes every frame; the qdisc only stops the sender from offering
-//! more than the link carries. Rate changes on a GPU's link (`closbox link set`) follow
-//! (`install` again, which replaces the classes).
+//! more than the link carries. Rate changes on a GPU's link (`closbox link set`, `link
+//! reset`) follow: the data plane tells a `Pacer` thread, which changes the classes.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::mpsc;
 
 use anyhow::Context;
 use closbox_fabric::routing::Routes;
 use closbox_fabric::{HostId, Topology};
-use rustix::net::{self, AddressFamily, SocketFlags, SocketType};
 
 use crate::state::State;
 use crate::sys;
@@ -134,10 +133,10 @@ impl Plan {
 }
 
 /// Installs `plan` on interface `dev` of the calling thread's network namespace,
-/// replacing whatever qdisc it had (so installing again changes the rates).
+/// replacing whatever root qdisc it had.
 pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
     let mut nl = Netlink::open()?;
-    let ifindex = net::netdevice::name_to_index(&nl.fd, dev)? as i32;
+    let ifindex = nl.sock.if_index(dev)? as i32;
     // The root qdisc, 1:, htb; unclassified packets to the default class.
     let mut a = Attrs::default();
     a.put(TCA_KIND, b"htb\0");
@@ -163,7 +162,7 @@ pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
 /// rates): what they hold stays queued.
 pub fn set_rates(dev: &str, plan: &Plan) -> io::Result<()> {
     let mut nl = Netlink::open()?;
-    let ifindex = net::netdevice::name_to_index(&nl.fd, dev)? as i32;
+    let ifindex = nl.sock.if_index(dev)? as i32;
     classes(&mut nl, ifindex, plan);
     nl.flush()
 }
@@ -285,12 +284,11 @@ pub fn install_all(state: &State, topo: &Topology) -> anyhow::Result<Vec<Plan>> 
         })
         .collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
-    let plans_ref = &plans;
     std::thread::scope(|s| {
         let workers: Vec<_> = state
             .gpus
             .chunks(chunk)
-            .zip(plans_ref.chunks(chunk))
+            .zip(plans.chunks(chunk))
             .map(|(gpus, plans)| {
                 s.spawn(move || -> anyhow::Result<()> {
                     for (g, p) in gpus.iter().zip(plans) {
@@ -430,9 +428,9 @@ impl Attrs {
     }
 }
 
-/// A NETLINK_ROUTE socket of the calling thread's network namespace.
+/// rtnetlink requests to the calling thread's network namespace, batched.
 struct Netlink {
-    fd: OwnedFd,
+    sock: sys::RouteSocket,
     /// Requests not sent yet, and how many wait for an acknowledgement.
     out: Vec<u8>,
     pending: u32,
@@ -440,14 +438,8 @@ struct Netlink {
 
 impl Netlink {
     fn open() -> io::Result<Netlink> {
-        let fd = net::socket_with(
-            AddressFamily::NETLINK,
-            SocketType::RAW,
-            SocketFlags::CLOEXEC,
-            None,
-        )?;
         Ok(Netlink {
-            fd,
+            sock: sys::RouteSocket::open()?,
             out: Vec::new(),
             pending: 0,
         })
@@ -472,12 +464,12 @@ impl Netlink {
     /// Sends the queued requests in one datagram (the kernel runs them in order) and
     /// reads an acknowledgement for each: the first error, if any.
     fn flush(&mut self) -> io::Result<()> {
-        net::send(self.fd.as_fd(), &self.out, net::SendFlags::empty())?;
+        self.sock.send(&self.out)?;
         self.out.clear();
         let mut first_err = None;
         let mut buf = vec![0u8; 16384];
         while self.pending > 0 {
-            let n = net::recv(self.fd.as_fd(), &mut buf[..], net::RecvFlags::empty())?.0;
+            let n = self.sock.recv(&mut buf)?;
             let mut at = 0;
             while at + 16 <= n {
                 let mlen =

@@ -1,5 +1,5 @@
 //! Every system call closbox makes that std does not wrap: TUN devices, interface
-//! ioctls, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix` where it
+//! ioctls, rtnetlink, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix` where it
 //! covers the call (safe wrappers, raw syscalls: nothing allocates, so they are fine
 //! between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
 //! `unshare` (unsafe in rustix too) and the SIGPIPE disposition. The only module with
@@ -167,6 +167,40 @@ pub fn if_configure(
 pub fn unshare_net() -> io::Result<()> {
     // SAFETY: only NEWNET: the file table (the unsound case) is not unshared.
     unsafe { thread::unshare_unsafe(thread::UnshareFlags::NEWNET) }.map_err(io::Error::from)
+}
+
+/// A NETLINK_ROUTE socket, in the calling thread's network namespace (for good: a
+/// netlink socket stays in the namespace it was made in).
+#[derive(Debug)]
+pub struct RouteSocket(OwnedFd);
+
+impl RouteSocket {
+    pub fn open() -> io::Result<RouteSocket> {
+        use rustix::net::{socket_with, AddressFamily, SocketFlags, SocketType};
+        let fd = socket_with(
+            AddressFamily::NETLINK,
+            SocketType::RAW,
+            SocketFlags::CLOEXEC,
+            None, // NETLINK_ROUTE
+        )?;
+        Ok(RouteSocket(fd))
+    }
+
+    /// Sends `msg` (one or more netlink messages) to the kernel.
+    pub fn send(&self, msg: &[u8]) -> io::Result<()> {
+        rustix::net::send(&self.0, msg, rustix::net::SendFlags::empty())?;
+        Ok(())
+    }
+
+    /// Receives one datagram from the kernel; its length.
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        Ok(rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::empty())?.0)
+    }
+
+    /// The index of interface `name` in this socket's namespace.
+    pub fn if_index(&self, name: &str) -> io::Result<u32> {
+        Ok(rustix::net::netdevice::name_to_index(&self.0, name)?)
+    }
 }
 
 /// Moves the calling thread into the network namespace `fd` refers to.
