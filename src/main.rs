@@ -772,10 +772,67 @@ fn fabric_ref(s: &str) -> Result<FabricName, String> {
     live::fabric_of_file(path)
 }
 
+/// `--delay -1us`: clap takes a value starting with '-' for options ("unexpected argument
+/// '-1' found"); joined as `--delay=-1us` it reaches the option's parser, which says what
+/// is wrong with it ("must not be negative"). Only for long options that take a value,
+/// and only before `--` and before the command a subcommand passes on (exec, run, …),
+/// whose arguments are the program's.
+fn join_negative_values(
+    mut cmd: &clap::Command,
+    args: Vec<std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    out.extend(it.next()); // the program's name
+    let mut rest = it.peekable();
+    while let Some(a) = rest.next() {
+        let Some(s) = a.to_str() else {
+            out.push(a);
+            continue;
+        };
+        if s == "--" {
+            out.push(a);
+            break;
+        }
+        if let Some(name) = s.strip_prefix("--").filter(|n| !n.contains('=')) {
+            let takes_value = cmd
+                .get_arguments()
+                .any(|arg| arg.get_long() == Some(name) && arg.get_action().takes_values());
+            let negative = rest.peek().and_then(|v| v.to_str()).is_some_and(|v| {
+                v.strip_prefix('-')
+                    .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit() || c == '.'))
+            });
+            if takes_value && negative {
+                let v = rest.next().expect("peeked");
+                out.push(format!("--{name}={}", v.to_str().expect("peeked as str")).into());
+                continue;
+            }
+            out.push(a);
+            continue;
+        }
+        if !s.starts_with('-') {
+            if let Some(sub) = cmd.find_subcommand(s) {
+                cmd = sub;
+            } else if cmd.get_arguments().any(|arg| arg.is_trailing_var_arg_set()) {
+                // An operand of a command that passes the rest on: not ours to touch.
+                out.push(a);
+                break;
+            }
+        }
+        out.push(a);
+    }
+    out.extend(rest);
+    out
+}
+
 fn main() -> ExitCode {
     live::undilate_self();
     closbox_switchd::sys::default_sigpipe();
-    let cli = Cli::parse();
+    let cli = {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        Cli::parse_from(join_negative_values(&cmd, std::env::args_os().collect()))
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CLOSBOX_LOG")
@@ -1195,5 +1252,42 @@ mod tests {
         assert!(e.contains("is not HOST=CPU"), "{e}");
         let e = cpu_of("gpu0=x", "gpu0").unwrap_err().to_string();
         assert!(e.contains("\"x\" is not a CPU number"), "{e}");
+    }
+
+    #[test]
+    fn negative_values_are_joined_to_their_option_and_programs_args_left_alone() {
+        use clap::CommandFactory;
+        let cmd = crate::Cli::command();
+        let join = |args: &[&str]| -> Vec<String> {
+            crate::join_negative_values(&cmd, args.iter().map(|a| (*a).into()).collect())
+                .into_iter()
+                .map(|a| a.into_string().unwrap())
+                .collect()
+        };
+        assert_eq!(
+            join(&["closbox", "link", "set", "a", "b", "--delay", "-1us", "--rate", "-.5G"]),
+            [
+                "closbox",
+                "link",
+                "set",
+                "a",
+                "b",
+                "--delay=-1us",
+                "--rate=-.5G"
+            ]
+        );
+        // Not a value: a flag, or an option that is not a number.
+        for args in [
+            &["closbox", "up", "x.toml", "--detach", "-5"][..],
+            &[
+                "closbox", "link", "set", "a", "b", "--rate", "--delay", "1us",
+            ],
+            // A program's arguments: after exec's GPU, after `--`.
+            &["closbox", "exec", "gpu0", "tool", "--delay", "-1"],
+            &["closbox", "run", "--", "tool", "--delay", "-1"],
+            &["closbox", "mpirun", "-n", "2", "prog", "--delay", "-1"],
+        ] {
+            assert_eq!(join(args), args, "{args:?}");
+        }
     }
 }

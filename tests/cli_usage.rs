@@ -92,6 +92,20 @@ fn train_and_run_options_are_checked_before_anything_runs() {
             vec!["capture", "--all", "-w", "x.pcap", "--count", "0"],
             "'0' for '--count <COUNT>': must be at least 1",
         ),
+        // A negative value reaches its parser (clap alone reads `-1us` as options).
+        (
+            vec!["link", "set", "leaf0", "spine0", "--delay", "-1us"],
+            "invalid duration \"-1us\": must not be negative",
+        ),
+        (
+            vec!["load", "gpu0", "gpu1", "--rate", "-5Gbit"],
+            "invalid rate \"-5Gbit\": must not be negative",
+        ),
+        // ... while a forgotten value is still one.
+        (
+            vec!["link", "set", "leaf0", "spine0", "--rate", "--delay", "1us"],
+            "a value is required for '--rate <RATE>'",
+        ),
     ] {
         usage_error(&args, needle);
     }
