@@ -346,23 +346,24 @@ fn broken_config_and_half_made_fabric_leak_nothing() {
     );
 }
 
-fn iperf_goodput(f: &TestFabric, seconds: u32) -> f64 {
+/// iperf3 from gpu0 to gpu3 (198.18.0.4) with `args`: its receiver's summary
+/// (`end.sum_received`).
+fn iperf_gpu0_to_gpu3(f: &TestFabric, args: &[&str]) -> serde_json::Value {
     let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
     wait_for_port(f, "gpu3", 5201);
-    let out = f.exec(
-        "gpu0",
-        &[
-            "iperf3",
-            "-c",
-            "198.18.0.4",
-            "-t",
-            &seconds.to_string(),
-            "-J",
-        ],
-    );
+    let cmd: Vec<&str> = ["iperf3", "-c", "198.18.0.4", "-J"]
+        .iter()
+        .chain(args)
+        .copied()
+        .collect();
+    let out = f.exec("gpu0", &cmd);
     let _ = server.wait();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
-    v["end"]["sum_received"]["bits_per_second"]
+    v["end"]["sum_received"].clone()
+}
+
+fn iperf_goodput(f: &TestFabric, seconds: u32) -> f64 {
+    iperf_gpu0_to_gpu3(f, &["-t", &seconds.to_string()])["bits_per_second"]
         .as_f64()
         .expect("received rate")
 }
@@ -403,27 +404,7 @@ fn tcp_goodput_matches_link_rate() {
 /// iperf3 UDP from gpu0 to gpu3 offered at `rate` in 8,000-byte datagrams (6 fragments
 /// each at mtu 1500) for 2 s: bits a second received, and the share of datagrams lost.
 fn iperf_udp(f: &TestFabric, rate: &str) -> (f64, f64) {
-    let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
-    wait_for_port(f, "gpu3", 5201);
-    let out = f.exec(
-        "gpu0",
-        &[
-            "iperf3",
-            "-c",
-            "198.18.0.4",
-            "-u",
-            "-b",
-            rate,
-            "-l",
-            "8000",
-            "-t",
-            "2",
-            "-J",
-        ],
-    );
-    let _ = server.wait();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
-    let r = &v["end"]["sum_received"];
+    let r = iperf_gpu0_to_gpu3(f, &["-u", "-b", rate, "-l", "8000", "-t", "2"]);
     (
         r["bits_per_second"].as_f64().expect("received rate"),
         r["lost_percent"].as_f64().expect("lost percent") / 100.0,
