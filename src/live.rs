@@ -223,6 +223,9 @@ fn up_detached(
                     child.id(),
                     log_path.display()
                 );
+                if let Some(why) = &st.pacing_off {
+                    eprintln!("WARNING: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue): {why}");
+                }
                 return Ok(());
             }
         }

@@ -274,9 +274,10 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
     if !s.scheduling.is_empty() {
         let _ = writeln!(o, "  data plane {}", s.scheduling);
         if !s.gpu_pacing {
+            let why = st.pacing_off.as_deref().unwrap_or("see the daemon's log");
             let _ = writeln!(
                 o,
-                "  pacing    OFF: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue); `up` could not install the qdisc, its log says why"
+                "  pacing    OFF: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue); `up` could not install the qdisc: {why}"
             );
         }
     }

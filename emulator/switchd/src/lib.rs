@@ -81,6 +81,7 @@ pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
         tcp_ecn: topo.fabric.host_tcp.ecn,
         tcp_slow_start_after_idle: topo.fabric.host_tcp.slow_start_after_idle,
         time_scale_note: None,
+        pacing_off: None,
         gpus: topo
             .hosts
             .iter()
@@ -250,6 +251,7 @@ pub fn run_fabric(
             tracing::warn!(
                 "fabric {name}: GPUs' UDP and ICMP not paced to their links (they may offer more than a link carries, and lose the excess in the fabric): {e:#}"
             );
+            st.pacing_off = Some(format!("{e:#}"));
             None
         }
     };

@@ -160,6 +160,10 @@ pub struct State {
     /// With `time_scale = "auto"`: why `up` chose `time_scale` (its calibration).
     #[serde(default)]
     pub time_scale_note: Option<String>,
+    /// Why the GPUs' non-TCP packets are not held to their links' rates, where `up`
+    /// could not install the qdisc (`pace`).
+    #[serde(default)]
+    pub pacing_off: Option<String>,
     pub gpus: Vec<GpuState>,
 }
 
