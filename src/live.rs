@@ -224,7 +224,7 @@ fn up_detached(
                     log_path.display()
                 );
                 if let Some(why) = &st.pacing_off {
-                    eprintln!("WARNING: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue): {why}");
+                    eprintln!("WARNING: {}: {why}", closbox_switchd::pace::OFF);
                 }
                 return Ok(());
             }

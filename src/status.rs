@@ -277,7 +277,8 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             let why = st.pacing_off.as_deref().unwrap_or("see the daemon's log");
             let _ = writeln!(
                 o,
-                "  pacing    OFF: the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue); `up` could not install the qdisc: {why}"
+                "  pacing    OFF: {}; `up` could not install the qdisc: {why}",
+                closbox_switchd::pace::OFF
             );
         }
     }

@@ -248,9 +248,7 @@ pub fn run_fabric(
     {
         Ok(p) => Some(p),
         Err(e) => {
-            tracing::warn!(
-                "fabric {name}: GPUs' UDP and ICMP not paced to their links (they may offer more than a link carries, and lose the excess in the fabric): {e:#}"
-            );
+            tracing::warn!("fabric {name}: {}: {e:#}", pace::OFF);
             st.pacing_off = Some(format!("{e:#}"));
             None
         }

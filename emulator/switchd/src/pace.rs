@@ -33,6 +33,9 @@ use closbox_fabric::{HostId, Topology};
 use crate::state::State;
 use crate::sys;
 
+/// What `up`, its log and `status` say where the qdisc could not be installed.
+pub const OFF: &str = "the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue)";
+
 /// What one GPU's qdisc holds its non-TCP packets to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {

@@ -1,7 +1,7 @@
 //! Every system call closbox makes that std does not wrap: TUN devices, interface
-//! ioctls, rtnetlink, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix` where it
-//! covers the call (safe wrappers, raw syscalls: nothing allocates, so they are fine
-//! between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
+//! ioctls, rtnetlink, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix`
+//! where it covers the call (safe wrappers, raw syscalls: nothing allocates, so they are
+//! fine between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
 //! `unshare` (unsafe in rustix too) and the SIGPIPE disposition. The only module with
 //! `unsafe`; each block passes valid pointers to buffers it owns and checks the result.
 
