@@ -471,6 +471,8 @@ pub struct Fabric {
     live: Option<Routes>,
     /// When routes converge next (after a link went down or came up).
     converge_at: Option<Instant>,
+    /// How many times routes converged (`route_epoch`).
+    route_epoch: u64,
     /// How long the switch at a failed link's end takes to stop using it, and the rest
     /// of the fabric to reroute.
     detection: Duration,
@@ -592,6 +594,7 @@ impl Fabric {
             down_since: vec![None; topo.links.len()],
             live: None,
             converge_at: None,
+            route_epoch: 0,
             detection: topo.fabric.detection,
             convergence: topo.fabric.convergence,
             degraded: false,
@@ -674,6 +677,13 @@ impl Fabric {
 
     pub fn routes(&self) -> &Routes {
         &self.routes
+    }
+
+    /// Counts the times routes converged (after links went down or came up): when it
+    /// moves, the fabric forwards over `Routes::over_live_links` of the links up then
+    /// (`changed_links`), or over `routes()` again once every link is up.
+    pub fn route_epoch(&self) -> u64 {
+        self.route_epoch
     }
 
     /// The ports every packet of a flow crosses, as `send` routes it: ECMP switches hash
@@ -1323,6 +1333,7 @@ impl Fabric {
             return;
         }
         self.converge_at = None;
+        self.route_epoch += 1;
         let down = &self.down_since;
         if down.iter().all(Option::is_none) {
             self.live = None;

@@ -1190,6 +1190,8 @@ pub struct DataPlane<P: Ports> {
     cpu: std::collections::VecDeque<CpuSample>,
     /// Told the new rate of a link whose rate changes (GPUs' non-TCP pacing).
     pacer: Option<crate::pace::Pacer>,
+    /// The model's `route_epoch` the pacer last heard of.
+    route_epoch: u64,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -1265,6 +1267,7 @@ impl<P: Ports> DataPlane<P> {
             idle_poll: false,
             cpu: Default::default(),
             pacer: None,
+            route_epoch: 0,
         }
     }
 
@@ -1382,6 +1385,7 @@ impl<P: Ports> DataPlane<P> {
         if !self.handle_ctl() {
             return false;
         }
+        self.follow_routes();
         self.sample_cpu(wall);
         self.rotate_window(wall);
         // No departure pending: sleep until input, or a second for housekeeping.
@@ -2017,6 +2021,23 @@ impl<P: Ports> DataPlane<P> {
             }
             let (change, what, _) = entry.remove();
             self.apply(now, change, what);
+        }
+    }
+
+    /// Routes converged since the last turn (links went down or came up): the pacer lays
+    /// the GPUs' classes over the links their packets now leave on.
+    fn follow_routes(&mut self) {
+        let epoch = self.model.route_epoch();
+        if epoch == self.route_epoch {
+            return;
+        }
+        self.route_epoch = epoch;
+        if let Some(p) = &self.pacer {
+            let mut up = vec![true; self.topo.links.len()];
+            for l in self.model.changed_links() {
+                up[l.link as usize] = l.up;
+            }
+            p.routes(up);
         }
     }
 

@@ -161,6 +161,17 @@ pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
     nl.flush()
 }
 
+/// Lays `plan` anew on `dev`: the root qdisc is deleted first (a replace of an htb root
+/// by an htb with the same handle is taken as a change of it, which keeps its filters).
+/// A root already gone (a GPU's program may delete it) is not an error.
+pub fn reinstall(dev: &str, plan: &Plan) -> io::Result<()> {
+    let mut nl = Netlink::open()?;
+    let ifindex = nl.sock.if_index(dev)? as i32;
+    nl.request(RTM_DELQDISC, 0, tcmsg(ifindex, 0, TC_H_ROOT, 0), &[]);
+    let _ = nl.flush();
+    install(dev, plan)
+}
+
 /// Changes the rates of the classes `install` made for `plan` (the same classes, new
 /// rates): what they hold stays queued.
 pub fn set_rates(dev: &str, plan: &Plan) -> io::Result<()> {
@@ -214,22 +225,120 @@ fn filters(nl: &mut Netlink, ifindex: i32, plan: &Plan) {
     }
 }
 
-/// Follows rate changes of the GPUs' links into their classes, on a thread of its own
-/// (it moves between the GPUs' namespaces; the data plane only says what changed).
+/// Follows the fabric's changes into the GPUs' classes, on a thread of its own (it moves
+/// between the GPUs' namespaces; the data plane only says what changed): a link's new
+/// rate, and the routes the fabric converged to after links went down or came up (a GPU
+/// whose packets to some destination now leave on other links gets classes for those).
 #[derive(Clone, Debug)]
-pub struct Pacer(mpsc::Sender<(u32, u64)>);
+pub struct Pacer(mpsc::Sender<Change>);
+
+/// What the data plane tells the pacer.
+#[derive(Debug)]
+enum Change {
+    /// Link `.0` now runs at `.1` bits/s of fabric time.
+    Rate(u32, u64),
+    /// Routes converged over the links marked up.
+    Routes(Vec<bool>),
+}
+
+/// The pacer thread's view: the links' rates and states, and each GPU's plan.
+struct Plans {
+    topo: Topology,
+    time_scale: f64,
+    rates: Vec<u64>,
+    plans: Vec<Plan>,
+    /// Per link: the GPUs whose classes it is in.
+    users: HashMap<u32, Vec<usize>>,
+}
+
+impl Plans {
+    fn new(topo: &Topology, plans: Vec<Plan>) -> Plans {
+        let mut p = Plans {
+            topo: topo.clone(),
+            time_scale: topo.fabric.time_scale.get(),
+            rates: topo.links.iter().map(|l| l.params.rate.bps()).collect(),
+            plans,
+            users: HashMap::new(),
+        };
+        p.index();
+        p
+    }
+
+    fn index(&mut self) {
+        self.users.clear();
+        for (i, p) in self.plans.iter().enumerate() {
+            for &l in p.links.iter().flatten() {
+                let u = self.users.entry(l).or_default();
+                if u.last() != Some(&i) {
+                    u.push(i);
+                }
+            }
+        }
+    }
+
+    /// Applies `change`; the GPUs whose qdisc must change, and whether only its rates
+    /// did (else its classes and filters are laid anew).
+    fn apply(&mut self, change: Change) -> Vec<(usize, bool)> {
+        match change {
+            Change::Rate(link, bps) => {
+                let Some(r) = self.rates.get_mut(link as usize) else {
+                    return Vec::new();
+                };
+                *r = bps;
+                let rates = &self.rates;
+                let mut out = Vec::new();
+                for &i in self.users.get(&link).map_or(&[][..], |v| &v[..]) {
+                    if self.plans[i].rerate(|l| rates[l as usize]) {
+                        out.push((i, true));
+                    }
+                }
+                out
+            }
+            Change::Routes(up) => {
+                let routes = Routes::over_live_links(&self.topo, |l| {
+                    up.get(l as usize).copied().unwrap_or(true)
+                });
+                let mut out = Vec::new();
+                for i in 0..self.plans.len() {
+                    let new = plan(
+                        &self.topo,
+                        &routes,
+                        HostId(i as u32),
+                        self.time_scale,
+                        |l| self.rates[l as usize],
+                    );
+                    let old = &self.plans[i];
+                    if new == *old {
+                        continue;
+                    }
+                    let same_classes = new.links.len() == old.links.len()
+                        && new.default == old.default
+                        && new.by_dst == old.by_dst;
+                    out.push((i, same_classes));
+                    self.plans[i] = new;
+                }
+                self.index();
+                out
+            }
+        }
+    }
+}
+
+/// Adds `more` (GPU, rates only) to `todo`: a GPU once, rewritten whole if either says so.
+fn merge(todo: &mut Vec<(usize, bool)>, more: Vec<(usize, bool)>) {
+    for (i, rates_only) in more {
+        match todo.iter_mut().find(|(j, _)| *j == i) {
+            Some(t) => t.1 &= rates_only,
+            None => todo.push((i, rates_only)),
+        }
+    }
+}
 
 impl Pacer {
     /// Starts the thread for the plans `install_all` installed.
-    pub fn start(state: &State, topo: &Topology, mut plans: Vec<Plan>) -> io::Result<Pacer> {
-        let (tx, rx) = mpsc::channel::<(u32, u64)>();
-        let mut rates: Vec<u64> = topo.links.iter().map(|l| l.params.rate.bps()).collect();
-        let mut users: HashMap<u32, Vec<usize>> = HashMap::new();
-        for (i, p) in plans.iter().enumerate() {
-            for &l in p.links.iter().flatten() {
-                users.entry(l).or_default().push(i);
-            }
-        }
+    pub fn start(state: &State, topo: &Topology, plans: Vec<Plan>) -> io::Result<Pacer> {
+        let (tx, rx) = mpsc::channel::<Change>();
+        let mut plans = Plans::new(topo, plans);
         let gpus = state.gpus.clone();
         let tun = state.tun.clone();
         // The thread goes back here after each change: a namespace is not held by it
@@ -238,22 +347,37 @@ impl Pacer {
         std::thread::Builder::new()
             .name("pacer".into())
             .spawn(move || {
-                for (link, bps) in rx {
-                    let Some(r) = rates.get_mut(link as usize) else {
-                        continue;
-                    };
-                    *r = bps;
-                    for &i in users.get(&link).map_or(&[][..], |v| &v[..]) {
-                        if !plans[i].rerate(|l| rates[l as usize]) {
-                            continue;
+                while let Ok(first) = rx.recv() {
+                    // What queued meanwhile, at once: rates in order, then only the
+                    // latest routes (each laid from scratch at the rates then), so a fast
+                    // flap on a large fabric does not pile up work; every GPU a step
+                    // changed is rewritten once, whole if any step changed its classes.
+                    let mut routes = None;
+                    let mut todo: Vec<(usize, bool)> = Vec::new();
+                    for change in std::iter::once(first).chain(rx.try_iter()) {
+                        match change {
+                            Change::Routes(up) => routes = Some(up),
+                            rate => merge(&mut todo, plans.apply(rate)),
                         }
+                    }
+                    if let Some(up) = routes {
+                        merge(&mut todo, plans.apply(Change::Routes(up)));
+                    }
+                    for (i, rates_only) in todo {
                         let g = &gpus[i];
+                        let p = &plans.plans[i];
                         let done = std::fs::File::open(g.netns_path())
                             .and_then(|ns| sys::enter_netns(ns.as_fd()))
-                            .and_then(|()| set_rates(&tun, &plans[i]));
+                            .and_then(|()| {
+                                if rates_only {
+                                    set_rates(&tun, p)
+                                } else {
+                                    reinstall(&tun, p)
+                                }
+                            });
                         if let Err(e) = done {
                             tracing::warn!(
-                                "{}: pacing its non-TCP packets at the new rate: {e}",
+                                "{}: pacing its non-TCP packets after a change of the fabric: {e}",
                                 g.name
                             );
                         }
@@ -269,7 +393,12 @@ impl Pacer {
     /// Link `link` now runs at `bps` (bits/s of fabric time).
     pub fn link_rate(&self, link: u32, bps: u64) {
         // The thread ends only with the process.
-        let _ = self.0.send((link, bps));
+        let _ = self.0.send(Change::Rate(link, bps));
+    }
+
+    /// Routes converged over the links for which `up[link]` holds.
+    pub fn routes(&self, up: Vec<bool>) {
+        let _ = self.0.send(Change::Routes(up));
     }
 }
 
@@ -322,6 +451,7 @@ pub fn install_all(state: &State, topo: &Topology) -> anyhow::Result<Vec<Plan>> 
 const PARALLEL: usize = 4;
 
 const RTM_NEWQDISC: u16 = 36;
+const RTM_DELQDISC: u16 = 37;
 const RTM_NEWTCLASS: u16 = 40;
 const RTM_NEWTFILTER: u16 = 44;
 const NLM_F_REQUEST: u16 = 0x1;
@@ -559,6 +689,78 @@ mod tests {
         assert!(!p.rerate(|l| t.links[l as usize].params.rate.bps()));
         assert!(p.rerate(|l| if l == nic { 100_000_000 } else { 1 }));
         assert_eq!(p.rates, vec![1_250_000]);
+    }
+
+    /// Two GPUs, each with a NIC link to both of two switches (ECMP over its NICs).
+    const DUAL: &str = "[topology]\nkind = \"custom\"\n[links.nic]\nrate = \"100Mbit\"\n[[switch]]\nname = \"s0\"\ntier = \"leaf\"\n[[switch]]\nname = \"s1\"\ntier = \"leaf\"\n[[host]]\nname = \"a\"\n[[host]]\nname = \"b\"\n[[link]]\na = \"a\"\nb = \"s0\"\n[[link]]\na = \"a\"\nb = \"s1\"\n[[link]]\na = \"b\"\nb = \"s0\"\n[[link]]\na = \"b\"\nb = \"s1\"\n";
+
+    fn plans_of(t: &Topology) -> Plans {
+        let routes = Routes::new(t);
+        let plans = (0..t.hosts.len() as u32)
+            .map(|g| {
+                plan(t, &routes, HostId(g), 1.0, |l| {
+                    t.links[l as usize].params.rate.bps()
+                })
+            })
+            .collect();
+        Plans::new(t, plans)
+    }
+
+    #[test]
+    fn a_gpu_whose_nic_link_fails_is_paced_at_the_links_it_has_left() {
+        // Links: 0 a-s0, 1 a-s1, 2 b-s0, 3 b-s1.
+        let t = topo(DUAL);
+        let mut p = plans_of(&t);
+        assert_eq!(p.plans[0].rates, vec![25_000_000]);
+        // a-s1 down: routes converge over a-s0 alone, and b reaches a through s0 only.
+        let mut up = vec![true; t.links.len()];
+        up[1] = false;
+        assert_eq!(p.apply(Change::Routes(up)), vec![(0, true), (1, true)]);
+        assert_eq!(p.plans[0].links, vec![vec![0]]);
+        assert_eq!(p.plans[1].links, vec![vec![2]]);
+        assert_eq!(p.plans[0].rates, vec![12_500_000]);
+        // A rate change on the link that failed reaches nobody now; on a-s0, a.
+        assert_eq!(p.apply(Change::Rate(1, 50_000_000)), vec![]);
+        assert_eq!(p.apply(Change::Rate(0, 50_000_000)), vec![(0, true)]);
+        assert_eq!(p.plans[0].rates, vec![6_250_000]);
+        // Back up: both links again, at the rates they have now.
+        let all = vec![true; t.links.len()];
+        assert_eq!(
+            p.apply(Change::Routes(all.clone())),
+            vec![(0, true), (1, true)]
+        );
+        assert_eq!(
+            (p.plans[0].rates[0], p.plans[1].rates[0]),
+            (12_500_000, 25_000_000)
+        );
+        assert_eq!(p.apply(Change::Routes(all)), vec![]);
+    }
+
+    #[test]
+    fn a_destination_that_moves_to_other_links_gets_its_classes_laid_anew() {
+        // Full mesh of 4: gpu0 reaches gpu1 over their direct link; with it down, gpu0
+        // reaches gpu1 some other way or not at all, and gpu0's classes change.
+        let t = topo("[topology]\nkind = \"full-mesh\"\ngpus = 4\n[links.nic]\nrate = \"2Gbit\"\n");
+        let mut p = plans_of(&t);
+        let direct = t
+            .links
+            .iter()
+            .position(|l| {
+                use closbox_fabric::topology::Vertex::Host;
+                let ends = [l.a, l.b];
+                ends.contains(&Host(HostId(0))) && ends.contains(&Host(HostId(1)))
+            })
+            .unwrap();
+        let mut up = vec![true; t.links.len()];
+        up[direct] = false;
+        let changed = p.apply(Change::Routes(up));
+        assert!(changed.contains(&(0, false)), "{changed:?}");
+        assert!(p.plans[0]
+            .links
+            .iter()
+            .all(|l| !l.contains(&(direct as u32))));
+        // Nobody's classes use the failed link any more.
+        assert!(!p.users.contains_key(&(direct as u32)));
     }
 
     #[test]
