@@ -1082,6 +1082,15 @@ fn mpi_all_reduce_runs_unmodified() {
     f.down();
 }
 
+/// The most `status` says the hypervisor took of the CPUs ("N % of the CPUs stolen by the
+/// hypervisor"), in %; 0 where it says nothing of it.
+fn stolen_pct(status: &str) -> f64 {
+    status
+        .split(" % of the CPUs stolen by the hypervisor")
+        .filter_map(|before| before.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max)
+}
+
 /// `up --time-scale auto` measures the box through the fabric's own data path and
 /// chooses: links far faster than the box need dilation for throughput; short steps need
 /// enough dilation that the box's own wall time per exchange stays under 5 % of it. The
@@ -1094,61 +1103,76 @@ fn time_scale_auto_is_measured_at_up() {
     }
     let (mut chosen, mut timing_needs) = (Vec::new(), Vec::new());
     for rate in ["100Gbit", "1Gbit"] {
-        let f = TestFabric::up_with(
-            "lt-auto",
-            &common::leaf_spine_4(rate, "1us"),
-            &["--time-scale", "auto"],
-        );
-        let k = f.status()["time_scale"].as_f64().unwrap();
-        // The trials leave nothing behind in the GPUs or the fabric: no connection
-        // (FIN-WAIT sockets retransmitted their FINs into the fabric, 32 packets in its
-        // first 3 s), no cached TCP metrics (the user's first connections would start from
-        // the trials' round trips), no packet counted.
-        for gpu in ["gpu0", "gpu1", "gpu2", "gpu3"] {
-            let (ss, _) = text(&f.exec(gpu, &["ss", "-tanH", "state", "all"]));
-            let conns: Vec<&str> = ss.lines().filter(|l| !l.starts_with("LISTEN")).collect();
-            assert!(conns.is_empty(), "{rate}: {gpu} after calibration: {ss}");
-            let (m, _) = text(&f.exec(gpu, &["ip", "tcp_metrics", "show"]));
-            assert!(m.trim().is_empty(), "{rate}: {gpu}'s TCP metrics: {m}");
-        }
-        std::thread::sleep(Duration::from_millis(1500));
-        assert_eq!(
-            f.status()["packets_in"],
-            0,
-            "{rate}: the fabric carried packets"
-        );
-        let out = closbox(&["status", "lt-auto"]);
-        let (o, _) = text(&out);
-        f.down();
-        assert!(
-            o.contains("time_scale chosen at up (auto): the box carried"),
-            "{o}"
-        );
-        // The exchanges' fabric time, measured from two scales, is the model's: one
-        // 1538-byte frame (1500 + Ethernet framing) each way over two links of 1 µs,
-        // serialized at each (at 1 Gbit/s 12.3 µs a link: 26.6 µs; at 100 Gbit/s 2.2 µs),
-        // plus an ACK's serialization where it goes first.
-        // "... took F µs of fabric time plus B µs of wall time the box adds".
-        let timing = |before: &str, after: &str| -> f64 {
-            o.split(before)
-                .nth(1)
-                .and_then(|r| r.split(after).next())
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("no exchange timing in status: {o}"))
+        let mut attempt = 0;
+        let (k, fabric_us, box_us) = loop {
+            let f = TestFabric::up_with(
+                "lt-auto",
+                &common::leaf_spine_4(rate, "1us"),
+                &["--time-scale", "auto"],
+            );
+            let k = f.status()["time_scale"].as_f64().unwrap();
+            // The trials leave nothing behind in the GPUs or the fabric: no connection
+            // (FIN-WAIT sockets retransmitted their FINs into the fabric, 32 packets in its
+            // first 3 s), no cached TCP metrics (the user's first connections would start from
+            // the trials' round trips), no packet counted.
+            for gpu in ["gpu0", "gpu1", "gpu2", "gpu3"] {
+                let (ss, _) = text(&f.exec(gpu, &["ss", "-tanH", "state", "all"]));
+                let conns: Vec<&str> = ss.lines().filter(|l| !l.starts_with("LISTEN")).collect();
+                assert!(conns.is_empty(), "{rate}: {gpu} after calibration: {ss}");
+                let (m, _) = text(&f.exec(gpu, &["ip", "tcp_metrics", "show"]));
+                assert!(m.trim().is_empty(), "{rate}: {gpu}'s TCP metrics: {m}");
+            }
+            std::thread::sleep(Duration::from_millis(1500));
+            assert_eq!(
+                f.status()["packets_in"],
+                0,
+                "{rate}: the fabric carried packets"
+            );
+            let out = closbox(&["status", "lt-auto"]);
+            let (o, _) = text(&out);
+            f.down();
+            assert!(
+                o.contains("time_scale chosen at up (auto): the box carried"),
+                "{o}"
+            );
+            // The exchanges' fabric time, measured from two scales, is the model's: one
+            // 1538-byte frame (1500 + Ethernet framing) each way over two links of 1 µs,
+            // serialized at each (at 1 Gbit/s 12.3 µs a link: 26.6 µs; at 100 Gbit/s 2.2 µs),
+            // plus an ACK's serialization where it goes first.
+            // "... took F µs of fabric time plus B µs of wall time the box adds".
+            let timing = |before: &str, after: &str| -> f64 {
+                o.split(before)
+                    .nth(1)
+                    .and_then(|r| r.split(after).next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("no exchange timing in status: {o}"))
+            };
+            let fabric_us = timing("took ", " µs of fabric time");
+            // Up to 1.4 × the model: in a slow phase of the box (the hypervisor taking 7–8 %
+            // of the CPUs) 1 Gbit/s exchanges read 34.6–35.7 µs in four runs of four (one in
+            // CI), the box's part not being the same at both timing scales then; a wall-time
+            // reading would be ~165 µs here, which is what this tells apart.
+            let model = if rate == "1Gbit" { 26.6 } else { 2.25 };
+            let within = fabric_us >= model * 0.95 && fabric_us <= model * 1.4;
+            // The two-scale reading assumes the box's part is the same at both scales, which
+            // a host taking many of the CPUs breaks (a CI run: 40.0 µs for 1 Gbit/s while the
+            // calibration saw 33 % stolen): such a run is repeated, up to twice; a quiet box
+            // must meet the bound.
+            let steal = stolen_pct(&o);
+            if !within && steal >= 10.0 && attempt < 2 {
+                eprintln!("{rate}: exchanges read {fabric_us} µs with {steal:.0} % of the CPUs stolen: again");
+                attempt += 1;
+                continue;
+            }
+            assert!(
+                within,
+                "{rate}: exchanges took {fabric_us} µs of fabric time, the model {model}: {o}"
+            );
+            // The wall time the box adds to an exchange, which the scale must shrink under 5 %
+            // of the exchange's fabric time.
+            let box_us = timing(" µs of fabric time plus ", " µs of wall time the box adds");
+            break (k, fabric_us, box_us);
         };
-        let fabric_us = timing("took ", " µs of fabric time");
-        // Up to 1.4 × the model: in a slow phase of the box (the hypervisor taking 7–8 %
-        // of the CPUs) 1 Gbit/s exchanges read 34.6–35.7 µs in four runs of four (one in
-        // CI), the box's part not being the same at both timing scales then; a wall-time
-        // reading would be ~165 µs here, which is what this tells apart.
-        let model = if rate == "1Gbit" { 26.6 } else { 2.25 };
-        assert!(
-            fabric_us >= model * 0.95 && fabric_us <= model * 1.4,
-            "{rate}: exchanges took {fabric_us} µs of fabric time, the model {model}: {o}"
-        );
-        // The wall time the box adds to an exchange, which the scale must shrink under 5 %
-        // of the exchange's fabric time.
-        let box_us = timing(" µs of fabric time plus ", " µs of wall time the box adds");
         eprintln!(
             "{rate} links: time_scale auto chose {k} (exchange {fabric_us} µs, the box adds {box_us} µs)"
         );
