@@ -3,10 +3,15 @@
 //! path (the fabric's own TUNs, namespaces, kernel TCP stacks and model).
 //!
 //! Each trial runs a data plane at a candidate scale for a moment with TCP streams between
-//! the fabric's GPUs (opened by threads inside their namespaces): up to 16 GPUs, each
-//! sending to its neighbour (GPUs 2j and 2j+1, under one leaf in generated fabrics, so
-//! that no two streams share a link and an ECMP collision cannot pass for a slow box), run
-//! at a scale `k × m / n` so that m streams load the box as n GPUs would at k. A candidate
+//! the fabric's GPUs (opened by threads inside their namespaces): up to 16 GPUs in pairs,
+//! GPU 2j sending to GPU 2j+1 (under one leaf in generated fabrics, so that no two streams
+//! share a link and an ECMP collision cannot pass for a slow box), run at a scale
+//! `k × m / n` so that m streams load the box as n GPUs would at k. One way where it can
+//! (`senders`): with both GPUs of a pair sending, each stream's ACKs queue behind its
+//! partner's data, and a buffer the partner filled first (4 MiB at 3.6 Tbit/s: 93 ms of
+//! wall time at scale 10,000) holds a late stream in slow start for the whole trial; the
+//! share carried then fell as the scale rose, and a box with capacity to spare looked
+//! short. A candidate
 //! holds when the streams get at least `CARRIED` of what their NICs allow: the box, not
 //! the fabric, would otherwise be the bottleneck. Candidates go up in 1-2-5 steps from a
 //! decade under the plan's estimate; the first that holds, one step more for headroom
@@ -39,8 +44,8 @@ const CARRIED: f64 = 0.85;
 /// The share of an exchange's fabric time the box's measured wall-time part may add: the
 /// share `bench` allows lateness to add to an operation.
 const STEP_SHARE: f64 = 0.05;
-/// Senders at most.
-const MAX_STREAMS: usize = 16;
+/// GPUs in a trial at most (half of them send).
+const MAX_GPUS: usize = 16;
 /// Trials at most (1-2-5 steps: 1 → 1000 in 9).
 const MAX_TRIALS: usize = 10;
 /// A carried share that stops rising with the scale: after this many trials in a row that
@@ -182,7 +187,8 @@ pub fn choose(
             tuns,
         ));
     }
-    let m = n.min(MAX_STREAMS);
+    // GPUs taking part.
+    let m = n.min(MAX_GPUS);
     let rates = closbox_fabric::plan::fastest_host_links(topo);
     // Frames carry mtu − 52 bytes of TCP payload (IP, TCP and timestamps) for mtu + the
     // framing overhead on the wire.
@@ -235,10 +241,12 @@ pub fn choose(
     // The most steal seen in a trial.
     let mut steal_seen: f64 = 0.0;
     for _ in 0..MAX_TRIALS {
-        let scaled = (k * m as f64 / n as f64).max(1.0);
+        let senders = senders(k, m, n);
+        let streams = senders.len();
+        let scaled = (k * streams as f64 / n as f64).max(1.0);
         let in_window = fastest_stream / scaled * WINDOW.as_secs_f64();
         if in_window < MIN_TRIAL_FRAMES {
-            // Nothing to measure, and a load any box carries: at most MAX_STREAMS streams
+            // Nothing to measure, and a load any box carries: at most MAX_GPUS streams
             // of fewer than MIN_TRIAL_FRAMES frames in WINDOW.
             let per_s = fastest_stream / k;
             let why = format!(
@@ -252,11 +260,11 @@ pub fn choose(
             );
             return trials.timing(tuns, k, why);
         }
-        let (trial, back) = trials.throughput(tuns, scaled, &rates, payload_share)?;
+        let (trial, back) = trials.throughput(tuns, scaled, &senders, &rates, payload_share)?;
         tuns = back;
         steal_seen = steal_seen.max(trial.steal);
         tracing::info!(
-            "time_scale auto: trial at {k} ({m} streams at {scaled}): carried {:.0} % of line rate, write lateness p99 {:.0} µs, steal {:.1} %",
+            "time_scale auto: trial at {k} ({streams} streams at {scaled}): carried {:.0} % of line rate, write lateness p99 {:.0} µs, steal {:.1} %",
             trial.carried * 100.0,
             trial.p99_us,
             trial.steal * 100.0
@@ -278,7 +286,7 @@ pub fn choose(
                 (next_125(k), "one 1-2-5 step more for headroom")
             };
             let why = format!(
-                "the box carried {m} streams loading it as all {n} GPUs at line rate would from time_scale {k} (trials: {}); {headroom}",
+                "the box carried {streams} streams loading it as all {n} GPUs at line rate would from time_scale {k} (trials: {}); {headroom}",
                 tried.join("; ")
             );
             return trials.timing(tuns, chosen, why);
@@ -380,6 +388,18 @@ fn p99_between(a: Option<crate::dataplane::Status>, b: Option<crate::dataplane::
             h.quantile(0.99) as f64 / 1e3
         }
         _ => f64::INFINITY,
+    }
+}
+
+/// The GPUs sending in a throughput trial at scale `k` with `m` of the `n` GPUs taking
+/// part, each to its `partner`: one way (the even GPUs), unless that many streams cannot
+/// load the box as all n GPUs would at k without running faster than real time (k < 2 n /
+/// m); then all m, both ways.
+fn senders(k: f64, m: usize, n: usize) -> Vec<usize> {
+    if k * (m / 2) as f64 >= n as f64 {
+        (0..m / 2).map(|s| 2 * s).collect()
+    } else {
+        (0..m).collect()
     }
 }
 
@@ -588,31 +608,29 @@ impl Trials<'_> {
         Ok(())
     }
 
-    /// One throughput trial at `scaled`: a data plane on the TUNs, m streams for
-    /// `RAMP + WINDOW`.
+    /// One throughput trial at `scaled`: a data plane on the TUNs, a stream from each of
+    /// `senders` to its partner for `RAMP + WINDOW`.
     fn throughput(
         &self,
         tuns: Vec<OwnedFd>,
         scaled: f64,
+        senders: &[usize],
         rates: &[u64],
         payload_share: f64,
     ) -> anyhow::Result<(Trial, Vec<OwnedFd>)> {
-        let (topo, m) = (self.topo, self.m);
-        let n = topo.hosts.len();
+        let n = self.topo.hosts.len();
         let plane = self.plane(self.box_only, tuns, scaled)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let received: Vec<Arc<AtomicU64>> = (0..m).map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let received: Vec<Arc<AtomicU64>> = senders
+            .iter()
+            .map(|_| Arc::new(AtomicU64::new(0)))
+            .collect();
         let mut threads = Vec::new();
         let mut expected = 0.0;
         let mut setup = Ok(());
-        for i in 0..m {
-            let dst = partner(i, n);
-            expected += rates[i].min(rates[dst]) as f64 * payload_share / scaled / 8.0;
-            let (stop_r, got, stop_s) = (
-                Arc::clone(&stop),
-                Arc::clone(&received[i]),
-                Arc::clone(&stop),
-            );
+        for (&i, got) in senders.iter().zip(&received) {
+            expected += rates[i].min(rates[partner(i, n)]) as f64 * payload_share / scaled / 8.0;
+            let (stop_r, got, stop_s) = (Arc::clone(&stop), Arc::clone(got), Arc::clone(&stop));
             setup = self.connect_pair(
                 i,
                 PORT + i as u16,
@@ -828,6 +846,27 @@ mod tests {
         assert!((mean - 500e-6).abs() < 1e-9, "{mean}");
         assert!((median - 100e-6).abs() < 1e-9, "{median}");
         assert_eq!(exchange_times(&[ends(&[0, 100]), Vec::new()]), None);
+    }
+
+    #[test]
+    fn trials_send_one_way_unless_that_would_need_streams_faster_than_real_time() {
+        // 32 GPUs, 16 taking part: 8 one-way streams load the box as 32 GPUs from k = 4.
+        assert_eq!(senders(5.0, 16, 32), vec![0, 2, 4, 6, 8, 10, 12, 14]);
+        assert_eq!(senders(4.0, 16, 32).len(), 8);
+        assert_eq!(senders(2.0, 16, 32), (0..16).collect::<Vec<_>>());
+        // 16 GPUs at real time: all send, both ways; from k = 2 half of them do.
+        assert_eq!(senders(1.0, 16, 16).len(), 16);
+        assert_eq!(senders(2.0, 16, 16).len(), 8);
+        // Two GPUs: one stream, 0 to 1, from k = 2; an odd GPU out sends to GPU 0.
+        assert_eq!(senders(2.0, 2, 2), vec![0]);
+        assert_eq!(senders(10.0, 3, 3), vec![0]);
+        assert_eq!(senders(1.0, 3, 3), vec![0, 1, 2]);
+        assert_eq!(partner(2, 3), 0);
+        for k in [1.0, 2.0, 50.0, 1e6] {
+            for s in senders(k, 16, 256) {
+                assert_ne!(partner(s, 256), s);
+            }
+        }
     }
 
     #[test]
