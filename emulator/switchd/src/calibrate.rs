@@ -6,17 +6,16 @@
 //! the fabric's GPUs (opened by threads inside their namespaces): up to 16 GPUs in pairs,
 //! GPU 2j sending to GPU 2j+1 (under one leaf in generated fabrics, so that no two streams
 //! share a link and an ECMP collision cannot pass for a slow box), run at a scale
-//! `k × m / n` so that m streams load the box as n GPUs would at k. One way where it can
+//! `k × s / n` so that s streams load the box as n GPUs would at k. One way where it can
 //! (`senders`): with both GPUs of a pair sending, each stream's ACKs queue behind its
 //! partner's data, and a buffer the partner filled first (4 MiB at 3.6 Tbit/s: 93 ms of
 //! wall time at scale 10,000) holds a late stream in slow start for the whole trial; the
 //! share carried then fell as the scale rose, and a box with capacity to spare looked
-//! short. A candidate
-//! holds when the streams get at least `CARRIED` of what their NICs allow: the box, not
-//! the fabric, would otherwise be the bottleneck. Candidates go up in 1-2-5 steps from a
-//! decade under the plan's estimate; the first that holds, one step more for headroom
-//! (bursts, the GPUs' own work on the same cores), is the choice — or real time, when
-//! real time holds.
+//! short. A candidate holds when the streams get at least `CARRIED` of what their NICs
+//! allow: the box, not the fabric, would otherwise be the bottleneck. Candidates go up in
+//! 1-2-5 steps from a decade under the plan's estimate; the first that holds, one step
+//! more for headroom (bursts, the GPUs' own work on the same cores), is the choice — or
+//! real time, when real time holds.
 //!
 //! It is a throughput criterion. The precision of short operations is another matter:
 //! the write lateness of bulk TCP at line rate on 2 cores is ~0.5–1.5 ms p99 at any scale
