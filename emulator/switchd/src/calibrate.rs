@@ -26,7 +26,7 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -402,6 +402,21 @@ fn senders(k: f64, m: usize, n: usize) -> Vec<usize> {
     }
 }
 
+/// A throughput trial's receiving socket, once accepted.
+type Receiving = Arc<Mutex<Option<TcpStream>>>;
+
+/// The bytes the receiving sockets have been given in order so far (a socket not yet
+/// accepted has been given none).
+fn bytes_received(received: &[Receiving]) -> u64 {
+    received
+        .iter()
+        .filter_map(|r| {
+            let conn = r.lock().expect("receiving socket");
+            sys::tcp_bytes_received(conn.as_ref()?.as_fd()).ok()
+        })
+        .sum()
+}
+
 /// The GPU stream or exchange `i` of a trial talks to.
 fn partner(i: usize, n: usize) -> usize {
     if i ^ 1 < n {
@@ -620,10 +635,10 @@ impl Trials<'_> {
         let n = self.topo.hosts.len();
         let plane = self.plane(self.box_only, tuns, scaled)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let received: Vec<Arc<AtomicU64>> = senders
-            .iter()
-            .map(|_| Arc::new(AtomicU64::new(0)))
-            .collect();
+        // Each receiving socket (a second descriptor of it), to read its kernel's count of
+        // bytes received at the window's edges: a count of the bytes its thread had read
+        // would move with when that thread last ran.
+        let received: Vec<Receiving> = senders.iter().map(|_| Receiving::default()).collect();
         let mut threads = Vec::new();
         let mut expected = 0.0;
         let mut setup = Ok(());
@@ -643,15 +658,14 @@ impl Trials<'_> {
                     }
                 },
                 move |mut conn| {
+                    if let Ok(c) = conn.try_clone() {
+                        *got.lock().expect("receiving socket") = Some(c);
+                    }
                     let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
                     let mut buf = vec![0u8; 1 << 16];
                     while !stop_r.load(Ordering::Relaxed) {
-                        match conn.read(&mut buf) {
-                            Ok(0) => break,
-                            Ok(r) => {
-                                got.fetch_add(r as u64, Ordering::Relaxed);
-                            }
-                            Err(_) => {}
+                        if let Ok(0) = conn.read(&mut buf) {
+                            break;
                         }
                     }
                 },
@@ -663,18 +677,18 @@ impl Trials<'_> {
         let mut measured = (0, 0.0, None, None, 0.0);
         if setup.is_ok() {
             std::thread::sleep(RAMP);
-            let before: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+            let before = bytes_received(&received);
             let at_ramp = plane.status();
             let ticks = sys::box_cpu_ticks().ok();
             let started = Instant::now();
             std::thread::sleep(WINDOW);
-            let after: u64 = received.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+            let after = bytes_received(&received);
             let steal = match (ticks, sys::box_cpu_ticks().ok()) {
                 (Some(a), Some(b)) => sys::steal_share(a, b),
                 _ => 0.0,
             };
             measured = (
-                after - before,
+                after.saturating_sub(before),
                 started.elapsed().as_secs_f64(),
                 at_ramp,
                 plane.status(),
@@ -685,6 +699,9 @@ impl Trials<'_> {
         for th in threads {
             let _ = th.join();
         }
+        // The last descriptors of the receiving sockets: their resets go out through the
+        // data plane.
+        drop(received);
         let tuns = plane.stop()?;
         setup?;
         let (bytes, window, at_ramp, at_end, steal) = measured;

@@ -2,7 +2,7 @@
 //! ioctls, rtnetlink, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix`
 //! where it covers the call (safe wrappers, raw syscalls: nothing allocates, so they are
 //! fine between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
-//! `unshare` (unsafe in rustix too) and the SIGPIPE disposition. The only module with
+//! `unshare` (unsafe in rustix too), `TCP_INFO` and the SIGPIPE disposition. The only module with
 //! `unsafe`; each block passes valid pointers to buffers it owns and checks the result.
 
 use std::ffi::CString;
@@ -253,6 +253,30 @@ pub fn discard_queued(fd: BorrowedFd<'_>) -> io::Result<u64> {
         n += 1;
     }
     Ok(n)
+}
+
+/// The payload bytes TCP socket `fd` has received in order (`TCP_INFO`'s
+/// `tcpi_bytes_received`, counted as they arrive, not as they are read).
+pub fn tcp_bytes_received(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut info: libc::tcp_info = unsafe { mem::zeroed() };
+    let mut len = mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    cvt(unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    })?;
+    // (Kernels before 4.1 fill a shorter struct, without the field.)
+    if (len as usize) < mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TCP_INFO without tcpi_bytes_received (a kernel before 4.1)",
+        ));
+    }
+    Ok(info.tcpi_bytes_received)
 }
 
 /// Makes closing the TCP socket `fd` abort its connection (`SO_LINGER` on, 0 s): the
@@ -708,6 +732,31 @@ pub fn clock_anchor_ns() -> (i128, i128) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tcp_counts_bytes_received_as_they_arrive_not_as_they_are_read() {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        assert_eq!(tcp_bytes_received(rx.as_fd()).unwrap(), 0);
+        tx.write_all(&[7u8; 100_000]).unwrap();
+        // Unread, on its way in over loopback.
+        let t = std::time::Instant::now();
+        while tcp_bytes_received(rx.as_fd()).unwrap() < 100_000 {
+            assert!(t.elapsed().as_secs() < 10, "100,000 bytes not received");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(tcp_bytes_received(rx.as_fd()).unwrap(), 100_000);
+        let mut buf = vec![0u8; 100_000];
+        rx.read_exact(&mut buf).unwrap();
+        assert_eq!(tcp_bytes_received(rx.as_fd()).unwrap(), 100_000);
+        // The sender's own count is of what it received: nothing.
+        assert_eq!(tcp_bytes_received(tx.as_fd()).unwrap(), 0);
+        // Not a TCP socket: an error, not a count.
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert!(tcp_bytes_received(udp.as_fd()).is_err());
+    }
 
     #[test]
     fn a_threads_cpu_time_grows_while_it_runs() {
