@@ -407,14 +407,14 @@ type Receiving = Arc<Mutex<Option<TcpStream>>>;
 
 /// The bytes the receiving sockets have been given in order so far (a socket not yet
 /// accepted has been given none).
-fn bytes_received(received: &[Receiving]) -> u64 {
-    received
-        .iter()
-        .filter_map(|r| {
-            let conn = r.lock().expect("receiving socket");
-            sys::tcp_bytes_received(conn.as_ref()?.as_fd()).ok()
-        })
-        .sum()
+fn bytes_received(received: &[Receiving]) -> std::io::Result<u64> {
+    let mut sum = 0;
+    for r in received {
+        if let Some(conn) = r.lock().expect("receiving socket").as_ref() {
+            sum += sys::tcp_bytes_received(conn.as_fd())?;
+        }
+    }
+    Ok(sum)
 }
 
 /// The GPU stream or exchange `i` of a trial talks to.
@@ -674,7 +674,7 @@ impl Trials<'_> {
                 break;
             }
         }
-        let mut measured = (0, 0.0, None, None, 0.0);
+        let mut measured = Ok((0, 0.0, None, None, 0.0));
         if setup.is_ok() {
             std::thread::sleep(RAMP);
             let before = bytes_received(&received);
@@ -687,13 +687,11 @@ impl Trials<'_> {
                 (Some(a), Some(b)) => sys::steal_share(a, b),
                 _ => 0.0,
             };
-            measured = (
-                after.saturating_sub(before),
-                started.elapsed().as_secs_f64(),
-                at_ramp,
-                plane.status(),
-                steal,
-            );
+            let window = started.elapsed().as_secs_f64();
+            measured = before.and_then(|before| {
+                let bytes = after?.saturating_sub(before);
+                Ok((bytes, window, at_ramp, plane.status(), steal))
+            });
         }
         stop.store(true, Ordering::Relaxed);
         for th in threads {
@@ -704,7 +702,8 @@ impl Trials<'_> {
         drop(received);
         let tuns = plane.stop()?;
         setup?;
-        let (bytes, window, at_ramp, at_end, steal) = measured;
+        let (bytes, window, at_ramp, at_end, steal) =
+            measured.context("calibration: the bytes a trial's receiving sockets got")?;
         let p99_us = p99_between(at_ramp, at_end);
         let carried = bytes as f64 / window / expected;
         Ok((
