@@ -2,8 +2,9 @@
 //! ioctls, rtnetlink, namespaces, mounts, epoll, eventfd, locks, pidfds. Through `rustix`
 //! where it covers the call (safe wrappers, raw syscalls: nothing allocates, so they are
 //! fine between fork and exec too); `libc` and `unsafe` only for the interface ioctls,
-//! `unshare` (unsafe in rustix too), `TCP_INFO` and the SIGPIPE disposition. The only module with
-//! `unsafe`; each block passes valid pointers to buffers it owns and checks the result.
+//! `unshare` (unsafe in rustix too), `TCP_INFO` and the SIGPIPE disposition. The only
+//! module with `unsafe`; each block passes valid pointers to buffers it owns and checks
+//! the result.
 
 use std::ffi::CString;
 use std::io;
