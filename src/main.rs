@@ -491,7 +491,8 @@ enum LinkCmd {
         /// e.g. 5us.
         #[arg(long)]
         delay: Option<closbox_fabric::Duration>,
-        /// Probability a packet is lost on the wire, in [0, 1).
+        /// Probability a packet is lost on the wire, in [0, 1]; 1 loses every frame while
+        /// the link stays up (a gray failure: routing keeps using it).
         #[arg(long, value_parser = probability, allow_negative_numbers = true)]
         loss: Option<f64>,
         /// Egress buffer at both ends, e.g. 1MiB.
@@ -647,11 +648,14 @@ fn positive(s: &str) -> Result<f64, String> {
     })
 }
 
-/// A loss probability, as topology files give it: 0.001 for 0.1 %.
+/// A loss probability, as topology files give it: 0.001 for 0.1 %. A live link may take 1:
+/// every frame lost while the link stays up (a gray failure the switches never detect).
 fn probability(s: &str) -> Result<f64, String> {
-    let hint = |why: &str| format!("{why}: a probability in [0, 1) such as 0.001 (0.1 %)");
+    let hint = |why: &str| {
+        format!("{why}: a probability in [0, 1] such as 0.001 (0.1 %); 1 loses every frame")
+    };
     match s.parse::<f64>() {
-        Ok(p) if (0.0..1.0).contains(&p) => Ok(p),
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
         Ok(_) => Err(hint("out of range")),
         Err(_) => Err(hint("not a number")),
     }

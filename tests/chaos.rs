@@ -122,6 +122,29 @@ fn links_and_switches_go_down_and_come_back() {
     assert!(run(&["heal"]).status.success());
     assert!(ping(&f, "gpu0", "gpu3"));
 
+    // A gray failure: loss 1 keeps the link up and loses every frame, and nothing
+    // routes around it, however long it lasts (detection 1 ms, convergence 50 ms here).
+    let before = drops(&f, "loss");
+    let out = run(&["link", "set", "gpu3", "leaf1", "--loss", "1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(f.status()["changed_links"][0]["up"], true);
+    assert_eq!(f.status()["changed_links"][0]["loss"], 1.0);
+    assert!(
+        !ping(&f, "gpu0", "gpu3"),
+        "through a link that loses every frame"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !ping(&f, "gpu0", "gpu3"),
+        "a gray failure is never detected"
+    );
+    assert!(
+        drops(&f, "loss") >= before + 6,
+        "3 pings twice, lost on the wire"
+    );
+    assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
+    assert!(ping(&f, "gpu0", "gpu3"));
+
     // A degraded link, then reset; the event log has it all, in order.
     let out = run(&[
         "link", "set", "gpu3", "leaf1", "--rate", "100Mbit", "--delay", "50us",

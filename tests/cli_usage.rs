@@ -82,11 +82,15 @@ fn train_and_run_options_are_checked_before_anything_runs() {
         (vec!["events", "Bad_Name"], "fabric name \"Bad_Name\""),
         (
             vec!["link", "set", "leaf0", "spine0", "--loss", "5%"],
-            "a probability in [0, 1) such as 0.001",
+            "a probability in [0, 1] such as 0.001",
         ),
         (
             vec!["link", "set", "leaf0", "spine0", "--loss", "-0.5"],
             "'-0.5' for '--loss <LOSS>': out of range",
+        ),
+        (
+            vec!["link", "set", "leaf0", "spine0", "--loss", "1.01"],
+            "'1.01' for '--loss <LOSS>': out of range",
         ),
         (
             vec!["capture", "--all", "-w", "x.pcap", "--count", "0"],

@@ -1927,3 +1927,50 @@ fn random_chaos_under_traffic_keeps_every_account() {
         );
     }
 }
+
+#[test]
+fn a_link_losing_every_frame_is_a_gray_failure_that_routing_never_avoids() {
+    // Loss 1 on leaf0-spine0: every frame on it is lost on the wire, but the link is up,
+    // so the switches never detect it and the flows hashed onto it stay there, long after
+    // a link down would have been detected and routed around (22 µs and 100 µs here).
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let via0 = flows_via(&t, &f, 0, "spine0", true);
+    let other = flows_via(&t, &f, 0, "spine0", false);
+    let gray = link_between(&t, &f, "leaf0", "spine0");
+    assert!(f.apply(
+        Instant::ZERO,
+        Change::SetLink {
+            link: gray,
+            rate: None,
+            delay: None,
+            loss: Some(1.0),
+            buffer: None,
+        },
+    ));
+    let mut at = 1_000_000;
+    for round in 0..3 {
+        for &sp in via0.iter().take(5).chain(other.iter().take(5)) {
+            assert_eq!(send(&mut f, &t, at, (0, 2), sp, 0, 100), Verdict::Accepted);
+        }
+        let got = run(&mut f);
+        assert_eq!(
+            got.len(),
+            5,
+            "round {round}: only the flows on other spines"
+        );
+        at = f.now().as_nanos() + 1_000_000;
+    }
+    let tot = f.totals(Instant::from_nanos(at));
+    assert_eq!(tot.drops.get(DropReason::Loss), 15, "{tot:?}");
+    assert_eq!(tot.drops.get(DropReason::LinkDown), 0, "{tot:?}");
+    let c = f.port_counters(Instant::from_nanos(at));
+    assert_eq!(
+        c[port(&t, &f, "leaf0", "spine0").0 as usize]
+            .drops
+            .get(DropReason::Loss),
+        15,
+        "counted on the lossy port"
+    );
+    totals_conserved(&mut f, at);
+}

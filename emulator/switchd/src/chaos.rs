@@ -343,17 +343,19 @@ pub fn resolve(
             buffer_bytes,
         } => {
             if rate_bps.is_some_and(|r| r == 0) {
-                return Err("a rate must be above 0".into());
+                return Err("--rate must be above 0".into());
             }
-            if loss.is_some_and(|p| !(0.0..1.0).contains(&p)) {
-                return Err("a loss probability must be in [0, 1)".into());
+            // 1 is a gray failure: the link stays up and loses every frame, and the
+            // switches, which only detect links going down, keep routing onto it.
+            if loss.is_some_and(|p| !(0.0..=1.0).contains(&p)) {
+                return Err("--loss must be a probability in [0, 1] (1 loses every frame)".into());
             }
             if delay_ns.is_some_and(|d| d > closbox_fabric::config::MAX_DELAY.as_nanos()) {
-                return Err("a delay must be at most 1 s".into());
+                return Err("--delay must be at most 1 s".into());
             }
             if buffer_bytes.is_some_and(|b| b < topo.fabric.mtu as u64) {
                 return Err(format!(
-                    "a buffer must hold one packet of the fabric's mtu ({} bytes)",
+                    "--buffer must hold one packet of the fabric's mtu ({} bytes)",
                     topo.fabric.mtu
                 ));
             }
