@@ -135,6 +135,57 @@ const ACTIONS: &[(&str, &[&str])] = &[
     ("incast", &["to", "from", "bytes", "bursts", "burst_every"]),
 ];
 
+/// The daemon's message `m` about a change, in a scenario file's words: each `--flag` of
+/// the command line becomes the file's key for it (`link-flap`'s `--count` is `flaps`,
+/// `incast`'s `--count` and `--every` are `bursts` and `burst_every`), and the key it is
+/// about: the first such flag, or else the name key whose value it quotes.
+fn in_file_words(
+    action: &str,
+    m: &str,
+    names: &[(&'static str, &Option<Spanned<String>>)],
+) -> (String, Option<&'static str>) {
+    let key_of = |flag: &str| -> Option<&'static str> {
+        let renamed = match (action, flag) {
+            ("link-flap", "count") => Some("flaps"),
+            ("incast", "count") => Some("bursts"),
+            ("incast", "every") => Some("burst_every"),
+            _ => None,
+        };
+        renamed.or_else(|| {
+            ACTIONS
+                .iter()
+                .flat_map(|(_, keys)| keys.iter().copied())
+                .find(|k| *k == flag)
+        })
+    };
+    let mut out = String::with_capacity(m.len());
+    let mut first = None;
+    let mut rest = m;
+    while let Some(i) = rest.find("--") {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 2..];
+        let end = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+            .unwrap_or(after.len());
+        match key_of(&after[..end]) {
+            Some(key) => {
+                out.push_str(&format!("`{key}`"));
+                first = first.or(Some(key));
+            }
+            None => out.push_str(&rest[i..i + 2 + end]),
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    let quoted = || {
+        names.iter().find_map(|(key, v)| {
+            let v = v.as_ref()?.get_ref();
+            m.contains(&format!("{v:?}")).then_some(*key)
+        })
+    };
+    (out, first.or_else(quoted))
+}
+
 /// Most `[[random]]` faults expanded per scenario, and the longest a scenario may run.
 const MAX_SPAN: Duration = Duration::from_millis(3_600_000);
 
@@ -251,11 +302,11 @@ fn event(
         ("burst_every", e.burst_every.as_ref().map(Spanned::span)),
         ("count", None),
     ];
-    for (key, span) in given {
+    for (key, span) in &given {
         if let Some(span) = span {
-            if !takes.contains(&key) {
+            if !takes.contains(key) {
                 return Err(cx.at(
-                    span,
+                    span.clone(),
                     format!(
                         "{action} does not take `{key}`{}",
                         if takes.is_empty() {
@@ -375,8 +426,25 @@ fn event(
         }
         _ => unreachable!("every action of ACTIONS is handled"),
     };
-    // Names and values, checked as the daemon will.
-    chaos::schedule(topo, &req, &mut 1).map_err(|m| cx.err(ev, m))?;
+    // Names and values, checked as the daemon will; its words for the command line's
+    // flags become the file's keys, at the key the message is about.
+    chaos::schedule(topo, &req, &mut 1).map_err(|m| {
+        let names = [
+            ("a", &e.a),
+            ("b", &e.b),
+            ("name", &e.name),
+            ("from", &e.from),
+            ("to", &e.to),
+        ];
+        let (message, key) = in_file_words(action, &m, &names);
+        let span = key
+            .and_then(|k| given.iter().find(|(g, _)| *g == k))
+            .and_then(|(_, span)| span.clone());
+        match span {
+            Some(span) => cx.at(span, message),
+            None => cx.err(ev, message),
+        }
+    })?;
     let at = *e.at.get_ref();
     if at > MAX_SPAN {
         return Err(cx.err(&e.at, format!("at most {MAX_SPAN} into a scenario")));
@@ -640,7 +708,31 @@ for = "1ms"
             "{e}"
         );
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine9\"\n");
-        assert!(e.starts_with("s.toml:1:1:") && e.contains("spine0"), "{e}");
+        assert!(e.starts_with("s.toml:5:5:") && e.contains("spine0"), "{e}");
+        // The daemon's checks, in the file's words and at the key they are about.
+        let set = "[[event]]\nat = \"1ms\"\ndo = \"link-set\"\na = \"leaf0\"\nb = \"spine0\"\n";
+        let e = err(&format!("{set}loss = 2.0\n"));
+        assert!(
+            e.starts_with("s.toml:6:8: `loss` must be a probability in [0, 1]"),
+            "{e}"
+        );
+        let e = err(&format!("{set}delay = \"2s\"\n"));
+        assert!(
+            e.starts_with("s.toml:6:9: `delay` must be at most 1 s"),
+            "{e}"
+        );
+        let e = err(set);
+        assert!(
+            e.starts_with("s.toml:1:1: nothing to set: give `rate`, `delay`, `loss` or `buffer`"),
+            "{e}"
+        );
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-flap\"\na = \"leaf0\"\nb = \"spine0\"\ndown = \"1ms\"\nup = \"1ms\"\nflaps = 0\n");
+        assert!(e.starts_with("s.toml:8:9: `flaps` must be 1 to"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"incast\"\nto = \"gpu0\"\nfrom = \"1-3\"\nbytes = \"1MiB\"\nbursts = 3\n");
+        assert!(
+            e.starts_with("s.toml:7:10: `bursts` above 1 needs `burst_every`"),
+            "{e}"
+        );
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"heal\"\nrate = \"1Gbit\"\n");
         assert!(
             e.starts_with("s.toml:4:8: heal does not take `rate`"),
