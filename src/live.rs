@@ -413,11 +413,12 @@ pub fn undilate_self() {
 }
 
 fn spawn_error(e: std::io::Error, program: &str) -> anyhow::Error {
-    if e.kind() == std::io::ErrorKind::NotFound {
-        anyhow::anyhow!("command not found: {program}")
+    let (code, message) = if e.kind() == std::io::ErrorKind::NotFound {
+        (127, format!("command not found: {program}"))
     } else {
-        anyhow::anyhow!("cannot run {program}: {e}")
-    }
+        (126, format!("cannot run {program}: {e}"))
+    };
+    anyhow::Error::new(crate::CannotRun { code, message })
 }
 
 fn exit_code(status: std::process::ExitStatus) -> u8 {

@@ -593,6 +593,23 @@ pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(Usage(msg.into()))
 }
 
+/// A program `exec` or `run` could not start: exit 127 when it was not found, 126 when it
+/// was found but could not be run (as POSIX shells, `env` and `timeout` exit), so that a
+/// caller that passes exit codes through (an MPI launcher's remote shell) sees which.
+#[derive(Debug)]
+pub(crate) struct CannotRun {
+    pub code: u8,
+    pub message: String,
+}
+
+impl std::fmt::Display for CannotRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for CannotRun {}
+
 fn time_scale_arg(s: &str) -> Result<live::TimeScaleArg, String> {
     if s == "auto" {
         return Ok(live::TimeScaleArg::Auto);
@@ -1172,6 +1189,8 @@ fn main() -> ExitCode {
             eprintln!("closbox: {e:#}");
             if e.downcast_ref::<Usage>().is_some() {
                 ExitCode::from(2)
+            } else if let Some(c) = e.downcast_ref::<CannotRun>() {
+                ExitCode::from(c.code)
             } else {
                 ExitCode::FAILURE
             }

@@ -91,11 +91,17 @@ fn lifecycle_exec_run_and_errors() {
         "{:?}",
         text(&out)
     );
+    // A program that cannot start: 127 not found, 126 not runnable, as shells say it.
     let out = f.exec("gpu0", &["no-such-command-xyz"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(127));
     assert!(text(&out)
         .1
         .contains("command not found: no-such-command-xyz"));
+    let out = f.exec("gpu0", &["/etc/hostname"]);
+    assert_eq!(out.status.code(), Some(126), "{:?}", text(&out));
+    assert!(text(&out).1.contains("cannot run /etc/hostname"));
+    let out = closbox(&["run", "--fabric", "lt-life", "no-such-command-xyz"]);
+    assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
     let out = closbox(&["exec", "--fabric", "lt-nope", "gpu0", "--", "true"]);
     assert!(
         text(&out).1.contains("fabric lt-nope is not up"),
