@@ -23,7 +23,7 @@
 //! for = "5ms"
 //!
 //! [[random]]
-//! do = "link-flap"
+//! do = "link-flap"              # or "link-degrade" with rate, delay, loss: set, then reset
 //! links = "leaf-spine"           # every link of a class, or a = …, b = …
 //! mtbf = "20ms"                  # mean time between failures, per link
 //! mttr = "2ms"                   # mean time to repair
@@ -110,6 +110,10 @@ struct RawRandom {
     start: Option<Spanned<Duration>>,
     until: Spanned<Duration>,
     seed: Option<Spanned<u64>>,
+    /// `link-degrade`: what a fault sets (one at least); repaired, the link is reset.
+    rate: Option<Spanned<Bandwidth>>,
+    delay: Option<Spanned<Duration>>,
+    loss: Option<Spanned<f64>>,
 }
 
 /// What each `do` takes besides `at`, `every`, `count`.
@@ -486,13 +490,33 @@ fn random(
     items: &mut Vec<(u64, ChangeRequest)>,
 ) -> Result<(), ConfigError> {
     let raw = r.get_ref();
-    if raw.action.get_ref() != "link-flap" {
+    let action = raw.action.get_ref().as_str();
+    let degrade = match action {
+        "link-flap" => false,
+        "link-degrade" => true,
+        _ => {
+            return Err(cx.err(
+                &raw.action,
+                format!("unknown random fault {action:?}; one of: link-flap, link-degrade"),
+            ))
+        }
+    };
+    let set_keys = [
+        ("rate", raw.rate.as_ref().map(Spanned::span)),
+        ("delay", raw.delay.as_ref().map(Spanned::span)),
+        ("loss", raw.loss.as_ref().map(Spanned::span)),
+    ];
+    if !degrade {
+        if let Some((key, span)) = set_keys.iter().find_map(|(k, s)| Some((k, s.clone()?))) {
+            return Err(cx.at(
+                span,
+                format!("link-flap does not take `{key}` (link-degrade does)"),
+            ));
+        }
+    } else if set_keys.iter().all(|(_, s)| s.is_none()) {
         return Err(cx.err(
             &raw.action,
-            format!(
-                "unknown random fault {:?}; one of: link-flap",
-                raw.action.get_ref()
-            ),
+            "link-degrade needs what a fault sets: `rate`, `delay` or `loss`",
         ));
     }
     let links: Vec<u32> = match (&raw.links, &raw.a, &raw.b) {
@@ -546,6 +570,40 @@ fn random(
         return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
     }
     let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
+    // A fault: the link down, or set to the degraded values; its repair: up, or reset.
+    let fault = |a: String, b: String, index: Option<u32>| {
+        if degrade {
+            ChangeRequest::LinkSet {
+                a,
+                b,
+                index,
+                rate_bps: raw.rate.as_ref().map(|r| r.get_ref().bps()),
+                delay_ns: raw.delay.as_ref().map(|d| d.get_ref().as_nanos()),
+                loss: raw.loss.as_ref().map(|l| *l.get_ref()),
+                buffer_bytes: None,
+            }
+        } else {
+            ChangeRequest::LinkDown { a, b, index }
+        }
+    };
+    let repair = |a: String, b: String, index: Option<u32>| {
+        if degrade {
+            ChangeRequest::LinkReset { a, b, index }
+        } else {
+            ChangeRequest::LinkUp { a, b, index }
+        }
+    };
+    if degrade {
+        // The values, checked as the daemon will, at the key they are about.
+        let (a, b, index) = chaos::link_ref(topo, links[0]);
+        chaos::schedule(topo, &fault(a, b, Some(index)), &mut 1).map_err(|m| {
+            let (message, key) = in_file_words("link-set", &m, &[]);
+            match key.and_then(|k| set_keys.iter().find(|(g, _)| *g == k)?.1.clone()) {
+                Some(span) => cx.at(span, message),
+                None => cx.err(&raw.action, message),
+            }
+        })?;
+    }
     for l in links {
         let (a, b, index) = chaos::link_ref(topo, l);
         let mut rng = Rng::new(seed, nth << 32 | l as u64);
@@ -556,17 +614,12 @@ fn random(
                 break;
             }
             let down = exponential(&mut rng, mttr).max(1);
-            let link = |up: bool| {
-                let (a, b, index) = (a.clone(), b.clone(), Some(index));
-                if up {
-                    ChangeRequest::LinkUp { a, b, index }
-                } else {
-                    ChangeRequest::LinkDown { a, b, index }
-                }
-            };
-            items.push((t, link(false)));
+            items.push((t, fault(a.clone(), b.clone(), Some(index))));
             // The repair comes even past `until`: the fabric is left whole.
-            items.push((t.saturating_add(down), link(true)));
+            items.push((
+                t.saturating_add(down),
+                repair(a.clone(), b.clone(), Some(index)),
+            ));
             t = t.saturating_add(down);
             if items.len() > MAX_PENDING {
                 return Err(cx.err(
@@ -629,6 +682,8 @@ pub fn select(topo: &Topology, sel: &str) -> Result<Vec<String>, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn topo() -> Topology {
@@ -698,6 +753,60 @@ for = "1ms"
         assert!((35..=110).contains(&downs), "{downs}");
         let ups = a.items.len() - downs;
         assert_eq!(ups, downs, "every failure is repaired");
+    }
+
+    #[test]
+    fn random_degradations_set_then_reset_each_link_in_turn() {
+        let text = "[[random]]\ndo = \"link-degrade\"\nlinks = \"leaf-spine\"\nmtbf = \"10ms\"\nmttr = \"1ms\"\nuntil = \"100ms\"\nrate = \"10Gbit\"\nloss = 0.01\n";
+        let s = parse(text, "s.toml", &topo()).unwrap();
+        let mut open: BTreeMap<(String, String), bool> = BTreeMap::new();
+        let mut faults = 0;
+        for (_, req) in &s.items {
+            match req {
+                ChangeRequest::LinkSet {
+                    a,
+                    b,
+                    rate_bps,
+                    delay_ns,
+                    loss,
+                    buffer_bytes,
+                    ..
+                } => {
+                    assert_eq!(
+                        (*rate_bps, *delay_ns, *loss, *buffer_bytes),
+                        (Some(10_000_000_000), None, Some(0.01), None)
+                    );
+                    let was = open.insert((a.clone(), b.clone()), true);
+                    assert_ne!(was, Some(true), "a link degraded twice at once");
+                    faults += 1;
+                }
+                ChangeRequest::LinkReset { a, b, .. } => {
+                    let was = open.insert((a.clone(), b.clone()), false);
+                    assert_eq!(was, Some(true), "a reset without a fault");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!((35..=110).contains(&faults), "{faults}");
+        assert!(open.values().all(|o| !o), "every fault is repaired");
+        let base = "[[random]]\nlinks = \"leaf-spine\"\nmtbf = \"10ms\"\nmttr = \"1ms\"\nuntil = \"100ms\"\n";
+        let e = err(&format!("{base}do = \"link-degrade\"\n"));
+        assert!(
+            e.starts_with("s.toml:6:6: link-degrade needs what a fault sets"),
+            "{e}"
+        );
+        let e = err(&format!("{base}do = \"link-degrade\"\nloss = 1.5\n"));
+        assert!(
+            e.starts_with("s.toml:7:8: `loss` must be a probability in [0, 1]"),
+            "{e}"
+        );
+        let e = err(&format!("{base}do = \"link-flap\"\nrate = \"1Gbit\"\n"));
+        assert!(
+            e.starts_with("s.toml:7:8: link-flap does not take `rate`"),
+            "{e}"
+        );
+        let e = err(&format!("{base}do = \"link-melt\"\n"));
+        assert!(e.contains("one of: link-flap, link-degrade"), "{e}");
     }
 
     #[test]
