@@ -141,6 +141,7 @@ fn fabric_now(st: &State, topo: &Topology) -> Now {
             link.params.rate = closbox_fabric::Bandwidth::from_bps(l.rate_bps);
             link.params.delay = closbox_fabric::Duration::from_nanos(l.delay_ns);
             link.params.loss = l.loss;
+            link.params.loss_burst = l.loss_burst;
             if !l.up {
                 now.down.push(l.id);
             }

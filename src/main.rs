@@ -495,6 +495,10 @@ enum LinkCmd {
         /// the link stays up (a gray failure: routing keeps using it).
         #[arg(long, value_parser = probability, allow_negative_numbers = true)]
         loss: Option<f64>,
+        /// Mean run of lost frames: 1 (independent losses), or more for losses in bursts
+        /// at the same mean rate (e.g. 8; a Gilbert model).
+        #[arg(long, value_parser = loss_burst, allow_negative_numbers = true)]
+        loss_burst: Option<f64>,
         /// Egress buffer at both ends, e.g. 1MiB.
         #[arg(long)]
         buffer: Option<closbox_fabric::Bytes>,
@@ -675,6 +679,17 @@ fn probability(s: &str) -> Result<f64, String> {
         Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
         Ok(_) => Err(hint("out of range")),
         Err(_) => Err(hint("not a number")),
+    }
+}
+
+/// A mean run of lost frames, 1 to `MAX_LOSS_BURST`.
+fn loss_burst(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(b) if closbox_fabric::config::loss_burst_ok(b) => Ok(b),
+        _ => Err(format!(
+            "a mean run of lost frames from 1 to {}, such as 8",
+            closbox_fabric::config::MAX_LOSS_BURST
+        )),
     }
 }
 
@@ -930,6 +945,7 @@ fn main() -> ExitCode {
                     rate,
                     delay,
                     loss,
+                    loss_burst,
                     buffer,
                 } => {
                     let (a, b, index) = named(&l);
@@ -940,6 +956,7 @@ fn main() -> ExitCode {
                         rate_bps: rate.map(|r| r.bps()),
                         delay_ns: delay.map(|d| d.as_nanos()),
                         loss,
+                        loss_burst,
                         buffer_bytes: buffer.map(|b| b.get()),
                     };
                     (l, r)

@@ -316,8 +316,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
                 l.down_since_s.unwrap_or(0.0)
             ));
         }
+        let runs = if l.loss_burst > 1.0 && l.loss > 0.0 {
+            format!(" (in runs of {} frames)", l.loss_burst)
+        } else {
+            String::new()
+        };
         what.push(format!(
-            "{} {} loss {} buffers {}/{}",
+            "{} {} loss {}{runs} buffers {}/{}",
             closbox_fabric::Bandwidth::from_bps(l.rate_bps),
             closbox_fabric::Duration::from_nanos(l.delay_ns),
             l.loss,

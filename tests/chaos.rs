@@ -144,6 +144,24 @@ fn links_and_switches_go_down_and_come_back() {
     );
     assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
     assert!(ping(&f, "gpu0", "gpu3"));
+    // Losses in bursts: the link reports them, `reset` ends them.
+    let out = run(&[
+        "link",
+        "set",
+        "gpu3",
+        "leaf1",
+        "--loss",
+        "0.01",
+        "--loss-burst",
+        "8",
+    ]);
+    assert!(
+        text(&out).0.contains("losses in runs of 8 frames"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(f.status()["changed_links"][0]["loss_burst"], 8.0);
+    assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
 
     // A degraded link, then reset; the event log has it all, in order.
     let out = run(&[

@@ -93,6 +93,10 @@ fn train_and_run_options_are_checked_before_anything_runs() {
             "'1.01' for '--loss <LOSS>': out of range",
         ),
         (
+            vec!["link", "set", "leaf0", "spine0", "--loss-burst", "0.5"],
+            "'0.5' for '--loss-burst <LOSS_BURST>': a mean run of lost frames from 1 to",
+        ),
+        (
             vec!["capture", "--all", "-w", "x.pcap", "--count", "0"],
             "'0' for '--count <COUNT>': must be at least 1",
         ),

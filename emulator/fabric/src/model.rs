@@ -166,6 +166,8 @@ pub enum Change {
         rate: Option<Bandwidth>,
         delay: Option<Duration>,
         loss: Option<f64>,
+        /// Mean frames per run of losses (`LinkParams::loss_burst`).
+        loss_burst: Option<f64>,
         buffer: Option<Bytes>,
     },
     /// Link `i` back to the topology's parameters.
@@ -365,6 +367,8 @@ struct Port {
     backlog_bytes: u64,
     counters: PortCounters,
     rng: Rng,
+    /// In a burst of losses (`LinkParams::loss_burst` above 1).
+    loss_bad: bool,
     /// Lossless fabrics: admitted packets that have not started (their bytes are in
     /// `backlog_bytes`); they start one by one as the port frees and is not paused.
     waiting: VecDeque<u32>,
@@ -533,6 +537,7 @@ impl Fabric {
                 backlog_bytes: 0,
                 counters: PortCounters::default(),
                 rng: Rng::new(seed, 1 << 40 | i as u64),
+                loss_bad: false,
                 waiting: VecDeque::new(),
                 fq: (p.from < h && topo.fabric.nic_scheduler == NicScheduler::Fq)
                     .then(|| Box::new(FlowQueues::new(topo.fabric.mtu))),
@@ -950,6 +955,7 @@ impl Fabric {
                 rate,
                 delay,
                 loss,
+                loss_burst,
                 buffer,
             } => {
                 for p in ports(link) {
@@ -964,6 +970,10 @@ impl Fabric {
                     if let Some(x) = loss {
                         port.link.loss = x;
                     }
+                    if let Some(x) = loss_burst {
+                        port.link.loss_burst = x;
+                    }
+                    port.loss_bad = false;
                     if let Some(b) = buffer {
                         port.queue.buffer = b;
                     }
@@ -1024,6 +1034,7 @@ impl Fabric {
                     let port = &mut self.ports[p.0 as usize];
                     settle(port, now);
                     port.link = self.topo.links[link as usize].params;
+                    port.loss_bad = false;
                     port.queue.buffer = buffer;
                     self.link_changed(p);
                 }
@@ -1847,7 +1858,7 @@ impl Fabric {
         port.carry = carry;
         port.busy_until = finish;
         port.counters.busy += ser;
-        let lost = port.link.loss > 0.0 && port.rng.next_f64() < port.link.loss;
+        let lost = lose(port);
         let flags = if lost { LOST } else { 0 } | if synthetic { SYNTHETIC } else { 0 };
         port.backlog.push_back((finish, len, flags));
         if let Some(t) = &mut self.trace {
@@ -2089,6 +2100,34 @@ fn settle(port: &mut Port, now: Instant) {
             }
         }
     }
+}
+
+/// Whether the frame a port starts now is lost on the wire. Independent draws, or with
+/// `loss_burst` L above 1 a Gilbert model: a port in a burst loses every frame and leaves
+/// it with probability r = 1/L per frame (bursts of L frames on average); out of one it
+/// enters one with probability p = loss·r/(1−loss), so a share loss of frames is lost.
+/// Where that p would exceed 1 (loss above L/(L+1): a spell without loss lasts a frame at
+/// least), p is 1 and the bursts are longer, loss/(1−loss) frames, at the same rate.
+#[inline]
+fn lose(port: &mut Port) -> bool {
+    let (loss, burst) = (port.link.loss, port.link.loss_burst);
+    if loss <= 0.0 {
+        return false;
+    }
+    if burst <= 1.0 || loss >= 1.0 {
+        return port.rng.next_f64() < loss;
+    }
+    let odds = loss / (1.0 - loss);
+    let (enter, leave) = if odds / burst <= 1.0 {
+        (odds / burst, 1.0 / burst)
+    } else {
+        (1.0, 1.0 / odds)
+    };
+    let flip = if port.loss_bad { leave } else { enter };
+    if port.rng.next_f64() < flip {
+        port.loss_bad = !port.loss_bad;
+    }
+    port.loss_bad
 }
 
 /// A packet lost on the wire (`LOST`), counted on its port: a GPU's as a loss drop, a

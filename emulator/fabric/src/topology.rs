@@ -174,8 +174,12 @@ pub struct LinkParams {
     pub rate: Bandwidth,
     /// One-way propagation delay.
     pub delay: Duration,
-    /// Probability that a packet is lost on the wire, in [0, 1).
+    /// Probability that a packet is lost on the wire, in [0, 1] (topology files: [0, 1)).
     pub loss: f64,
+    /// Mean length, in frames, of a run of lost frames (≥ 1). 1: each frame is lost on its
+    /// own draw; above 1, losses come in bursts (a Gilbert model, `LossBurst`) at the same
+    /// mean rate `loss`.
+    pub loss_burst: f64,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -994,6 +994,7 @@ fn a_link_set_slower_serializes_new_packets_at_its_new_rate() {
             rate: Some(closbox_fabric::Bandwidth::from_bps(100_000_000)),
             delay: None,
             loss: None,
+            loss_burst: None,
             buffer: None,
         },
     );
@@ -1466,6 +1467,7 @@ fn a_resume_does_not_overtake_its_pause_on_a_link_made_shorter() {
             rate: None,
             delay: Some(Duration::from_nanos(0)),
             loss: None,
+            loss_burst: None,
             buffer: None,
         }
     ));
@@ -1840,6 +1842,7 @@ fn random_chaos_under_traffic_keeps_every_account() {
                         )),
                         delay: Some(Duration::from_nanos(rng.below(50_000) as u64)),
                         loss: Some([0.0, 0.01, 0.5][rng.below(3) as usize]),
+                        loss_burst: None,
                         buffer: Some(closbox_fabric::Bytes::new(1500 + rng.below(200_000) as u64)),
                     },
                     6 => Change::Partition((0..hosts).map(|_| rng.below(2) as u16).collect()),
@@ -1945,6 +1948,7 @@ fn a_link_losing_every_frame_is_a_gray_failure_that_routing_never_avoids() {
             rate: None,
             delay: None,
             loss: Some(1.0),
+            loss_burst: None,
             buffer: None,
         },
     ));
@@ -1973,4 +1977,59 @@ fn a_link_losing_every_frame_is_a_gray_failure_that_routing_never_avoids() {
         "counted on the lossy port"
     );
     totals_conserved(&mut f, at);
+}
+
+/// Which of `n` packets from gpu0 to gpu1, sent one at a time, a link losing `loss` of
+/// them in runs of `burst` frames on average (on gpu0's link only) lost.
+fn losses(n: usize, loss: f64, burst: f64) -> Vec<bool> {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let nic = link_between(&t, &f, "gpu0", "sw0");
+    f.apply(
+        Instant::ZERO,
+        Change::SetLink {
+            link: nic,
+            rate: None,
+            delay: None,
+            loss: Some(loss),
+            loss_burst: Some(burst),
+            buffer: None,
+        },
+    );
+    (0..n)
+        .map(|i| {
+            let at = (i as u64 + 1) * 10_000;
+            assert_eq!(
+                send(&mut f, &t, at, (0, 1), 1000, 0, 100),
+                Verdict::Accepted
+            );
+            run(&mut f).is_empty()
+        })
+        .collect()
+}
+
+/// Share lost, and the mean length of runs of consecutive losses.
+fn loss_runs(lost: &[bool]) -> (f64, f64) {
+    let n = lost.iter().filter(|&&l| l).count();
+    let runs = lost.windows(2).filter(|w| w[1] && !w[0]).count() + usize::from(lost[0]);
+    (n as f64 / lost.len() as f64, n as f64 / runs.max(1) as f64)
+}
+
+#[test]
+fn losses_come_in_bursts_of_the_mean_length_asked_at_the_same_rate() {
+    // Independent draws: runs of 1/(1 - loss) frames.
+    let (rate, run) = loss_runs(&losses(60_000, 0.05, 1.0));
+    assert!((0.045..0.055).contains(&rate), "independent: rate {rate}");
+    assert!((1.0..1.12).contains(&run), "independent: runs of {run}");
+    // Bursts of 8 frames on average, at the same 5 %.
+    let (rate, run) = loss_runs(&losses(60_000, 0.05, 8.0));
+    assert!((0.04..0.06).contains(&rate), "bursts: rate {rate}");
+    assert!((6.5..9.5).contains(&run), "bursts: runs of {run}");
+    // 90 % in runs of 2 cannot be (a spell without loss lasts a frame): the rate holds
+    // and the runs are 0.9 / 0.1 = 9 frames long.
+    let (rate, run) = loss_runs(&losses(20_000, 0.9, 2.0));
+    assert!((0.88..0.92).contains(&rate), "high: rate {rate}");
+    assert!((7.5..10.5).contains(&run), "high: runs of {run}");
+    // Every frame, whatever the bursts.
+    assert!(losses(100, 1.0, 8.0).iter().all(|&l| l));
 }

@@ -31,6 +31,9 @@ pub enum ChangeRequest {
         rate_bps: Option<u64>,
         delay_ns: Option<u64>,
         loss: Option<f64>,
+        /// Mean frames per run of losses (1: independent losses).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        loss_burst: Option<f64>,
         buffer_bytes: Option<u64>,
     },
     LinkReset {
@@ -340,6 +343,7 @@ pub fn resolve(
             rate_bps,
             delay_ns,
             loss,
+            loss_burst,
             buffer_bytes,
         } => {
             if rate_bps.is_some_and(|r| r == 0) {
@@ -350,6 +354,12 @@ pub fn resolve(
             if loss.is_some_and(|p| !(0.0..=1.0).contains(&p)) {
                 return Err("--loss must be a probability in [0, 1] (1 loses every frame)".into());
             }
+            if loss_burst.is_some_and(|b| !closbox_fabric::config::loss_burst_ok(b)) {
+                return Err(format!(
+                    "--loss-burst must be a mean run of lost frames from 1 to {}",
+                    closbox_fabric::config::MAX_LOSS_BURST
+                ));
+            }
             if delay_ns.is_some_and(|d| d > closbox_fabric::config::MAX_DELAY.as_nanos()) {
                 return Err("--delay must be at most 1 s".into());
             }
@@ -359,9 +369,15 @@ pub fn resolve(
                     topo.fabric.mtu
                 ));
             }
-            if rate_bps.is_none() && delay_ns.is_none() && loss.is_none() && buffer_bytes.is_none()
+            if rate_bps.is_none()
+                && delay_ns.is_none()
+                && loss.is_none()
+                && loss_burst.is_none()
+                && buffer_bytes.is_none()
             {
-                return Err("nothing to set: give --rate, --delay, --loss or --buffer".into());
+                return Err(
+                    "nothing to set: give --rate, --delay, --loss, --loss-burst or --buffer".into(),
+                );
             }
             let mut what = Vec::new();
             if let Some(r) = rate_bps {
@@ -372,6 +388,9 @@ pub fn resolve(
             }
             if let Some(p) = loss {
                 what.push(format!("loss {p}"));
+            }
+            if let Some(b) = loss_burst {
+                what.push(format!("losses in runs of {b} frames on average"));
             }
             if let Some(b) = buffer_bytes {
                 // A lossless switch holds per ingress (xoff + headroom), not per egress
@@ -388,6 +407,7 @@ pub fn resolve(
                 rate: rate_bps.map(Bandwidth::from_bps),
                 delay: delay_ns.map(Duration::from_nanos),
                 loss: *loss,
+                loss_burst: *loss_burst,
                 buffer: buffer_bytes.map(Bytes::new),
             };
             each(
@@ -686,6 +706,7 @@ mod tests {
                 rate_bps: Some(0),
                 delay_ns: None,
                 loss: None,
+                loss_burst: None,
                 buffer_bytes: None,
             },
         )

@@ -267,8 +267,15 @@ pub struct LinkStatus {
     pub rate_bps: u64,
     pub delay_ns: u64,
     pub loss: f64,
+    /// Mean frames per run of losses (1: independent losses).
+    #[serde(default = "one")]
+    pub loss_burst: f64,
     /// Buffers of the a→b and b→a egress queues.
     pub buffer_bytes: [u64; 2],
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// A snapshot for `closbox status` (the control API's status reply).
@@ -2187,6 +2194,7 @@ impl<P: Ports> DataPlane<P> {
                     rate_bps: l.params.rate.bps(),
                     delay_ns: l.params.delay.as_nanos(),
                     loss: l.params.loss,
+                    loss_burst: l.params.loss_burst,
                     buffer_bytes: [l.buffers[0].get(), l.buffers[1].get()],
                 })
                 .collect(),

@@ -79,6 +79,7 @@ struct RawEvent {
     rate: Option<Spanned<Bandwidth>>,
     delay: Option<Spanned<Duration>>,
     loss: Option<Spanned<f64>>,
+    loss_burst: Option<Spanned<f64>>,
     buffer: Option<Spanned<Bytes>>,
     down: Option<Spanned<Duration>>,
     up: Option<Spanned<Duration>>,
@@ -114,6 +115,7 @@ struct RawRandom {
     rate: Option<Spanned<Bandwidth>>,
     delay: Option<Spanned<Duration>>,
     loss: Option<Spanned<f64>>,
+    loss_burst: Option<Spanned<f64>>,
 }
 
 /// What each `do` takes besides `at`, `every`, `count`.
@@ -122,7 +124,16 @@ const ACTIONS: &[(&str, &[&str])] = &[
     ("link-up", &["a", "b", "index"]),
     (
         "link-set",
-        &["a", "b", "index", "rate", "delay", "loss", "buffer"],
+        &[
+            "a",
+            "b",
+            "index",
+            "rate",
+            "delay",
+            "loss",
+            "loss_burst",
+            "buffer",
+        ],
     ),
     ("link-reset", &["a", "b", "index"]),
     ("link-flap", &["a", "b", "index", "down", "up", "flaps"]),
@@ -149,7 +160,8 @@ fn in_file_words(
     names: &[(&'static str, &Option<Spanned<String>>)],
 ) -> (String, Option<&'static str>) {
     let key_of = |flag: &str| -> Option<&'static str> {
-        let renamed = match (action, flag) {
+        let flag = flag.replace('-', "_");
+        let renamed = match (action, flag.as_str()) {
             ("link-flap", "count") => Some("flaps"),
             ("incast", "count") => Some("bursts"),
             ("incast", "every") => Some("burst_every"),
@@ -282,7 +294,7 @@ fn event(
         ));
     };
     // Keys that are not this change's.
-    let given: [(&str, Option<Range<usize>>); 22] = [
+    let given: [(&str, Option<Range<usize>>); 23] = [
         ("a", e.a.as_ref().map(Spanned::span)),
         ("b", e.b.as_ref().map(Spanned::span)),
         ("index", e.index.as_ref().map(Spanned::span)),
@@ -290,6 +302,7 @@ fn event(
         ("rate", e.rate.as_ref().map(Spanned::span)),
         ("delay", e.delay.as_ref().map(Spanned::span)),
         ("loss", e.loss.as_ref().map(Spanned::span)),
+        ("loss_burst", e.loss_burst.as_ref().map(Spanned::span)),
         ("buffer", e.buffer.as_ref().map(Spanned::span)),
         ("down", e.down.as_ref().map(Spanned::span)),
         ("up", e.up.as_ref().map(Spanned::span)),
@@ -345,6 +358,7 @@ fn event(
             rate_bps: e.rate.as_ref().map(|r| r.get_ref().bps()),
             delay_ns: e.delay.as_ref().map(|d| d.get_ref().as_nanos()),
             loss: e.loss.as_ref().map(|l| *l.get_ref()),
+            loss_burst: e.loss_burst.as_ref().map(|l| *l.get_ref()),
             buffer_bytes: e.buffer.as_ref().map(|b| b.get_ref().get()),
         },
         "link-flap" => ChangeRequest::LinkFlap {
@@ -505,6 +519,7 @@ fn random(
         ("rate", raw.rate.as_ref().map(Spanned::span)),
         ("delay", raw.delay.as_ref().map(Spanned::span)),
         ("loss", raw.loss.as_ref().map(Spanned::span)),
+        ("loss_burst", raw.loss_burst.as_ref().map(Spanned::span)),
     ];
     if !degrade {
         if let Some((key, span)) = set_keys.iter().find_map(|(k, s)| Some((k, s.clone()?))) {
@@ -516,7 +531,7 @@ fn random(
     } else if set_keys.iter().all(|(_, s)| s.is_none()) {
         return Err(cx.err(
             &raw.action,
-            "link-degrade needs what a fault sets: `rate`, `delay` or `loss`",
+            "link-degrade needs what a fault sets: `rate`, `delay`, `loss` or `loss_burst`",
         ));
     }
     let links: Vec<u32> = match (&raw.links, &raw.a, &raw.b) {
@@ -580,6 +595,7 @@ fn random(
                 rate_bps: raw.rate.as_ref().map(|r| r.get_ref().bps()),
                 delay_ns: raw.delay.as_ref().map(|d| d.get_ref().as_nanos()),
                 loss: raw.loss.as_ref().map(|l| *l.get_ref()),
+                loss_burst: raw.loss_burst.as_ref().map(|l| *l.get_ref()),
                 buffer_bytes: None,
             }
         } else {
@@ -832,7 +848,9 @@ for = "1ms"
         );
         let e = err(set);
         assert!(
-            e.starts_with("s.toml:1:1: nothing to set: give `rate`, `delay`, `loss` or `buffer`"),
+            e.starts_with(
+                "s.toml:1:1: nothing to set: give `rate`, `delay`, `loss`, `loss_burst` or `buffer`"
+            ),
             "{e}"
         );
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-flap\"\na = \"leaf0\"\nb = \"spine0\"\ndown = \"1ms\"\nup = \"1ms\"\nflaps = 0\n");

@@ -105,6 +105,7 @@ pub(super) fn link_span(raw: &RawFile, l: &Option<RawLinkClass>) -> Option<Range
         .map(|v| v.span())
         .into_iter()
         .chain(l.loss.as_ref().map(|v| v.span()))
+        .chain(l.loss_burst.as_ref().map(|v| v.span()))
         .min_by_key(|s| s.start)
         .or(Some(raw.topology.span()))
 }
@@ -162,7 +163,8 @@ pub(super) fn check_applies(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(
             || n.latency.is_some()
             || n.buffer.is_some()
             || n.ecn.is_some()
-            || n.loss.is_some();
+            || n.loss.is_some()
+            || n.loss_burst.is_some();
         if set && !has_tier(Tier::Node) {
             // The first key set (sub-tables carry no position of their own).
             let at = [&n.delay, &n.latency]
@@ -172,6 +174,7 @@ pub(super) fn check_applies(cx: &Cx, raw: &RawFile, topo: &Topology) -> Result<(
                 .chain(n.buffer.as_ref().map(|b| b.span()))
                 .chain(n.ecn.as_ref().map(|e| e.span()))
                 .chain(n.loss.as_ref().map(|l| l.span()))
+                .chain(n.loss_burst.as_ref().map(|l| l.span()))
                 .min_by_key(|s| s.start)
                 .unwrap_or(raw.topology.span());
             return Err(cx.err_at(

@@ -131,7 +131,13 @@ pub(super) fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology,
         if node_tier && class != LinkClass::Nvlink {
             return Err(cx.err(l, "a \"node\"-tier switch links only to its GPUs"));
         }
-        let params = link_params(cx, r.rate, &r.delay, &r.loss, b.settings().link(class))?;
+        let params = link_params(
+            cx,
+            r.rate,
+            &r.delay,
+            (&r.loss, &r.loss_burst),
+            b.settings().link(class),
+        )?;
         let times = r
             .count
             .as_ref()

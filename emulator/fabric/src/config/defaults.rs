@@ -18,6 +18,7 @@ pub fn default_link(class: LinkClass) -> LinkParams {
         rate,
         delay: Duration::from_nanos(delay),
         loss: 0.0,
+        loss_burst: 1.0,
     }
 }
 

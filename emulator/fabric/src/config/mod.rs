@@ -157,6 +157,14 @@ pub const MAX_LINKS: u64 = 1 << 22;
 /// has cables a second long.
 pub const MAX_DELAY: Duration = Duration::from_millis(1_000);
 
+/// The longest mean run of lost frames a link may be given (`loss_burst`).
+pub const MAX_LOSS_BURST: f64 = 1e6;
+
+/// A mean run of lost frames a link may have: 1 (independent losses) to `MAX_LOSS_BURST`.
+pub fn loss_burst_ok(frames: f64) -> bool {
+    (1.0..=MAX_LOSS_BURST).contains(&frames)
+}
+
 struct Cx<'a> {
     text: &'a str,
     file: &'a str,
@@ -240,8 +248,13 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
         (LinkClass::SpineCore, &raw.links.spine_core),
     ] {
         if let Some(r) = r {
-            links[class as usize] =
-                link_params(cx, r.rate, &r.delay, &r.loss, links[class as usize])?;
+            links[class as usize] = link_params(
+                cx,
+                r.rate,
+                &r.delay,
+                (&r.loss, &r.loss_burst),
+                links[class as usize],
+            )?;
         }
     }
     let mut tiers = [
@@ -256,7 +269,7 @@ fn build(cx: &Cx, raw: RawFile) -> Result<Topology, ConfigError> {
             gpus_per_node = count(cx, g, "gpus_per_node", 1, 1024)?;
         }
         let nv = &mut links[LinkClass::Nvlink as usize];
-        *nv = link_params(cx, n.rate, &n.delay, &n.loss, *nv)?;
+        *nv = link_params(cx, n.rate, &n.delay, (&n.loss, &n.loss_burst), *nv)?;
         let sw = &mut tiers[Tier::Node as usize];
         sw.latency = duration(cx, &n.latency, "latency")?.unwrap_or(sw.latency);
         sw.queue = queue(cx, &n.buffer, &n.ecn, sw.queue)?;
@@ -493,6 +506,27 @@ gpus_per_leaf = 4
         assert_eq!(t.links.len(), 8 + 4);
         assert_eq!(t.hosts[0].addr.to_string(), "198.18.0.1");
         assert_eq!(t.fabric.mtu, 1500);
+    }
+
+    #[test]
+    fn losses_in_bursts_are_read_per_link_class_and_checked() {
+        let t = parse(
+            &format!("{LS}[links.leaf-spine]\nloss = 0.01\nloss_burst = 8\n"),
+            "t.toml",
+        )
+        .unwrap();
+        let up = t.links.iter().find(|l| l.class == LinkClass::LeafSpine);
+        let nic = t.links.iter().find(|l| l.class == LinkClass::Nic);
+        assert_eq!(up.unwrap().params.loss_burst, 8.0);
+        assert_eq!(nic.unwrap().params.loss_burst, 1.0, "the default");
+        for bad in ["0.5", "0", "-3", "nan", "2e6"] {
+            let e = err(&format!("{LS}[links.nic]\nloss_burst = {bad}\n"));
+            assert!(
+                e.starts_with("t.toml:10:14: `loss_burst` =")
+                    && e.contains("must be a mean run of lost frames from 1 to"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

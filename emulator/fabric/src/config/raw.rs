@@ -77,6 +77,7 @@ pub(super) struct RawNode {
     pub(super) buffer: Option<Spanned<Bytes>>,
     pub(super) ecn: Option<Spanned<RawEcn>>,
     pub(super) loss: Option<Spanned<f64>>,
+    pub(super) loss_burst: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -105,6 +106,7 @@ pub(super) struct RawLinkClass {
     pub(super) rate: Option<Bandwidth>,
     pub(super) delay: Option<Spanned<Duration>>,
     pub(super) loss: Option<Spanned<f64>>,
+    pub(super) loss_burst: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -158,4 +160,5 @@ pub(super) struct RawLink {
     pub(super) rate: Option<Bandwidth>,
     pub(super) delay: Option<Spanned<Duration>>,
     pub(super) loss: Option<Spanned<f64>>,
+    pub(super) loss_burst: Option<Spanned<f64>>,
 }

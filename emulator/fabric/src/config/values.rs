@@ -121,7 +121,7 @@ pub(super) fn link_params(
     cx: &Cx,
     rate: Option<Bandwidth>,
     delay: &Option<Spanned<Duration>>,
-    loss: &Option<Spanned<f64>>,
+    (loss, loss_burst): (&Option<Spanned<f64>>, &Option<Spanned<f64>>),
     base: LinkParams,
 ) -> Result<LinkParams, ConfigError> {
     Ok(LinkParams {
@@ -130,6 +130,19 @@ pub(super) fn link_params(
         loss: match loss {
             Some(p) => probability(cx, p, "loss")?,
             None => base.loss,
+        },
+        loss_burst: match loss_burst {
+            Some(b) if !loss_burst_ok(*b.get_ref()) => {
+                return Err(cx.err(
+                    b,
+                    format!(
+                        "`loss_burst` = {} must be a mean run of lost frames from 1 to {MAX_LOSS_BURST}",
+                        b.get_ref()
+                    ),
+                ))
+            }
+            Some(b) => *b.get_ref(),
+            None => base.loss_burst,
         },
     })
 }
