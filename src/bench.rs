@@ -115,6 +115,8 @@ struct Now {
     topo: Topology,
     /// Links down.
     down: Vec<u32>,
+    /// Ports (b→a directions) whose rate and delay differ from their link's a→b ones.
+    reverse: Vec<(u32, closbox_fabric::Bandwidth, closbox_fabric::Duration)>,
     /// The load each port carries from running synthetic loads (port, bit/s on the wire).
     background: Vec<(u32, f64)>,
     /// While a partition holds: the GPUs of each side (GPUs in none form one more).
@@ -125,6 +127,7 @@ fn fabric_now(st: &State, topo: &Topology) -> Now {
     let mut now = Now {
         topo: topo.clone(),
         down: Vec::new(),
+        reverse: Vec::new(),
         background: Vec::new(),
         partition: Vec::new(),
     };
@@ -142,6 +145,13 @@ fn fabric_now(st: &State, topo: &Topology) -> Now {
             link.params.delay = closbox_fabric::Duration::from_nanos(l.delay_ns);
             link.params.loss = l.loss;
             link.params.loss_burst = l.loss_burst;
+            if let Some(r) = &l.b_to_a {
+                now.reverse.push((
+                    2 * l.id + 1,
+                    closbox_fabric::Bandwidth::from_bps(r.rate_bps),
+                    closbox_fabric::Duration::from_nanos(r.delay_ns),
+                ));
+            }
             if !l.up {
                 now.down.push(l.id);
             }
@@ -197,6 +207,9 @@ fn predictor_now(
             down_names.join(", "),
             if down_names.len() == 1 { "it" } else { "them" },
         );
+    }
+    for &(port, rate, delay) in &now.reverse {
+        p.set_port_link(&now.topo, port, rate, delay);
     }
     for (port, bps) in now.background {
         p.add_background(port, bps);

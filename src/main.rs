@@ -499,6 +499,10 @@ enum LinkCmd {
         /// at the same mean rate (e.g. 8; a Gilbert model).
         #[arg(long, value_parser = loss_burst, allow_negative_numbers = true)]
         loss_burst: Option<f64>,
+        /// Only the direction leaving this end (A or B): a failing transmitter, a
+        /// one-way gray failure. Both directions when absent.
+        #[arg(long, value_name = "END")]
+        from: Option<String>,
         /// Egress buffer at both ends, e.g. 1MiB.
         #[arg(long)]
         buffer: Option<closbox_fabric::Bytes>,
@@ -946,6 +950,7 @@ fn main() -> ExitCode {
                     delay,
                     loss,
                     loss_burst,
+                    from,
                     buffer,
                 } => {
                     let (a, b, index) = named(&l);
@@ -958,6 +963,7 @@ fn main() -> ExitCode {
                         loss,
                         loss_burst,
                         buffer_bytes: buffer.map(|b| b.get()),
+                        from,
                     };
                     (l, r)
                 }

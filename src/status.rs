@@ -316,16 +316,31 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
                 l.down_since_s.unwrap_or(0.0)
             ));
         }
-        let runs = if l.loss_burst > 1.0 && l.loss > 0.0 {
-            format!(" (in runs of {} frames)", l.loss_burst)
-        } else {
-            String::new()
+        let dir = |rate_bps: u64, delay_ns: u64, loss: f64, burst: f64| {
+            let runs = if burst > 1.0 && loss > 0.0 {
+                format!(" (in runs of {burst} frames)")
+            } else {
+                String::new()
+            };
+            format!(
+                "{} {} loss {loss}{runs}",
+                closbox_fabric::Bandwidth::from_bps(rate_bps),
+                closbox_fabric::Duration::from_nanos(delay_ns),
+            )
+        };
+        let a_to_b = dir(l.rate_bps, l.delay_ns, l.loss, l.loss_burst);
+        let params = match &l.b_to_a {
+            None => a_to_b,
+            Some(r) => {
+                let [a, b] = &l.ends;
+                format!(
+                    "{a}->{b} {a_to_b}, {b}->{a} {}",
+                    dir(r.rate_bps, r.delay_ns, r.loss, r.loss_burst)
+                )
+            }
         };
         what.push(format!(
-            "{} {} loss {}{runs} buffers {}/{}",
-            closbox_fabric::Bandwidth::from_bps(l.rate_bps),
-            closbox_fabric::Duration::from_nanos(l.delay_ns),
-            l.loss,
+            "{params} buffers {}/{}",
             closbox_fabric::Bytes::new(l.buffer_bytes[0]),
             closbox_fabric::Bytes::new(l.buffer_bytes[1])
         ));

@@ -162,6 +162,35 @@ fn links_and_switches_go_down_and_come_back() {
     );
     assert_eq!(f.status()["changed_links"][0]["loss_burst"], 8.0);
     assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
+    // One direction: gpu0's transmitter trained down to 100 Mbit/s; what gpu0 receives
+    // is not slowed.
+    let out = run(&[
+        "link", "set", "gpu0", "leaf0", "--from", "gpu0", "--rate", "100Mbit",
+    ]);
+    assert!(
+        text(&out)
+            .0
+            .contains("set rate 100Mbit/s (gpu0->leaf0 only)"),
+        "{:?}",
+        text(&out)
+    );
+    let link = &f.status()["changed_links"][0];
+    assert_eq!(link["ends"][0], "gpu0", "{link}");
+    assert_eq!(link["rate_bps"], 100_000_000, "{link}");
+    assert_eq!(link["b_to_a"]["rate_bps"], 1_000_000_000, "{link}");
+    let sent = iperf3_between_gpu0_and_gpu3(&f, false, 50e6, "gpu0's transmitter at 100 Mbit/s");
+    assert!(sent < 100e6, "{sent} bit/s through a 100 Mbit/s direction");
+    iperf3_between_gpu0_and_gpu3(&f, true, 300e6, "the other direction, unchanged");
+    let out = run(&[
+        "link", "set", "gpu0", "leaf0", "--from", "spine0", "--rate", "1Gbit",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("is from gpu0 or from leaf0"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(run(&["link", "reset", "gpu0", "leaf0"]).status.success());
 
     // A degraded link, then reset; the event log has it all, in order.
     let out = run(&[
@@ -300,13 +329,20 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
 /// where 18 runs here read 0.44-0.93 Gbit/s; with both cores taken by busy loops the same
 /// run read 77-94 Mbit/s, behind).
 fn iperf3_gpu0_to_gpu3(f: &TestFabric, floor: f64, what: &str) -> f64 {
-    common::unless_behind(&format!("iperf3 gpu0 -> gpu3 {what}, bit/s"), |_| {
+    iperf3_between_gpu0_and_gpu3(f, false, floor, what)
+}
+
+/// The same, gpu3 sending to gpu0 when `reverse` (iperf3 -R).
+fn iperf3_between_gpu0_and_gpu3(f: &TestFabric, reverse: bool, floor: f64, what: &str) -> f64 {
+    let dir = if reverse { "<-" } else { "->" };
+    common::unless_behind(&format!("iperf3 gpu0 {dir} gpu3 {what}, bit/s"), |_| {
         let mut server = f.spawn("gpu3", &["iperf3", "-s", "-1", "-B", "198.18.0.4"]);
         wait_for_port(f, "gpu3", 5201);
-        let out = f.exec(
-            "gpu0",
-            &["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"],
-        );
+        let mut args = vec!["iperf3", "-c", "198.18.0.4", "-t", "2", "-P", "4", "-J"];
+        if reverse {
+            args.push("-R");
+        }
+        let out = f.exec("gpu0", &args);
         let _ = server.wait();
         assert!(out.status.success(), "{:?}", text(&out));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -316,7 +352,7 @@ fn iperf3_gpu0_to_gpu3(f: &TestFabric, floor: f64, what: &str) -> f64 {
         let st = f.status();
         let behind = st["behind"] == true;
         eprintln!(
-            "iperf3 gpu0 -> gpu3 {what}: {:.0} Mbit/s (lateness p99 {} µs, behind {behind})",
+            "iperf3 gpu0 {dir} gpu3 {what}: {:.0} Mbit/s (lateness p99 {} µs, behind {behind})",
             bps / 1e6,
             st["lateness_recent"]["p99_us"]
         );

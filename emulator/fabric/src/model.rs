@@ -159,10 +159,12 @@ pub enum Change {
     LinkDown(u32),
     /// Link `i` comes back; routes use it again after the convergence time.
     LinkUp(u32),
-    /// New parameters for link `i`, both directions, for packets enqueued from now on
-    /// (`None`: unchanged). The buffer is that of both ends' egress queues.
+    /// New parameters for link `i`, in the directions `dirs`, for packets enqueued from
+    /// now on (`None`: unchanged). The buffer is that of the egress queue at the sending
+    /// end of each direction.
     SetLink {
         link: u32,
+        dirs: Directions,
         rate: Option<Bandwidth>,
         delay: Option<Duration>,
         loss: Option<f64>,
@@ -181,6 +183,28 @@ pub enum Change {
     StartLoad(LoadSpec),
     /// The load with this id stops (its packets in the fabric go on).
     StopLoad(u32),
+}
+
+/// Which directions of a link a change applies to: both, or the one from the link's end
+/// `a` (its port `2i`) or from its end `b` (port `2i + 1`) only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Directions {
+    #[default]
+    Both,
+    FromA,
+    FromB,
+}
+
+impl Directions {
+    /// The ports of link `l` in these directions.
+    pub fn ports(self, l: u32) -> impl Iterator<Item = PortId> {
+        let (first, last) = match self {
+            Directions::Both => (0, 1),
+            Directions::FromA => (0, 0),
+            Directions::FromB => (1, 1),
+        };
+        (2 * l + first..=2 * l + last).map(PortId)
+    }
 }
 
 /// A load and what it did.
@@ -336,7 +360,8 @@ pub struct LinkState {
     pub up: bool,
     /// Since when it is down (fabric time).
     pub down_since: Option<Instant>,
-    pub params: LinkParams,
+    /// The a→b direction's rate, delay and loss, and the b→a direction's.
+    pub params: [LinkParams; 2],
     /// Egress buffer of the a→b and b→a ports.
     pub buffers: [Bytes; 2],
 }
@@ -952,13 +977,14 @@ impl Fabric {
             }
             Change::SetLink {
                 link,
+                dirs,
                 rate,
                 delay,
                 loss,
                 loss_burst,
                 buffer,
             } => {
-                for p in ports(link) {
+                for p in dirs.ports(link) {
                     let port = &mut self.ports[p.0 as usize];
                     settle(port, now);
                     if let Some(r) = rate {
@@ -1258,13 +1284,14 @@ impl Fabric {
                 let original = &self.topo.links[l as usize].params;
                 let down = self.down_since[l as usize];
                 let changed = a.link != *original
+                    || b.link != *original
                     || a.queue.buffer != self.original_buffer(2 * l)
                     || b.queue.buffer != self.original_buffer(2 * l + 1);
                 (down.is_some() || changed).then_some(LinkState {
                     link: l,
                     up: down.is_none(),
                     down_since: down,
-                    params: a.link,
+                    params: [a.link, b.link],
                     buffers: [a.queue.buffer, b.queue.buffer],
                 })
             })

@@ -809,7 +809,7 @@ fn corrupt_headers_are_dropped_as_malformed() {
 
 // ---- a fabric that changes while it runs ----------------------------------------------
 
-use closbox_fabric::model::Change;
+use closbox_fabric::model::{Change, Directions};
 
 /// 2 leaves × 2 GPUs under 4 spines, 1 Gbit/s, 1 µs links, no switch latency; failures
 /// detected after 10 µs, routes converged after 100 µs.
@@ -991,6 +991,7 @@ fn a_link_set_slower_serializes_new_packets_at_its_new_rate() {
         Instant::ZERO,
         Change::SetLink {
             link: nic,
+            dirs: Directions::Both,
             rate: Some(closbox_fabric::Bandwidth::from_bps(100_000_000)),
             delay: None,
             loss: None,
@@ -1004,6 +1005,42 @@ fn a_link_set_slower_serializes_new_packets_at_its_new_rate() {
     // 8304 bits at 100 Mbit/s on the first hop, then 8304 ns at 1 Gbit/s.
     assert_eq!(d[0].at, Instant::from_nanos(83_040 + 8_304));
     f.apply(Instant::from_nanos(1_000_000), Change::ResetLink(nic));
+    assert!(f.changed_links().is_empty());
+}
+
+#[test]
+fn a_link_set_in_one_direction_leaves_the_other_as_it_was() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let nic = f.routes().port(port(&t, &f, "gpu0", "sw0")).link;
+    let from_gpu0 = if port(&t, &f, "gpu0", "sw0").0 == 2 * nic {
+        Directions::FromA
+    } else {
+        Directions::FromB
+    };
+    f.apply(
+        Instant::ZERO,
+        Change::SetLink {
+            link: nic,
+            dirs: from_gpu0,
+            rate: Some(closbox_fabric::Bandwidth::from_bps(100_000_000)),
+            delay: None,
+            loss: None,
+            loss_burst: None,
+            buffer: None,
+        },
+    );
+    let changed = f.changed_links();
+    assert_eq!(changed.len(), 1);
+    assert_ne!(changed[0].params[0], changed[0].params[1]);
+    // gpu0 -> gpu1: 100 Mbit/s on gpu0's link, then 1 Gbit/s.
+    assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+    assert_eq!(run(&mut f)[0].at, Instant::from_nanos(83_040 + 8_304));
+    // gpu1 -> gpu0: 1 Gbit/s on both hops, the last into gpu0 included.
+    let at = f.now().as_nanos();
+    assert_eq!(send(&mut f, &t, at, (1, 0), 1, 0, 1000), Verdict::Accepted);
+    assert_eq!(run(&mut f)[0].at, Instant::from_nanos(at + 2 * 8_304));
+    f.apply(f.now(), Change::ResetLink(nic));
     assert!(f.changed_links().is_empty());
 }
 
@@ -1464,6 +1501,7 @@ fn a_resume_does_not_overtake_its_pause_on_a_link_made_shorter() {
         Instant::from_nanos(60_000),
         Change::SetLink {
             link,
+            dirs: Directions::Both,
             rate: None,
             delay: Some(Duration::from_nanos(0)),
             loss: None,
@@ -1837,6 +1875,7 @@ fn random_chaos_under_traffic_keeps_every_account() {
                     4 => Change::ResetLink(link),
                     5 => Change::SetLink {
                         link,
+                        dirs: Directions::Both,
                         rate: Some(Bandwidth::from_bps(
                             1_000_000 * (1 + rng.below(20_000) as u64),
                         )),
@@ -1945,6 +1984,7 @@ fn a_link_losing_every_frame_is_a_gray_failure_that_routing_never_avoids() {
         Instant::ZERO,
         Change::SetLink {
             link: gray,
+            dirs: Directions::Both,
             rate: None,
             delay: None,
             loss: Some(1.0),
@@ -1989,6 +2029,7 @@ fn losses(n: usize, loss: f64, burst: f64) -> Vec<bool> {
         Instant::ZERO,
         Change::SetLink {
             link: nic,
+            dirs: Directions::Both,
             rate: None,
             delay: None,
             loss: Some(loss),

@@ -30,7 +30,7 @@ use closbox_fabric::model::{Change, Fabric};
 use closbox_fabric::packet::FlowKey;
 use closbox_fabric::rng::Rng;
 use closbox_fabric::routing::{vertex_latency, PortId, Routes};
-use closbox_fabric::{HostId, Topology};
+use closbox_fabric::{Bandwidth, Duration, HostId, Topology};
 
 use crate::fluid::{self, Dep, Transfer};
 
@@ -142,6 +142,22 @@ impl Predictor {
     fn hop_latency(&self, p: usize, bytes: f64) -> f64 {
         let first = bytes.min(self.frame_payload).max(0.0) + self.frame_extra;
         self.hop_delay[p] + first * 8.0 / self.rate[p]
+    }
+
+    /// Port `port` (one direction of a link) at `rate` and `delay` where they differ from
+    /// its link's parameters in the topology: a change made in that direction only.
+    /// Before `add_background`, which takes a share of what this leaves.
+    pub fn set_port_link(&mut self, topo: &Topology, port: u32, rate: Bandwidth, delay: Duration) {
+        let p = port as usize;
+        if p >= self.cap.len() || rate.bps() == 0 {
+            return;
+        }
+        let f = &topo.fabric;
+        let eff = (f.mtu as f64 - 52.0) / (f.mtu as f64 + f.l2_overhead as f64);
+        let to = self.routes.port(PortId(port)).to;
+        self.rate[p] = rate.bps() as f64;
+        self.cap[p] = self.rate[p] / 8.0 * eff;
+        self.hop_delay[p] = delay.as_secs_f64() + vertex_latency(topo, to).as_secs_f64();
     }
 
     /// Background traffic of `bps` on the wire through `port` (a synthetic load): the

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use closbox_fabric::load::{LoadSpec, Pattern};
-use closbox_fabric::model::Change;
+use closbox_fabric::model::{Change, Directions};
 use closbox_fabric::topology::{LinkClass, Topology, Vertex};
 use closbox_fabric::{Bandwidth, Bytes, Duration};
 
@@ -35,6 +35,9 @@ pub enum ChangeRequest {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         loss_burst: Option<f64>,
         buffer_bytes: Option<u64>,
+        /// Only the direction leaving this end (`a` or `b`); both when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from: Option<String>,
     },
     LinkReset {
         a: String,
@@ -345,6 +348,7 @@ pub fn resolve(
             loss,
             loss_burst,
             buffer_bytes,
+            from,
         } => {
             if rate_bps.is_some_and(|r| r == 0) {
                 return Err("--rate must be above 0".into());
@@ -402,19 +406,40 @@ pub fn resolve(
                 };
                 what.push(format!("buffer {}{note}", Bytes::new(*b)));
             }
+            // One direction: the one leaving `from`, which must be one of the ends.
+            let from = match from {
+                None => None,
+                Some(f) if f == a || f == b => Some(vertex(topo, f)?),
+                Some(f) => {
+                    return Err(format!(
+                        "--from {f}: a direction of the link between {a} and {b} is from {a} or from {b}"
+                    ))
+                }
+            };
+            let dirs = |link: u32| match from {
+                None => Directions::Both,
+                Some(v) if topo.links[link as usize].a == v => Directions::FromA,
+                Some(_) => Directions::FromB,
+            };
             let set = |link| Change::SetLink {
                 link,
+                dirs: dirs(link),
                 rate: rate_bps.map(Bandwidth::from_bps),
                 delay: delay_ns.map(Duration::from_nanos),
                 loss: *loss,
                 loss_burst: *loss_burst,
                 buffer: buffer_bytes.map(Bytes::new),
             };
-            each(
-                links_between(topo, a, b, *index)?,
-                &set,
-                &format!("set {}", what.join(", ")),
-            )
+            let what = match from {
+                Some(v) => format!(
+                    "set {} ({}->{} only)",
+                    what.join(", "),
+                    name(topo, v),
+                    if name(topo, v) == a { b } else { a }
+                ),
+                None => format!("set {}", what.join(", ")),
+            };
+            each(links_between(topo, a, b, *index)?, &set, &what)
         }
         ChangeRequest::SwitchDown { name } => {
             each(links_of(topo, name, true)?, &Change::LinkDown, "down")
@@ -708,6 +733,7 @@ mod tests {
                 loss: None,
                 loss_burst: None,
                 buffer_bytes: None,
+                from: None,
             },
         )
         .unwrap_err();

@@ -264,6 +264,8 @@ pub struct LinkStatus {
     pub up: bool,
     /// Fabric seconds since it went down.
     pub down_since_s: Option<f64>,
+    /// Rate, delay and loss of the a→b direction, and of b→a unless `b_to_a` says
+    /// otherwise.
     pub rate_bps: u64,
     pub delay_ns: u64,
     pub loss: f64,
@@ -272,6 +274,32 @@ pub struct LinkStatus {
     pub loss_burst: f64,
     /// Buffers of the a→b and b→a egress queues.
     pub buffer_bytes: [u64; 2],
+    /// The b→a direction, where it differs from a→b (a change made in one direction).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub b_to_a: Option<DirectionStatus>,
+    /// Names of the ends a and b.
+    #[serde(default)]
+    pub ends: [String; 2],
+}
+
+/// One direction of a link: rate, delay, loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DirectionStatus {
+    pub rate_bps: u64,
+    pub delay_ns: u64,
+    pub loss: f64,
+    pub loss_burst: f64,
+}
+
+impl DirectionStatus {
+    fn of(p: &closbox_fabric::topology::LinkParams) -> DirectionStatus {
+        DirectionStatus {
+            rate_bps: p.rate.bps(),
+            delay_ns: p.delay.as_nanos(),
+            loss: p.loss,
+            loss_burst: p.loss_burst,
+        }
+    }
 }
 
 fn one() -> f64 {
@@ -2049,21 +2077,24 @@ impl<P: Ports> DataPlane<P> {
     }
 
     fn apply(&mut self, now: Instant, change: Change, what: String) -> Event {
-        let rate = match &change {
+        let rated = match &change {
             Change::SetLink {
                 link,
-                rate: Some(r),
+                rate: Some(_),
                 ..
-            } => Some((*link, r.bps())),
-            Change::ResetLink(link) => self
-                .topo
-                .links
-                .get(*link as usize)
-                .map(|l| (*link, l.params.rate.bps())),
+            }
+            | Change::ResetLink(link) => Some(*link),
             _ => None,
         };
         let done = self.model.apply(now, change);
-        if let (true, Some((link, bps)), Some(p)) = (done, rate, &self.pacer) {
+        if let (true, Some(link), Some(p)) = (done, rated, &self.pacer) {
+            // The pacer holds a GPU's sending to its NIC links: the rate of the direction
+            // leaving the GPU (a change may have been made in the other one only).
+            use closbox_fabric::topology::Vertex;
+            let l = &self.topo.links[link as usize];
+            let from_b = !matches!(l.a, Vertex::Host(_)) && matches!(l.b, Vertex::Host(_));
+            let port = closbox_fabric::routing::PortId(2 * link + u32::from(from_b));
+            let bps = self.model.link_of(port).rate.bps();
             p.link_rate(link, bps);
         }
         let what = if done {
@@ -2191,11 +2222,16 @@ impl<P: Ports> DataPlane<P> {
                     id: l.link,
                     up: l.up,
                     down_since_s: l.down_since.map(|t| t.as_nanos() as f64 / 1e9),
-                    rate_bps: l.params.rate.bps(),
-                    delay_ns: l.params.delay.as_nanos(),
-                    loss: l.params.loss,
-                    loss_burst: l.params.loss_burst,
+                    rate_bps: l.params[0].rate.bps(),
+                    delay_ns: l.params[0].delay.as_nanos(),
+                    loss: l.params[0].loss,
+                    loss_burst: l.params[0].loss_burst,
                     buffer_bytes: [l.buffers[0].get(), l.buffers[1].get()],
+                    b_to_a: (l.params[1] != l.params[0]).then(|| DirectionStatus::of(&l.params[1])),
+                    ends: {
+                        let (a, b, _) = chaos::link_ref(&self.topo, l.link);
+                        [a, b]
+                    },
                 })
                 .collect(),
             events: self.events_total,

@@ -133,6 +133,7 @@ const ACTIONS: &[(&str, &[&str])] = &[
             "loss",
             "loss_burst",
             "buffer",
+            "from",
         ],
     ),
     ("link-reset", &["a", "b", "index"]),
@@ -360,6 +361,7 @@ fn event(
             loss: e.loss.as_ref().map(|l| *l.get_ref()),
             loss_burst: e.loss_burst.as_ref().map(|l| *l.get_ref()),
             buffer_bytes: e.buffer.as_ref().map(|b| b.get_ref().get()),
+            from: e.from.as_ref().map(|f| f.get_ref().clone()),
         },
         "link-flap" => ChangeRequest::LinkFlap {
             a: need(&e.a, "a")?,
@@ -597,6 +599,7 @@ fn random(
                 loss: raw.loss.as_ref().map(|l| *l.get_ref()),
                 loss_burst: raw.loss_burst.as_ref().map(|l| *l.get_ref()),
                 buffer_bytes: None,
+                from: None,
             }
         } else {
             ChangeRequest::LinkDown { a, b, index }
@@ -841,6 +844,19 @@ for = "1ms"
             e.starts_with("s.toml:6:8: `loss` must be a probability in [0, 1]"),
             "{e}"
         );
+        let e = err(&format!("{set}rate = \"1Gbit\"\nfrom = \"spine1\"\n"));
+        assert!(
+            e.starts_with(
+                "s.toml:7:8: `from` spine1: a direction of the link between leaf0 and spine0"
+            ),
+            "{e}"
+        );
+        let s = parse(
+            &format!("{set}rate = \"1Gbit\"\nfrom = \"spine0\"\n"),
+            "s.toml",
+            &topo(),
+        );
+        assert!(s.is_ok(), "{s:?}");
         let e = err(&format!("{set}delay = \"2s\"\n"));
         assert!(
             e.starts_with("s.toml:6:9: `delay` must be at most 1 s"),
