@@ -23,7 +23,9 @@
 //! for = "5ms"
 //!
 //! [[random]]
-//! do = "link-flap"              # or "link-degrade" with rate, delay, loss: set, then reset
+//! do = "link-flap"              # or "link-degrade" (rate, delay, loss: set, then reset),
+//!                                # "switch-flap" (switches = a tier or names), "gpu-flap"
+//!                                # (gpus = a selection)
 //! links = "leaf-spine"           # every link of a class, or a = …, b = …
 //! mtbf = "20ms"                  # mean time between failures, per link
 //! mttr = "2ms"                   # mean time to repair
@@ -38,7 +40,7 @@ use toml::Spanned;
 
 use closbox_fabric::config::{line_col, plain_words, read_limited, unknown_field};
 use closbox_fabric::rng::Rng;
-use closbox_fabric::topology::{LinkClass, Topology};
+use closbox_fabric::topology::{LinkClass, Tier, Topology};
 use closbox_fabric::{Bandwidth, Bytes, ConfigError, Duration};
 
 use crate::chaos::{self, ChangeRequest};
@@ -116,6 +118,10 @@ struct RawRandom {
     delay: Option<Spanned<Duration>>,
     loss: Option<Spanned<f64>>,
     loss_burst: Option<Spanned<f64>>,
+    /// `switch-flap`: a tier, or switch names.
+    switches: Option<Spanned<String>>,
+    /// `gpu-flap`: a GPU selection.
+    gpus: Option<Spanned<String>>,
 }
 
 /// What each `do` takes besides `at`, `every`, `count`.
@@ -202,6 +208,17 @@ fn in_file_words(
     };
     (out, first.or_else(quoted))
 }
+
+/// What each `[[random]]` fault takes besides `mtbf`, `mttr`, `start`, `until`, `seed`.
+const RANDOM: &[(&str, &[&str])] = &[
+    ("link-flap", &["links", "a", "b"]),
+    (
+        "link-degrade",
+        &["links", "a", "b", "rate", "delay", "loss", "loss_burst"],
+    ),
+    ("switch-flap", &["switches"]),
+    ("gpu-flap", &["gpus"]),
+];
 
 /// Most `[[random]]` faults expanded per scenario, and the longest a scenario may run.
 const MAX_SPAN: Duration = Duration::from_millis(3_600_000);
@@ -507,15 +524,15 @@ fn random(
 ) -> Result<(), ConfigError> {
     let raw = r.get_ref();
     let action = raw.action.get_ref().as_str();
-    let degrade = match action {
-        "link-flap" => false,
-        "link-degrade" => true,
-        _ => {
-            return Err(cx.err(
-                &raw.action,
-                format!("unknown random fault {action:?}; one of: link-flap, link-degrade"),
-            ))
-        }
+    let Some((_, takes)) = RANDOM.iter().find(|(a, _)| *a == action) else {
+        let all: Vec<&str> = RANDOM.iter().map(|a| a.0).collect();
+        return Err(cx.err(
+            &raw.action,
+            format!(
+                "unknown random fault {action:?}; one of: {}",
+                all.join(", ")
+            ),
+        ));
     };
     let set_keys = [
         ("rate", raw.rate.as_ref().map(Spanned::span)),
@@ -523,20 +540,183 @@ fn random(
         ("loss", raw.loss.as_ref().map(Spanned::span)),
         ("loss_burst", raw.loss_burst.as_ref().map(Spanned::span)),
     ];
-    if !degrade {
-        if let Some((key, span)) = set_keys.iter().find_map(|(k, s)| Some((k, s.clone()?))) {
+    let given = [
+        ("links", raw.links.as_ref().map(Spanned::span)),
+        ("a", raw.a.as_ref().map(Spanned::span)),
+        ("b", raw.b.as_ref().map(Spanned::span)),
+        ("switches", raw.switches.as_ref().map(Spanned::span)),
+        ("gpus", raw.gpus.as_ref().map(Spanned::span)),
+    ];
+    for (key, span) in given.iter().chain(&set_keys) {
+        if let (Some(span), false) = (span, takes.contains(key)) {
+            let which: Vec<&str> = RANDOM
+                .iter()
+                .filter(|(_, t)| t.contains(key))
+                .map(|(a, _)| *a)
+                .collect();
+            let verb = if which.len() == 1 { "does" } else { "do" };
             return Err(cx.at(
-                span,
-                format!("link-flap does not take `{key}` (link-degrade does)"),
+                span.clone(),
+                format!(
+                    "{action} does not take `{key}` ({} {verb})",
+                    which.join(", ")
+                ),
             ));
         }
-    } else if set_keys.iter().all(|(_, s)| s.is_none()) {
-        return Err(cx.err(
-            &raw.action,
-            "link-degrade needs what a fault sets: `rate`, `delay`, `loss` or `loss_burst`",
-        ));
     }
-    let links: Vec<u32> = match (&raw.links, &raw.a, &raw.b) {
+    // What each fault does and what repairs it, per link, switch or GPU it may hit.
+    let targets: Vec<(ChangeRequest, ChangeRequest)> = match action {
+        "link-flap" | "link-degrade" => {
+            let degrade = action == "link-degrade";
+            if degrade && set_keys.iter().all(|(_, s)| s.is_none()) {
+                return Err(cx.err(
+                    &raw.action,
+                    "link-degrade needs what a fault sets: `rate`, `delay`, `loss` or `loss_burst`",
+                ));
+            }
+            let links = random_links(cx, topo, raw)?;
+            let targets: Vec<_> = links
+                .into_iter()
+                .map(|l| {
+                    let (a, b, index) = chaos::link_ref(topo, l);
+                    let index = Some(index);
+                    if degrade {
+                        let set = ChangeRequest::LinkSet {
+                            a: a.clone(),
+                            b: b.clone(),
+                            index,
+                            rate_bps: raw.rate.as_ref().map(|r| r.get_ref().bps()),
+                            delay_ns: raw.delay.as_ref().map(|d| d.get_ref().as_nanos()),
+                            loss: raw.loss.as_ref().map(|l| *l.get_ref()),
+                            loss_burst: raw.loss_burst.as_ref().map(|l| *l.get_ref()),
+                            buffer_bytes: None,
+                            from: None,
+                        };
+                        (set, ChangeRequest::LinkReset { a, b, index })
+                    } else {
+                        let down = ChangeRequest::LinkDown {
+                            a: a.clone(),
+                            b: b.clone(),
+                            index,
+                        };
+                        (down, ChangeRequest::LinkUp { a, b, index })
+                    }
+                })
+                .collect();
+            if degrade {
+                // The values, checked as the daemon will, at the key they are about.
+                chaos::schedule(topo, &targets[0].0, &mut 1).map_err(|m| {
+                    let (message, key) = in_file_words("link-set", &m, &[]);
+                    match key.and_then(|k| set_keys.iter().find(|(g, _)| *g == k)?.1.clone()) {
+                        Some(span) => cx.at(span, message),
+                        None => cx.err(&raw.action, message),
+                    }
+                })?;
+            }
+            targets
+        }
+        "switch-flap" => {
+            let sel = raw.switches.as_ref().ok_or_else(|| {
+                cx.err(
+                    &raw.action,
+                    "switch-flap needs `switches`: a tier (\"spine\") or names (\"spine0,leaf1\")",
+                )
+            })?;
+            let names: Vec<String> = match Tier::from_name(sel.get_ref()) {
+                Some(tier) => topo
+                    .switches
+                    .iter()
+                    .filter(|s| s.tier == tier)
+                    .map(|s| s.name.clone())
+                    .collect(),
+                None => sel
+                    .get_ref()
+                    .split(',')
+                    .map(|n| n.trim().to_owned())
+                    .collect(),
+            };
+            if names.is_empty() {
+                return Err(cx.err(sel, format!("this fabric has no {} switch", sel.get_ref())));
+            }
+            names
+                .into_iter()
+                .map(|name| {
+                    let down = ChangeRequest::SwitchDown { name: name.clone() };
+                    chaos::schedule(topo, &down, &mut 1).map_err(|m| cx.err(sel, m))?;
+                    Ok((down, ChangeRequest::SwitchUp { name }))
+                })
+                .collect::<Result<_, ConfigError>>()?
+        }
+        "gpu-flap" => {
+            let sel = raw.gpus.as_ref().ok_or_else(|| {
+                cx.err(
+                    &raw.action,
+                    "gpu-flap needs `gpus`: a selection such as \"all\", \"0-3,6\" or \"gpu5\"",
+                )
+            })?;
+            select(topo, sel.get_ref())
+                .map_err(|m| cx.err(sel, m))?
+                .into_iter()
+                .map(|name| {
+                    let down = ChangeRequest::GpuDown { name: name.clone() };
+                    (down, ChangeRequest::GpuUp { name })
+                })
+                .collect()
+        }
+        _ => unreachable!("every fault of RANDOM is handled"),
+    };
+    let (mtbf, mttr) = (raw.mtbf.get_ref().as_nanos(), raw.mttr.get_ref().as_nanos());
+    if mtbf == 0 {
+        return Err(cx.err(&raw.mtbf, "`mtbf` must be above 0"));
+    }
+    if mttr == 0 {
+        return Err(cx.err(&raw.mttr, "`mttr` must be above 0"));
+    }
+    let start = raw.start.as_ref().map_or(0, |s| s.get_ref().as_nanos());
+    let until = raw.until.get_ref().as_nanos();
+    if until <= start {
+        return Err(cx.err(&raw.until, "`until` must come after `start`"));
+    }
+    if *raw.until.get_ref() > MAX_SPAN {
+        return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
+    }
+    let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
+    for (i, (fault, repair)) in targets.iter().enumerate() {
+        // One stream per target: a link's faults are the same whatever else the entry
+        // names (links by their topology index, as before switches and GPUs had faults).
+        let stream = match fault {
+            ChangeRequest::LinkDown { a, b, index }
+            | ChangeRequest::LinkSet { a, b, index, .. } => {
+                chaos::links_between(topo, a, b, *index).map_or(i as u64, |l| l[0] as u64)
+            }
+            _ => i as u64,
+        };
+        let mut rng = Rng::new(seed, nth << 32 | stream);
+        let mut t = start;
+        loop {
+            t = t.saturating_add(exponential(&mut rng, mtbf));
+            if t >= until {
+                break;
+            }
+            let down = exponential(&mut rng, mttr).max(1);
+            items.push((t, fault.clone()));
+            // The repair comes even past `until`: the fabric is left whole.
+            items.push((t.saturating_add(down), repair.clone()));
+            t = t.saturating_add(down);
+            if items.len() > MAX_PENDING {
+                return Err(cx.err(
+                    r,
+                    format!("more than {MAX_PENDING} changes: raise mtbf or shorten until"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The links a `[[random]]` link fault may hit: a class's, or those between `a` and `b`.
+fn random_links(cx: &Cx, topo: &Topology, raw: &RawRandom) -> Result<Vec<u32>, ConfigError> {
+    Ok(match (&raw.links, &raw.a, &raw.b) {
         (Some(class), None, None) => {
             let want = LinkClass::ALL
                 .iter()
@@ -570,85 +750,7 @@ fn random(
                 "give `links` (a link class) or both `a` and `b`",
             ))
         }
-    };
-    let (mtbf, mttr) = (raw.mtbf.get_ref().as_nanos(), raw.mttr.get_ref().as_nanos());
-    if mtbf == 0 {
-        return Err(cx.err(&raw.mtbf, "`mtbf` must be above 0"));
-    }
-    if mttr == 0 {
-        return Err(cx.err(&raw.mttr, "`mttr` must be above 0"));
-    }
-    let start = raw.start.as_ref().map_or(0, |s| s.get_ref().as_nanos());
-    let until = raw.until.get_ref().as_nanos();
-    if until <= start {
-        return Err(cx.err(&raw.until, "`until` must come after `start`"));
-    }
-    if *raw.until.get_ref() > MAX_SPAN {
-        return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
-    }
-    let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
-    // A fault: the link down, or set to the degraded values; its repair: up, or reset.
-    let fault = |a: String, b: String, index: Option<u32>| {
-        if degrade {
-            ChangeRequest::LinkSet {
-                a,
-                b,
-                index,
-                rate_bps: raw.rate.as_ref().map(|r| r.get_ref().bps()),
-                delay_ns: raw.delay.as_ref().map(|d| d.get_ref().as_nanos()),
-                loss: raw.loss.as_ref().map(|l| *l.get_ref()),
-                loss_burst: raw.loss_burst.as_ref().map(|l| *l.get_ref()),
-                buffer_bytes: None,
-                from: None,
-            }
-        } else {
-            ChangeRequest::LinkDown { a, b, index }
-        }
-    };
-    let repair = |a: String, b: String, index: Option<u32>| {
-        if degrade {
-            ChangeRequest::LinkReset { a, b, index }
-        } else {
-            ChangeRequest::LinkUp { a, b, index }
-        }
-    };
-    if degrade {
-        // The values, checked as the daemon will, at the key they are about.
-        let (a, b, index) = chaos::link_ref(topo, links[0]);
-        chaos::schedule(topo, &fault(a, b, Some(index)), &mut 1).map_err(|m| {
-            let (message, key) = in_file_words("link-set", &m, &[]);
-            match key.and_then(|k| set_keys.iter().find(|(g, _)| *g == k)?.1.clone()) {
-                Some(span) => cx.at(span, message),
-                None => cx.err(&raw.action, message),
-            }
-        })?;
-    }
-    for l in links {
-        let (a, b, index) = chaos::link_ref(topo, l);
-        let mut rng = Rng::new(seed, nth << 32 | l as u64);
-        let mut t = start;
-        loop {
-            t = t.saturating_add(exponential(&mut rng, mtbf));
-            if t >= until {
-                break;
-            }
-            let down = exponential(&mut rng, mttr).max(1);
-            items.push((t, fault(a.clone(), b.clone(), Some(index))));
-            // The repair comes even past `until`: the fabric is left whole.
-            items.push((
-                t.saturating_add(down),
-                repair(a.clone(), b.clone(), Some(index)),
-            ));
-            t = t.saturating_add(down);
-            if items.len() > MAX_PENDING {
-                return Err(cx.err(
-                    r,
-                    format!("more than {MAX_PENDING} changes: raise mtbf or shorten until"),
-                ));
-            }
-        }
-    }
-    Ok(())
+    })
 }
 
 /// An exponentially distributed draw with mean `mean` (ns).
@@ -825,7 +927,83 @@ for = "1ms"
             "{e}"
         );
         let e = err(&format!("{base}do = \"link-melt\"\n"));
-        assert!(e.contains("one of: link-flap, link-degrade"), "{e}");
+        assert!(
+            e.contains("one of: link-flap, link-degrade, switch-flap, gpu-flap"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn switches_and_gpus_fail_at_random_too() {
+        let times = "mtbf = \"10ms\"\nmttr = \"1ms\"\nuntil = \"100ms\"\n";
+        let s = parse(
+            &format!("[[random]]\ndo = \"switch-flap\"\nswitches = \"spine\"\n{times}"),
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
+        let mut hit = std::collections::BTreeSet::new();
+        let mut down: BTreeMap<String, bool> = BTreeMap::new();
+        for (_, req) in &s.items {
+            match req {
+                ChangeRequest::SwitchDown { name } => {
+                    assert!(name.starts_with("spine"), "{name}");
+                    assert_ne!(down.insert(name.clone(), true), Some(true), "{name} twice");
+                    hit.insert(name.clone());
+                }
+                ChangeRequest::SwitchUp { name } => {
+                    assert_eq!(down.insert(name.clone(), false), Some(true), "{name}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(
+            hit.len(),
+            4,
+            "each of the 4 spines fails in 100 ms: {hit:?}"
+        );
+        assert!(down.values().all(|d| !d), "every switch comes back");
+        let s = parse(
+            &format!("[[random]]\ndo = \"gpu-flap\"\ngpus = \"0-1\"\n{times}"),
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
+        assert!(s.items.iter().all(|(_, r)| matches!(
+            r,
+            ChangeRequest::GpuDown { name } | ChangeRequest::GpuUp { name }
+                if name == "gpu0" || name == "gpu1"
+        )));
+        assert!(!s.items.is_empty());
+        let e = err(&format!(
+            "[[random]]\ndo = \"switch-flap\"\nswitches = \"spine9\"\n{times}"
+        ));
+        assert!(
+            e.starts_with("s.toml:3:12: no GPU or switch \"spine9\""),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[random]]\ndo = \"switch-flap\"\nswitches = \"gpu0\"\n{times}"
+        ));
+        assert!(e.contains("gpu0 is a GPU"), "{e}");
+        let e = err(&format!("[[random]]\ndo = \"switch-flap\"\n{times}"));
+        assert!(
+            e.starts_with("s.toml:2:6: switch-flap needs `switches`"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[random]]\ndo = \"gpu-flap\"\ngpus = \"0-1\"\nlinks = \"nic\"\n{times}"
+        ));
+        assert!(
+            e.starts_with(
+                "s.toml:4:9: gpu-flap does not take `links` (link-flap, link-degrade do)"
+            ),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[random]]\ndo = \"gpu-flap\"\ngpus = \"0-9\"\n{times}"
+        ));
+        assert!(e.starts_with("s.toml:3:8:") && e.contains("0 to 3"), "{e}");
     }
 
     #[test]
