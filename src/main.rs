@@ -408,8 +408,8 @@ enum Command {
         cmd: Vec<String>,
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
-    /// changes, seeded random faults of links, switches and GPUs (see the README). Prints events
-    /// as they happen; Ctrl-C cancels the rest.
+    /// changes, seeded random faults of links, switches and GPUs (see the README). Prints
+    /// events as they happen; Ctrl-C cancels the rest.
     #[command(
         after_help = "Examples:\n  closbox chaos configs/chaos/spine-failure.toml\n  closbox chaos configs/chaos/flaky-uplinks.toml --dry-run --topology configs/default.toml\n  closbox bench allreduce --chaos configs/chaos/spine-failure.toml"
     )]
