@@ -533,7 +533,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert_eq!(out.status.code(), Some(2));
     let e = text(&out).1;
     assert!(
-        e.contains("bad-scenario.toml:1:1:") && e.contains("spine0"),
+        e.contains("bad-scenario.toml:5:5:") && e.contains("spine0"),
         "{e}"
     );
     assert_eq!(f.status()["events"], 0, "nothing ran");
