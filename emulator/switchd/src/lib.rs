@@ -290,15 +290,17 @@ pub fn run_fabric(
             wake.notify();
         })
     };
+    // The data plane runs before `up` is told the fabric is ready: whoever `up` returns
+    // to finds its thread (one CI run read /proc in between and found none).
+    let dataplane = std::thread::Builder::new()
+        .name("dataplane".into())
+        .spawn(move || dp.run().into_tuns())
+        .context("starting the data plane")?;
     if stop.load(Ordering::Relaxed) {
         tracing::info!("stopping before start: signal received");
     } else {
         ready(&st, started.elapsed());
     }
-    let dataplane = std::thread::Builder::new()
-        .name("dataplane".into())
-        .spawn(move || dp.run().into_tuns())
-        .context("starting the data plane")?;
     let tuns = dataplane.join().unwrap_or_default();
     stop.store(true, Ordering::Relaxed);
     let _ = watcher.join();
