@@ -564,8 +564,10 @@ fn random(
             ));
         }
     }
-    // What each fault does and what repairs it, per link, switch or GPU it may hit.
-    let targets: Vec<(ChangeRequest, ChangeRequest)> = match action {
+    // What each fault does and what repairs it, per link, switch or GPU it may hit, with
+    // the random stream it draws from: a link's topology index (the streams link faults
+    // had before switches and GPUs had faults), else its place in the entry.
+    let targets: Vec<(u64, ChangeRequest, ChangeRequest)> = match action {
         "link-flap" | "link-degrade" => {
             let degrade = action == "link-degrade";
             if degrade && set_keys.iter().all(|(_, s)| s.is_none()) {
@@ -592,20 +594,20 @@ fn random(
                             buffer_bytes: None,
                             from: None,
                         };
-                        (set, ChangeRequest::LinkReset { a, b, index })
+                        (l as u64, set, ChangeRequest::LinkReset { a, b, index })
                     } else {
                         let down = ChangeRequest::LinkDown {
                             a: a.clone(),
                             b: b.clone(),
                             index,
                         };
-                        (down, ChangeRequest::LinkUp { a, b, index })
+                        (l as u64, down, ChangeRequest::LinkUp { a, b, index })
                     }
                 })
                 .collect();
             if degrade {
                 // The values, checked as the daemon will, at the key they are about.
-                chaos::schedule(topo, &targets[0].0, &mut 1).map_err(|m| {
+                chaos::schedule(topo, &targets[0].1, &mut 1).map_err(|m| {
                     let (message, key) = in_file_words("link-set", &m, &[]);
                     match key.and_then(|k| set_keys.iter().find(|(g, _)| *g == k)?.1.clone()) {
                         Some(span) => cx.at(span, message),
@@ -640,10 +642,11 @@ fn random(
             }
             names
                 .into_iter()
-                .map(|name| {
+                .enumerate()
+                .map(|(i, name)| {
                     let down = ChangeRequest::SwitchDown { name: name.clone() };
                     chaos::schedule(topo, &down, &mut 1).map_err(|m| cx.err(sel, m))?;
-                    Ok((down, ChangeRequest::SwitchUp { name }))
+                    Ok((i as u64, down, ChangeRequest::SwitchUp { name }))
                 })
                 .collect::<Result<_, ConfigError>>()?
         }
@@ -657,9 +660,10 @@ fn random(
             select(topo, sel.get_ref())
                 .map_err(|m| cx.err(sel, m))?
                 .into_iter()
-                .map(|name| {
+                .enumerate()
+                .map(|(i, name)| {
                     let down = ChangeRequest::GpuDown { name: name.clone() };
-                    (down, ChangeRequest::GpuUp { name })
+                    (i as u64, down, ChangeRequest::GpuUp { name })
                 })
                 .collect()
         }
@@ -681,16 +685,7 @@ fn random(
         return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
     }
     let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
-    for (i, (fault, repair)) in targets.iter().enumerate() {
-        // One stream per target: a link's faults are the same whatever else the entry
-        // names (links by their topology index, as before switches and GPUs had faults).
-        let stream = match fault {
-            ChangeRequest::LinkDown { a, b, index }
-            | ChangeRequest::LinkSet { a, b, index, .. } => {
-                chaos::links_between(topo, a, b, *index).map_or(i as u64, |l| l[0] as u64)
-            }
-            _ => i as u64,
-        };
+    for (stream, fault, repair) in &targets {
         let mut rng = Rng::new(seed, nth << 32 | stream);
         let mut t = start;
         loop {
