@@ -162,7 +162,7 @@ enum Command {
     /// Change a live fabric's links: down, up, set (rate, delay, loss, buffer), reset.
     #[command(
         subcommand,
-        after_help = "Examples:\n  closbox link down leaf0 spine1\n  closbox link set leaf0 spine1 --rate 100Gbit --loss 0.001\n  closbox link up leaf0 spine1"
+        after_help = "Examples:\n  closbox link down leaf0 spine1\n  closbox link set leaf0 spine1 --rate 100Gbit --loss 0.001\n  closbox link set leaf0 spine1 --loss 0.01 --loss-burst 16   # losses in bursts\n  closbox link set gpu0 leaf0 --from gpu0 --loss 1            # a one-way gray failure\n  closbox link up leaf0 spine1"
     )]
     Link(LinkCmd),
     /// A switch down or up (all its links): a dead leaf or spine.
