@@ -263,10 +263,10 @@ pub fn scenario_cmd(
         let sc = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
         let mut next = 1;
         for (at, req) in &sc.items {
-            let changes = closbox_switchd::chaos::schedule(&topo, req, &mut next)
+            let steps = closbox_switchd::chaos::schedule(&topo, req, &mut next)
                 .map_err(anyhow::Error::msg)?;
-            for (after, _, what) in changes {
-                println!("{:>14.6} ms  {what}", (at + after) as f64 / 1e6);
+            for (after, step) in steps {
+                println!("{:>14.6} ms  {}", (at + after) as f64 / 1e6, step.what);
             }
         }
         return Ok(ExitCode::SUCCESS);

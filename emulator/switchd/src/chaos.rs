@@ -239,23 +239,32 @@ fn links_of(topo: &Topology, name: &str, want_switch: bool) -> Result<Vec<u32>, 
 /// A link as clients name it: (a, b, index among the parallel links a-b).
 pub fn link_ref(topo: &Topology, l: u32) -> (String, String, u32) {
     let link = &topo.links[l as usize];
-    let (a, b) = (link.a, link.b);
-    let index = topo.links[..l as usize]
-        .iter()
-        .filter(|x| (x.a == a && x.b == b) || (x.a == b && x.b == a))
-        .count() as u32;
-    (name(topo, a).to_owned(), name(topo, b).to_owned(), index)
+    (
+        name(topo, link.a).to_owned(),
+        name(topo, link.b).to_owned(),
+        parallel_index(topo, l) as u32,
+    )
 }
 
 /// "leaf0-spine1 #0".
 pub fn link_name(topo: &Topology, l: u32) -> String {
     let link = &topo.links[l as usize];
+    format!(
+        "{}-{} #{}",
+        name(topo, link.a),
+        name(topo, link.b),
+        parallel_index(topo, l)
+    )
+}
+
+/// Link `l`'s index among the parallel links between its ends (from 0).
+fn parallel_index(topo: &Topology, l: u32) -> usize {
+    let link = &topo.links[l as usize];
     let (a, b) = (link.a, link.b);
-    let index = topo.links[..l as usize]
+    topo.links[..l as usize]
         .iter()
         .filter(|x| (x.a == a && x.b == b) || (x.a == b && x.b == a))
-        .count();
-    format!("{}-{} #{index}", name(topo, a), name(topo, b))
+        .count()
 }
 
 /// Most cycles one flap may schedule.
@@ -263,13 +272,30 @@ pub const MAX_FLAPS: u32 = 10_000;
 /// Most bursts of one incast.
 pub const MAX_BURSTS: u32 = 1_000_000;
 
-/// The changes a request makes, each with when (fabric ns after now) and its description.
-/// Loads it starts are numbered from `next_load` on (which it advances).
+/// What a request does at one instant: the model's changes, applied together, and the one
+/// line the event log gets for them (a switch going down is one event, not one per link).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Step {
+    pub changes: Vec<Change>,
+    pub what: String,
+}
+
+impl Step {
+    fn one(change: Change, what: String) -> Step {
+        Step {
+            changes: vec![change],
+            what,
+        }
+    }
+}
+
+/// The steps a request makes, each with when (fabric ns after now). Loads it starts are
+/// numbered from `next_load` on (which it advances).
 pub fn schedule(
     topo: &Topology,
     req: &ChangeRequest,
     next_load: &mut u32,
-) -> Result<Vec<(u64, Change, String)>, String> {
+) -> Result<Vec<(u64, Step)>, String> {
     let ChangeRequest::LinkFlap {
         a,
         b,
@@ -281,7 +307,7 @@ pub fn schedule(
     else {
         return Ok(resolve(topo, req, next_load)?
             .into_iter()
-            .map(|(c, w)| (0, c, w))
+            .map(|step| (0, step))
             .collect());
     };
     if *down_ns == 0 || *up_ns == 0 {
@@ -291,39 +317,104 @@ pub fn schedule(
         return Err(format!("--count must be 1 to {MAX_FLAPS}"));
     }
     let links = links_between(topo, a, b, *index)?;
+    let label = links_label(topo, &links);
     let mut out = Vec::new();
     let period = down_ns.saturating_add(*up_ns);
     for k in 0..*count as u64 {
         let start = period.saturating_mul(k);
-        for &l in &links {
-            let name = link_name(topo, l);
-            out.push((
-                start,
-                Change::LinkDown(l),
-                format!("link {name} down (flap {} of {count})", k + 1),
-            ));
-            out.push((
-                start.saturating_add(*down_ns),
-                Change::LinkUp(l),
-                format!("link {name} up (flap {} of {count})", k + 1),
-            ));
-        }
+        let step = |f: fn(u32) -> Change, what: &str| Step {
+            changes: links.iter().map(|&l| f(l)).collect(),
+            what: format!("{label} {what} (flap {} of {count})", k + 1),
+        };
+        out.push((start, step(Change::LinkDown, "down")));
+        out.push((start.saturating_add(*down_ns), step(Change::LinkUp, "up")));
     }
     Ok(out)
 }
 
-/// The model's changes for a request, each with its description for the event log.
-/// Loads it starts are numbered from `next_load` on.
+/// "link leaf0-spine1 #0", or for parallel links "links leaf0-spine1 #0, #1".
+fn links_label(topo: &Topology, links: &[u32]) -> String {
+    match links {
+        [l] => format!("link {}", link_name(topo, *l)),
+        _ => {
+            let l = &topo.links[links[0] as usize];
+            let indices: Vec<String> = links
+                .iter()
+                .map(|&x| format!("#{}", parallel_index(topo, x)))
+                .collect();
+            format!(
+                "links {}-{} {}",
+                name(topo, l.a),
+                name(topo, l.b),
+                indices.join(", ")
+            )
+        }
+    }
+}
+
+/// "switch spine1 down (4 links, to leaf0, leaf1, leaf2, leaf3)": a switch's or a GPU's
+/// links, named by the vertices at their other ends (the first 8; parallel links as ×N).
+fn vertex_label(topo: &Topology, v: Vertex, links: &[u32], what: &str) -> String {
+    let mut far: Vec<(&str, usize)> = Vec::new();
+    for &l in links {
+        let link = &topo.links[l as usize];
+        let other = name(topo, if link.a == v { link.b } else { link.a });
+        match far.iter_mut().find(|(n, _)| *n == other) {
+            Some((_, k)) => *k += 1,
+            None => far.push((other, 1)),
+        }
+    }
+    let shown: Vec<String> = far
+        .iter()
+        .take(8)
+        .map(|&(n, k)| {
+            if k > 1 {
+                format!("{n} ×{k}")
+            } else {
+                n.to_owned()
+            }
+        })
+        .collect();
+    let more = far.len().saturating_sub(shown.len());
+    let kind = match v {
+        Vertex::Host(_) => "GPU",
+        Vertex::Switch(_) => "switch",
+    };
+    format!(
+        "{kind} {} {what} ({} link{}, to {}{})",
+        name(topo, v),
+        links.len(),
+        if links.len() == 1 { "" } else { "s" },
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    )
+}
+
+/// The model's changes for a request, as steps applied now, each with its line for the
+/// event log. Loads it starts are numbered from `next_load` on.
 pub fn resolve(
     topo: &Topology,
     req: &ChangeRequest,
     next_load: &mut u32,
-) -> Result<Vec<(Change, String)>, String> {
+) -> Result<Vec<Step>, String> {
     let each = |links: Vec<u32>, f: &dyn Fn(u32) -> Change, what: &str| {
-        links
-            .into_iter()
-            .map(|l| (f(l), format!("link {} {what}", link_name(topo, l))))
-            .collect()
+        vec![Step {
+            what: format!("{} {what}", links_label(topo, &links)),
+            changes: links.into_iter().map(f).collect(),
+        }]
+    };
+    // Every link of a switch or of a GPU, as one step.
+    let all = |name: &str, switch: bool, f: fn(u32) -> Change, what: &str| {
+        let links = links_of(topo, name, switch)?;
+        let what = vertex_label(topo, vertex(topo, name)?, &links, what);
+        Ok::<_, String>(vec![Step {
+            changes: links.into_iter().map(f).collect(),
+            what,
+        }])
     };
     Ok(match req {
         ChangeRequest::LinkDown { a, b, index } => each(
@@ -441,16 +532,10 @@ pub fn resolve(
             };
             each(links_between(topo, a, b, *index)?, &set, &what)
         }
-        ChangeRequest::SwitchDown { name } => {
-            each(links_of(topo, name, true)?, &Change::LinkDown, "down")
-        }
-        ChangeRequest::SwitchUp { name } => {
-            each(links_of(topo, name, true)?, &Change::LinkUp, "up")
-        }
-        ChangeRequest::GpuDown { name } => {
-            each(links_of(topo, name, false)?, &Change::LinkDown, "down")
-        }
-        ChangeRequest::GpuUp { name } => each(links_of(topo, name, false)?, &Change::LinkUp, "up"),
+        ChangeRequest::SwitchDown { name } => all(name, true, Change::LinkDown, "down")?,
+        ChangeRequest::SwitchUp { name } => all(name, true, Change::LinkUp, "up")?,
+        ChangeRequest::GpuDown { name } => all(name, false, Change::LinkDown, "down")?,
+        ChangeRequest::GpuUp { name } => all(name, false, Change::LinkUp, "up")?,
         ChangeRequest::Partition { groups } => {
             let rest = groups.len() as u16;
             let mut of = vec![rest; topo.hosts.len()];
@@ -477,12 +562,12 @@ pub fn resolve(
             if of.contains(&rest) {
                 sides.push("the rest".into());
             }
-            vec![(
+            vec![Step::one(
                 Change::Partition(of),
                 format!("partition {}", sides.join(" | ")),
             )]
         }
-        ChangeRequest::Heal => vec![(Change::Heal, "heal: partition removed".into())],
+        ChangeRequest::Heal => vec![Step::one(Change::Heal, "heal: partition removed".into())],
         ChangeRequest::LinkFlap { .. } => return Err("a flap is a schedule: see `schedule`".into()),
         ChangeRequest::LoadStop { .. } => {
             return Err(
@@ -553,7 +638,7 @@ pub fn resolve(
             if let Some(d) = for_ns {
                 what += &format!(", for {}", Duration::from_nanos(*d));
             }
-            vec![(
+            vec![Step::one(
                 Change::StartLoad(LoadSpec {
                     id,
                     from: f,
@@ -601,7 +686,7 @@ pub fn resolve(
                 }
                 let rate = gpu_rate_toward(topo, s.0, t.0);
                 let id = take(next_load);
-                out.push((
+                out.push(Step::one(
                     Change::StartLoad(LoadSpec {
                         id,
                         from: s.0,
@@ -672,6 +757,59 @@ mod tests {
         .unwrap()
     }
 
+    /// The `index`-th link between leaf0 and spine1.
+    fn one_link(t: &Topology, index: u32) -> u32 {
+        links_between(t, "leaf0", "spine1", Some(index)).unwrap()[0]
+    }
+
+    #[test]
+    fn a_flap_of_parallel_links_is_one_step_each_way() {
+        let t = topo();
+        let flap = ChangeRequest::LinkFlap {
+            a: "leaf0".into(),
+            b: "spine1".into(),
+            index: None,
+            down_ns: 10,
+            up_ns: 20,
+            count: 2,
+        };
+        let steps = schedule(&t, &flap, &mut 1).unwrap();
+        let got: Vec<(u64, usize, &str)> = steps
+            .iter()
+            .map(|(at, s)| (*at, s.changes.len(), s.what.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 2, "links leaf0-spine1 #0, #1 down (flap 1 of 2)"),
+                (10, 2, "links leaf0-spine1 #0, #1 up (flap 1 of 2)"),
+                (30, 2, "links leaf0-spine1 #0, #1 down (flap 2 of 2)"),
+                (40, 2, "links leaf0-spine1 #0, #1 up (flap 2 of 2)"),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_switch_with_many_neighbours_names_the_first_eight() {
+        let t = closbox_fabric::parse(
+            "[fabric]\nname = \"c\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 10\nspines = 1\ngpus_per_leaf = 1\n",
+            "c.toml",
+        )
+        .unwrap();
+        let s = resolve(
+            &t,
+            &ChangeRequest::SwitchDown {
+                name: "spine0".into(),
+            },
+            &mut 1,
+        )
+        .unwrap();
+        assert_eq!(
+            s[0].what,
+            "switch spine0 down (10 links, to leaf0, leaf1, leaf2, leaf3, leaf4, leaf5, leaf6, leaf7 and 2 more)"
+        );
+    }
+
     #[test]
     fn names_resolve_to_links_and_mistakes_say_what_exists() {
         let t = topo();
@@ -681,13 +819,15 @@ mod tests {
             index,
         };
         let resolve = |t: &Topology, r: &ChangeRequest| resolve(t, r, &mut 1);
-        assert_eq!(
-            resolve(&t, &down("leaf0", "spine1", None)).unwrap().len(),
-            2
-        );
+        // Both parallel links, one step and one line.
+        let both = resolve(&t, &down("leaf0", "spine1", None)).unwrap();
+        assert_eq!(both.len(), 1);
+        assert_eq!(both[0].changes.len(), 2);
+        assert_eq!(both[0].what, "links leaf0-spine1 #0, #1 down");
         let one = resolve(&t, &down("spine1", "leaf0", Some(1))).unwrap();
         assert_eq!(one.len(), 1);
-        assert!(one[0].1.ends_with("#1 down"), "{}", one[0].1);
+        assert_eq!(one[0].changes, [Change::LinkDown(one_link(&t, 1))]);
+        assert_eq!(one[0].what, "link leaf0-spine1 #1 down");
         let e = resolve(&t, &down("leaf0", "spine7", None)).unwrap_err();
         assert!(
             e.contains("no GPU or switch \"spine7\"") && e.contains("spine0"),
@@ -713,7 +853,20 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(spine.len(), 4, "2 uplinks from each of 2 leaves");
+        assert_eq!(spine.len(), 1, "one step: {spine:?}");
+        assert_eq!(spine[0].changes.len(), 4, "2 uplinks from each of 2 leaves");
+        assert_eq!(
+            spine[0].what,
+            "switch spine0 down (4 links, to leaf0 ×2, leaf1 ×2)"
+        );
+        let gpu = resolve(
+            &t,
+            &ChangeRequest::GpuUp {
+                name: "gpu3".into(),
+            },
+        )
+        .unwrap();
+        assert_eq!(gpu[0].what, "GPU gpu3 up (1 link, to leaf1)");
         let e = resolve(
             &t,
             &ChangeRequest::SwitchDown {

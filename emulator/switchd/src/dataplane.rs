@@ -1179,9 +1179,9 @@ impl WakeMargin {
 
 pub struct DataPlane<P: Ports> {
     name: String,
-    /// Changes due at fabric times (flaps, scenarios): (when, order) → change, its
-    /// description, its timeline (0: a flap).
-    scheduled: std::collections::BTreeMap<(Instant, u64), (Change, String, u64)>,
+    /// Steps due at fabric times (flaps, scenarios): (when, order) → the step, its
+    /// timeline (0: a flap).
+    scheduled: std::collections::BTreeMap<(Instant, u64), (chaos::Step, u64)>,
     scheduled_seq: u64,
     timelines: u64,
     /// Id of the next load started.
@@ -1912,10 +1912,14 @@ impl<P: Ports> DataPlane<P> {
     /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
     fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
         let running = self.model.loads().into_iter().filter(|l| l.active);
-        let scheduled = self.scheduled.values().filter_map(|(c, _, _)| match c {
-            Change::StartLoad(spec) => Some(spec),
-            _ => None,
-        });
+        let scheduled = self
+            .scheduled
+            .values()
+            .flat_map(|(step, _)| &step.changes)
+            .filter_map(|c| match c {
+                Change::StartLoad(spec) => Some(spec),
+                _ => None,
+            });
         let mut added = 0.0;
         for c in new {
             if let Change::StartLoad(spec) = c {
@@ -1946,7 +1950,7 @@ impl<P: Ports> DataPlane<P> {
         timeline: u64,
     ) -> Result<Vec<Event>, String> {
         let mut next_load = self.next_load;
-        let mut changes = Vec::new();
+        let mut steps = Vec::new();
         for (i, (at, req)) in items.iter().enumerate() {
             if matches!(req, ChangeRequest::LoadStop { .. }) {
                 return Err("a load stop cannot be scheduled: give the load a duration".into());
@@ -1958,30 +1962,30 @@ impl<P: Ports> DataPlane<P> {
                     e
                 }
             })?;
-            changes.extend(
+            steps.extend(
                 resolved
                     .into_iter()
-                    .map(|(after, c, w)| (at.saturating_add(after), c, w)),
+                    .map(|(after, step)| (at.saturating_add(after), step)),
             );
         }
-        self.loads_within_budget(changes.iter().map(|(_, c, _)| c))?;
-        if self.scheduled.len() + changes.len() > MAX_PENDING {
+        self.loads_within_budget(steps.iter().flat_map(|(_, step)| &step.changes))?;
+        if self.scheduled.len() + steps.len() > MAX_PENDING {
             return Err(format!(
                 "{} changes would be pending; at most {MAX_PENDING} may be",
-                self.scheduled.len() + changes.len()
+                self.scheduled.len() + steps.len()
             ));
         }
         self.next_load = next_load;
         let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
-        for (after, change, what) in changes {
+        for (after, step) in steps {
             if after == 0 {
-                applied.push(self.apply(now, change, what));
+                applied.push(self.apply(now, step));
             } else {
                 self.scheduled_seq += 1;
                 let at = now + closbox_fabric::Duration::from_nanos(after);
                 self.scheduled
-                    .insert((at, self.scheduled_seq), (change, what, timeline));
+                    .insert((at, self.scheduled_seq), (step, timeline));
             }
         }
         Ok(applied)
@@ -1991,7 +1995,7 @@ impl<P: Ports> DataPlane<P> {
     pub fn cancel(&mut self, timeline: Option<u64>) -> usize {
         let before = self.scheduled.len();
         self.scheduled
-            .retain(|_, (_, _, t)| timeline.is_some_and(|want| *t != want));
+            .retain(|_, (_, t)| timeline.is_some_and(|want| *t != want));
         before - self.scheduled.len()
     }
 
@@ -2023,7 +2027,13 @@ impl<P: Ports> DataPlane<P> {
         let now = self.fabric_now(self.ports.now());
         Ok(stop
             .into_iter()
-            .map(|id| self.apply(now, Change::StopLoad(id), format!("load {id} stopped")))
+            .map(|id| {
+                let stop = chaos::Step {
+                    changes: vec![Change::StopLoad(id)],
+                    what: format!("load {id} stopped"),
+                };
+                self.apply(now, stop)
+            })
             .collect())
     }
 
@@ -2054,8 +2064,8 @@ impl<P: Ports> DataPlane<P> {
             if entry.key().0 > now {
                 break;
             }
-            let (change, what, _) = entry.remove();
-            self.apply(now, change, what);
+            let (step, _) = entry.remove();
+            self.apply(now, step);
         }
     }
 
@@ -2076,7 +2086,25 @@ impl<P: Ports> DataPlane<P> {
         }
     }
 
-    fn apply(&mut self, now: Instant, change: Change, what: String) -> Event {
+    /// Applies a step's changes at `now` and logs it as one event, saying which of its
+    /// changes found the fabric already so (a link already down).
+    fn apply(&mut self, now: Instant, step: chaos::Step) -> Event {
+        let total = step.changes.len();
+        let mut done = 0;
+        for change in step.changes {
+            done += usize::from(self.apply_change(now, change));
+        }
+        let what = match total - done {
+            0 => step.what,
+            n if n == total => format!("{} (already so)", step.what),
+            n => format!("{} ({n} of {total} already so)", step.what),
+        };
+        self.log(now, StdDuration::ZERO, what)
+    }
+
+    /// Applies one change to the model (and the GPUs' pacing it concerns); false if it
+    /// changed nothing.
+    fn apply_change(&mut self, now: Instant, change: Change) -> bool {
         let rated = match &change {
             Change::SetLink {
                 link,
@@ -2097,12 +2125,7 @@ impl<P: Ports> DataPlane<P> {
             let bps = self.model.link_of(port).rate.bps();
             p.link_rate(link, bps);
         }
-        let what = if done {
-            what
-        } else {
-            format!("{what} (already so)")
-        };
-        self.log(now, StdDuration::ZERO, what)
+        done
     }
 
     /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago.
@@ -2732,6 +2755,41 @@ mod tests {
         assert!(load_drops > 0);
         let (other, _, _) = flap_run(12);
         assert_ne!(other, log, "another seed, other faults");
+    }
+
+    #[test]
+    fn a_switch_going_down_is_one_event_that_says_what_was_down_already() {
+        let (mut dp, _t) = plane(LS);
+        let links_down = |dp: &mut DataPlane<MemPorts>| {
+            dp.status().changed_links.iter().filter(|l| !l.up).count()
+        };
+        let one = ChangeRequest::LinkDown {
+            a: "leaf0".into(),
+            b: "spine0".into(),
+            index: None,
+        };
+        assert_eq!(dp.change(&one).unwrap().len(), 1);
+        let spine = ChangeRequest::SwitchDown {
+            name: "spine0".into(),
+        };
+        let events = dp.change(&spine).unwrap();
+        let what: Vec<&str> = events.iter().map(|e| e.what.as_str()).collect();
+        assert_eq!(
+            what,
+            ["switch spine0 down (2 links, to leaf0, leaf1) (1 of 2 already so)"]
+        );
+        assert_eq!(links_down(&mut dp), 2, "every link of spine0");
+        let events = dp.change(&spine).unwrap();
+        assert!(events[0].what.ends_with(") (already so)"), "{events:?}");
+        let up = ChangeRequest::SwitchUp {
+            name: "spine0".into(),
+        };
+        assert_eq!(
+            dp.change(&up).unwrap()[0].what,
+            "switch spine0 up (2 links, to leaf0, leaf1)"
+        );
+        assert_eq!(links_down(&mut dp), 0);
+        assert_eq!(dp.status().events, 4, "one event per request");
     }
 
     #[test]
