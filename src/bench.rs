@@ -335,11 +335,13 @@ impl RunHealth {
                 .filter(|(_, c)| *c > 0)
                 .collect(),
             changes: after.events.saturating_sub(before.events),
-            changed_links: after
-                .changed_links
-                .iter()
-                .map(|l| format!("{}{}", l.link, if l.up { " (changed)" } else { " (down)" }))
-                .collect(),
+            changed_links: crate::status::link_groups(after.changed_links.iter().map(|l| {
+                let state = if l.up { "changed" } else { "down" };
+                (l.link.as_str(), state.to_owned())
+            }))
+            .into_iter()
+            .map(|(names, _, state)| format!("{names} ({state})"))
+            .collect(),
             events,
             loads,
             buckets_connected: before.lateness_buckets.clone(),

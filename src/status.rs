@@ -105,6 +105,63 @@ pub fn drops(s: &Status, reason: &str) -> u64 {
         .map_or(0, |(_, c)| *c)
 }
 
+/// Links (as the daemon names them, "leaf0-spine1 #3") with their states, grouped by state
+/// in the order states first appear: each group's links named compactly (parallel links
+/// as "leaf0-spine1 #0-#7", the first `SHOWN_LINK_RUNS` such runs and "and N more"), how
+/// many, and the state.
+pub fn link_groups<'a>(
+    links: impl IntoIterator<Item = (&'a str, String)>,
+) -> Vec<(String, usize, String)> {
+    /// Parallel links between the same ends: (ends, first index, last index); a name
+    /// without an index has `u32::MAX`.
+    type Run<'a> = (&'a str, u32, u32);
+    // (state, its runs, its links)
+    let mut groups: Vec<(String, Vec<Run>, usize)> = Vec::new();
+    for (link, state) in links {
+        let (ends, index) = match link.rsplit_once(" #").map(|(e, i)| (e, i.parse::<u32>())) {
+            Some((e, Ok(i))) => (e, i),
+            _ => (link, u32::MAX),
+        };
+        let g = match groups.iter().position(|(s, _, _)| *s == state) {
+            Some(g) => g,
+            None => {
+                groups.push((state, Vec::new(), 0));
+                groups.len() - 1
+            }
+        };
+        let (_, runs, n) = &mut groups[g];
+        *n += 1;
+        match runs.last_mut() {
+            Some((e, _, last))
+                if *e == ends && index != u32::MAX && last.checked_add(1) == Some(index) =>
+            {
+                *last = index;
+            }
+            _ => runs.push((ends, index, index)),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(state, runs, n)| {
+            let name = |&(ends, first, last): &Run| match (first, last) {
+                (u32::MAX, _) => ends.to_owned(),
+                (f, l) if f == l => format!("{ends} #{f}"),
+                (f, l) => format!("{ends} #{f}-#{l}"),
+            };
+            let shown: Vec<String> = runs.iter().take(SHOWN_LINK_RUNS).map(name).collect();
+            let more = runs.len().saturating_sub(shown.len());
+            let mut names = shown.join(", ");
+            if more > 0 {
+                names += &format!(" and {more} more");
+            }
+            (names, n, state)
+        })
+        .collect()
+}
+
+/// Runs of links a line of `status` or a bench footer names before "and N more".
+const SHOWN_LINK_RUNS: usize = 4;
+
 fn lateness(l: &Lateness, time_scale: TimeScale) -> String {
     // Lateness is wall time; in dilated time it shifts fabric timings by lateness / k.
     let fabric = if time_scale > TimeScale::REAL_TIME {
@@ -308,6 +365,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             thousands(memory_drops)
         );
     }
+    let mut states = Vec::new();
     for l in &s.changed_links {
         let mut what = Vec::new();
         if !l.up {
@@ -344,7 +402,16 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             closbox_fabric::Bytes::new(l.buffer_bytes[0]),
             closbox_fabric::Bytes::new(l.buffer_bytes[1])
         ));
-        let _ = writeln!(o, "  link      {}: {}", l.link, what.join("; "));
+        states.push((l.link.as_str(), what.join("; ")));
+    }
+    // Links in the same state share a line (a switch down: one line, not one per link).
+    for (names, count, state) in link_groups(states) {
+        let count = if count > 1 {
+            format!(" ({count} links)")
+        } else {
+            String::new()
+        };
+        let _ = writeln!(o, "  link      {names}{count}: {state}");
     }
     if !s.partition.is_empty() {
         let sides: Vec<String> = s.partition.iter().map(|g| g.join(",")).collect();
@@ -431,6 +498,41 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_in_one_state_share_a_line_with_parallel_links_as_runs() {
+        let down = || "DOWN".to_owned();
+        let mut links: Vec<(String, String)> = Vec::new();
+        for leaf in 0..6 {
+            for i in 0..2 {
+                links.push((format!("leaf{leaf}-spine1 #{i}"), down()));
+            }
+        }
+        links.insert(3, ("gpu0-leaf0 #0".into(), "100Mbit/s".into()));
+        links.push(("leaf0-spine2 #0".into(), down()));
+        links.push(("leaf0-spine2 #2".into(), down()));
+        let groups = link_groups(links.iter().map(|(l, s)| (l.as_str(), s.clone())));
+        assert_eq!(
+            groups,
+            [
+                (
+                    "leaf0-spine1 #0-#1, leaf1-spine1 #0-#1, leaf2-spine1 #0-#1, leaf3-spine1 #0-#1 and 4 more".to_owned(),
+                    14,
+                    down()
+                ),
+                ("gpu0-leaf0 #0".to_owned(), 1, "100Mbit/s".to_owned()),
+            ]
+        );
+        // A gap in the indices starts a new run; a name without an index stands alone.
+        let groups = link_groups([
+            ("a-b #0", down()),
+            ("a-b #2", down()),
+            ("a-b #3", down()),
+            ("odd", down()),
+        ]);
+        assert_eq!(groups[0].0, "a-b #0, a-b #2-#3, odd");
+        assert_eq!(groups[0].1, 4);
+    }
 
     fn load(id: u32, active: bool) -> LoadInfo {
         LoadInfo {

@@ -969,7 +969,7 @@ fn a_ring_allreduce_with_a_spine_down_is_correct_and_as_predicted() {
     );
     assert!((0.9..=1.1).contains(&ratio), "{ratio}: {r}");
     assert!(
-        e.contains("at its end: leaf0-spine0 #0 (down)"),
+        e.contains("at its end: leaf0-spine0 #0, leaf1-spine0 #0 (down)"),
         "the footer names what is down: {e}"
     );
     // `events --follow` printed the switch going down, as one JSON line.
