@@ -1,7 +1,8 @@
 //! Real collective libraries and third-party programs through live fabrics, as root: the
 //! crate's fixture (`closbox::Fabric`), Open MPI and MPICH through `closbox mpirun`
-//! (NetPIPE, ucx_perftest), every torch gloo collective in a 16-rank job, fabric-time clocks
-//! for unmodified programs, and the pytest plugin's sample suite. Each checks results (data,
+//! (NetPIPE, ucx_perftest), every torch gloo collective in a 16-rank job, torchrun's
+//! rendezvous across GPUs, fabric-time clocks for unmodified programs, and the pytest
+//! plugin's sample suite. Each checks results (data,
 //! or measured figures against the configured fabric), not only exit codes.
 
 mod common;
@@ -350,6 +351,61 @@ fn torch_gloo_every_collective_in_16_ranks() {
             o.contains(&format!("[{r}] rank {r}/16 on gpu{r}: ok")),
             "rank {r}:\n{o}\n{e}"
         );
+    }
+}
+
+/// torch's own launcher, `torchrun` (`python3 -m torch.distributed.run`), started on every
+/// GPU by `closbox run`: 4 nodes of 2 workers each, meeting through the c10d rendezvous on
+/// gpu0, every worker checking its all_reduce. Debian's torch 1.13 under Python 3.11 needs
+/// `-r 9:1 -t 9:1` (its default `0` parses to no value there and torchrun fails at start,
+/// outside closbox too): it names a local rank that does not exist, so none is redirected.
+#[test]
+fn torchrun_workers_meet_through_c10d_rendezvous() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("ltrun", &shipped_body("leaf-spine-16.toml", ""));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/scripts/allreduce_gloo.py"
+    );
+    #[rustfmt::skip]
+    let torchrun = [
+        "/usr/bin/python3", "-m", "torch.distributed.run",
+        "--nnodes", "4", "--nproc_per_node", "2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "gpu0:29400", "--rdzv_id", "closbox",
+        "-r", "9:1", "-t", "9:1",
+        script,
+    ];
+    let out = f
+        .fabric()
+        .run_with(&["--gpus", "0-3", "--timeout", "240"], &torchrun)
+        .unwrap();
+    let (o, e) = text(&out);
+    f.down();
+    assert!(out.status.success(), "{o}\n{e}");
+    // The rendezvous numbers the workers; each GPU (node) runs two of them.
+    let mut ranks = Vec::new();
+    for line in o.lines().filter(|l| l.ends_with(": ok")) {
+        // "[2] rank 5/8 on gpu2: ok"
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let (rank, world) = w[2].split_once('/').unwrap();
+        assert_eq!(world, "8", "{line}");
+        ranks.push((
+            rank.parse::<u32>().unwrap(),
+            w[4].trim_end_matches(':').to_owned(),
+        ));
+    }
+    ranks.sort();
+    assert_eq!(
+        ranks.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>(),
+        "{o}\n{e}"
+    );
+    for g in 0..4 {
+        let on = ranks.iter().filter(|r| r.1 == format!("gpu{g}")).count();
+        assert_eq!(on, 2, "two workers on gpu{g}: {ranks:?}");
     }
 }
 
