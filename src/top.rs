@@ -320,12 +320,26 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
         .map(|l| {
             let mut cells = vec![Cell::from(format!("{l} up"))];
             for s in &spines {
-                let u = up
+                let name = format!("{l}->{s}");
+                let links = up.iter().filter(|p| p.name == name);
+                let u = links.clone().map(|p| p.util).fold(0.0, f64::max);
+                // Parallel links between the two that are down now.
+                let down = v
+                    .status
+                    .changed_links
                     .iter()
-                    .filter(|p| p.name == format!("{l}->{s}"))
-                    .map(|p| p.util)
-                    .fold(0.0, f64::max);
-                cells.push(Cell::from(format!("{:>5.0}%", u * 100.0)).style(util_style(u)));
+                    .filter(|c| {
+                        !c.up && c.ends.iter().any(|e| e == l) && c.ends.iter().any(|e| e == s)
+                    })
+                    .count();
+                cells.push(match down {
+                    0 => Cell::from(format!("{:>5.0}%", u * 100.0)).style(util_style(u)),
+                    d if d >= links.count() => {
+                        Cell::from(format!("{:>6}", "down")).style(Style::default().fg(Color::Red))
+                    }
+                    d => Cell::from(format!("{:>5.0}%{d}↓", u * 100.0))
+                        .style(Style::default().fg(Color::Red)),
+                });
             }
             Row::new(cells)
         })

@@ -601,6 +601,18 @@ fn flows_show_an_ecmp_collision() {
         "{:?}",
         text(&out)
     );
+    // A dead uplink reads "down" in the matrix, not an idle 0 %.
+    assert!(
+        closbox(&["link", "down", "leaf1", "spine0", "--fabric", "lt-flows"])
+            .status
+            .success()
+    );
+    let out = closbox(&["top", "--fabric", "lt-flows"]);
+    let frame = text(&out).0;
+    let row = frame.lines().find(|l| l.contains("leaf1 up")).unwrap();
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[2], "down", "leaf1->spine0: {row}");
+    assert!(cells[3].ends_with('%'), "leaf1->spine1: {row}");
     let out = closbox(&["flows", "--fabric", "lt-flows"]);
     let o = text(&out).0;
     eprintln!("{o}");
