@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context};
+use closbox_switchd::chaos::port_ends;
 use closbox_switchd::control::{self, Reply, Request};
 use closbox_switchd::state::FabricName;
 
@@ -73,53 +74,73 @@ pub struct Args<'a> {
     pub drops: bool,
 }
 
-/// The port names a selection means, checked against the fabric's ports.
+/// The port names a selection means, checked against the fabric's ports. A port named
+/// without its index ("leaf0->spine1" where parallel links join the two) means all of
+/// them, as `--link` does.
 fn resolve(all_ports: &[String], s: &Selection) -> anyhow::Result<Vec<String>> {
     if s.all {
         return Ok(all_ports.to_vec());
     }
     let mut out: Vec<String> = Vec::new();
-    let mut add = |p: String| {
-        if !out.contains(&p) {
-            out.push(p);
+    let mut add = |p: &String| {
+        if !out.contains(p) {
+            out.push(p.clone());
         }
     };
+    let between = |from: &str, to: &str| {
+        all_ports
+            .iter()
+            .filter(move |q| port_ends(q) == (from, to))
+            .collect::<Vec<_>>()
+    };
     for p in s.ports {
-        if !all_ports.contains(p) {
-            let from = p.split("->").next().unwrap_or("");
-            let near: Vec<&str> = all_ports
-                .iter()
-                .filter(|q| q.starts_with(&format!("{from}->")))
-                .map(String::as_str)
-                .collect();
-            return Err(crate::usage(format!(
-                "no port {p:?}; {}",
-                if near.is_empty() {
-                    format!("ports are named like {:?}", all_ports[0])
-                } else {
-                    format!("ports of {from}: {}", near.join(", "))
-                }
-            )));
+        let parallel = if p.contains(" #") {
+            Vec::new()
+        } else {
+            let (from, to) = port_ends(p);
+            between(from, to)
+        };
+        match all_ports.iter().find(|q| *q == p) {
+            Some(q) => add(q),
+            None if !parallel.is_empty() => parallel.into_iter().for_each(&mut add),
+            None => {
+                let from = port_ends(p).0;
+                let near: Vec<&str> = all_ports
+                    .iter()
+                    .filter(|q| port_ends(q).0 == from)
+                    .map(String::as_str)
+                    .collect();
+                return Err(crate::usage(format!(
+                    "no port {p:?}; {}",
+                    if near.is_empty() {
+                        format!("ports are named like {:?}", all_ports[0])
+                    } else {
+                        format!("ports of {from}: {}", near.join(", "))
+                    }
+                )));
+            }
         }
-        add(p.clone());
     }
     for pair in s.links.chunks(2) {
         let (a, b) = (&pair[0], &pair[1]);
-        let both = [format!("{a}->{b}"), format!("{b}->{a}")];
-        if !both.iter().all(|p| all_ports.contains(p)) {
+        let (ab, ba) = (between(a, b), between(b, a));
+        if ab.is_empty() || ba.is_empty() {
             return Err(crate::usage(format!("no link between {a} and {b}")));
         }
-        both.into_iter().for_each(&mut add);
+        ab.into_iter().chain(ba).for_each(&mut add);
     }
     for g in s.gpus {
         let of: Vec<&String> = all_ports
             .iter()
-            .filter(|p| p.starts_with(&format!("{g}->")) || p.ends_with(&format!("->{g}")))
+            .filter(|p| {
+                let (from, to) = port_ends(p);
+                from == g || to == g
+            })
             .collect();
         if of.is_empty() {
             return Err(crate::usage(format!("no GPU {g:?} in this fabric")));
         }
-        of.into_iter().cloned().for_each(&mut add);
+        of.into_iter().for_each(&mut add);
     }
     if out.is_empty() {
         return Err(crate::usage(
@@ -210,4 +231,56 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sel<'a>(ports: &'a [String], links: &'a [String], gpus: &'a [String]) -> Selection<'a> {
+        Selection {
+            ports,
+            links,
+            gpus,
+            all: false,
+        }
+    }
+
+    #[test]
+    fn a_port_named_without_its_index_means_every_parallel_one() {
+        let all: Vec<String> = [
+            "gpu0->leaf0",
+            "leaf0->gpu0",
+            "leaf0->spine0 #0",
+            "spine0->leaf0 #0",
+            "leaf0->spine0 #1",
+            "spine0->leaf0 #1",
+        ]
+        .map(String::from)
+        .to_vec();
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let none: Vec<String> = Vec::new();
+        let got = resolve(&all, &sel(&s(&["leaf0->spine0"]), &none, &none)).unwrap();
+        assert_eq!(got, s(&["leaf0->spine0 #0", "leaf0->spine0 #1"]));
+        let got = resolve(&all, &sel(&s(&["leaf0->spine0 #1"]), &none, &none)).unwrap();
+        assert_eq!(got, s(&["leaf0->spine0 #1"]));
+        let got = resolve(&all, &sel(&none, &s(&["spine0", "leaf0"]), &none)).unwrap();
+        assert_eq!(
+            got,
+            s(&[
+                "spine0->leaf0 #0",
+                "spine0->leaf0 #1",
+                "leaf0->spine0 #0",
+                "leaf0->spine0 #1"
+            ])
+        );
+        let got = resolve(&all, &sel(&none, &none, &s(&["gpu0"]))).unwrap();
+        assert_eq!(got, s(&["gpu0->leaf0", "leaf0->gpu0"]));
+        let e = resolve(&all, &sel(&s(&["leaf0->spine0 #2"]), &none, &none)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("ports of leaf0: leaf0->gpu0, leaf0->spine0 #0, leaf0->spine0 #1"),
+            "{e}"
+        );
+    }
 }

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use closbox_switchd::chaos::port_ends;
 use closbox_switchd::control::{self, Event, Reply, Request, Status};
 use closbox_switchd::dataplane::{CpuUse, LateCause};
 use closbox_switchd::state::FabricName;
@@ -304,7 +305,7 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
     let mut leaves: Vec<&str> = Vec::new();
     let mut spines: Vec<&str> = Vec::new();
     for p in &up {
-        let (a, b) = p.name.split_once("->")?;
+        let (a, b) = port_ends(&p.name);
         if !leaves.contains(&a) {
             leaves.push(a);
         }
@@ -320,8 +321,7 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
         .map(|l| {
             let mut cells = vec![Cell::from(format!("{l} up"))];
             for s in &spines {
-                let name = format!("{l}->{s}");
-                let links = up.iter().filter(|p| p.name == name);
+                let links = up.iter().filter(|p| port_ends(&p.name) == (l, s));
                 let u = links.clone().map(|p| p.util).fold(0.0, f64::max);
                 // Parallel links between the two that are down now.
                 let down = v

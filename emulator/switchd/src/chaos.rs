@@ -257,6 +257,43 @@ pub fn link_name(topo: &Topology, l: u32) -> String {
     )
 }
 
+/// Every egress port's name, in the model's order (port `2l` leaves link `l`'s end a,
+/// `2l + 1` its end b): "leaf0->spine1", or where parallel links join the two,
+/// "leaf0->spine1 #3", the link's index as `link_name` gives it (`status`, `capture`,
+/// `record` and the metrics' labels must tell every port apart).
+pub fn port_names(topo: &Topology) -> Vec<String> {
+    let ends = |l: &closbox_fabric::topology::Link| (l.a.min(l.b), l.a.max(l.b));
+    let mut parallel: std::collections::BTreeMap<(Vertex, Vertex), usize> = Default::default();
+    let index: Vec<usize> = topo
+        .links
+        .iter()
+        .map(|l| {
+            let n = parallel.entry(ends(l)).or_default();
+            *n += 1;
+            *n - 1
+        })
+        .collect();
+    let mut out = Vec::with_capacity(2 * topo.links.len());
+    for (l, link) in topo.links.iter().enumerate() {
+        let suffix = if parallel[&ends(link)] > 1 {
+            format!(" #{}", index[l])
+        } else {
+            String::new()
+        };
+        let (a, b) = (name(topo, link.a), name(topo, link.b));
+        out.push(format!("{a}->{b}{suffix}"));
+        out.push(format!("{b}->{a}{suffix}"));
+    }
+    out
+}
+
+/// The ends of a port named as `port_names` names it: ("leaf0", "spine1") of
+/// "leaf0->spine1 #3"; the name itself and "" for what is no port name.
+pub fn port_ends(port: &str) -> (&str, &str) {
+    let bare = port.split_once(" #").map_or(port, |(p, _)| p);
+    bare.split_once("->").unwrap_or((bare, ""))
+}
+
 /// Link `l`'s index among the parallel links between its ends (from 0).
 fn parallel_index(topo: &Topology, l: u32) -> usize {
     let link = &topo.links[l as usize];
@@ -760,6 +797,25 @@ mod tests {
     /// The `index`-th link between leaf0 and spine1.
     fn one_link(t: &Topology, index: u32) -> u32 {
         links_between(t, "leaf0", "spine1", Some(index)).unwrap()[0]
+    }
+
+    #[test]
+    fn ports_of_parallel_links_are_told_apart_by_the_links_index() {
+        let t = topo();
+        let names = port_names(&t);
+        assert_eq!(names.len(), 2 * t.links.len());
+        let mut sorted = names.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len(), "unique: {names:?}");
+        let l = one_link(&t, 1) as usize;
+        let (a, b, i) = link_ref(&t, l as u32);
+        assert_eq!(names[2 * l], format!("{a}->{b} #{i}"));
+        assert_eq!(names[2 * l + 1], format!("{b}->{a} #{i}"));
+        assert_eq!(port_ends(&names[2 * l]), (a.as_str(), b.as_str()));
+        // A GPU's single link keeps the plain name.
+        assert!(names.contains(&"gpu0->leaf0".to_owned()), "{names:?}");
+        assert_eq!(port_ends("gpu0->leaf0"), ("gpu0", "leaf0"));
     }
 
     #[test]

@@ -1244,20 +1244,8 @@ impl<P: Ports> DataPlane<P> {
         let now = ports.now();
         let mut model = Fabric::new(topo);
         model.enable_flows(MAX_FLOWS);
-        let vname = |v: u32| {
-            let h = topo.hosts.len() as u32;
-            if v < h {
-                topo.hosts[v as usize].name.clone()
-            } else {
-                topo.switches[(v - h) as usize].name.clone()
-            }
-        };
-        let port_names = model
-            .routes()
-            .ports
-            .iter()
-            .map(|p| format!("{}->{}", vname(p.from), vname(p.to)))
-            .collect();
+        let port_names = chaos::port_names(topo);
+        debug_assert_eq!(port_names.len(), model.routes().ports.len());
         let behind_ns = (BEHIND_P99.as_nanos() as u64).max(
             topo.fabric
                 .time_scale

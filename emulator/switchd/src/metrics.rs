@@ -534,7 +534,7 @@ pub fn classic_text(openmetrics: &str) -> String {
 }
 
 fn labels(s: &Status, p: &crate::dataplane::PortStatus) -> PortLabels {
-    let (from, to) = p.port.split_once("->").unwrap_or((&p.port, ""));
+    let (from, to) = crate::chaos::port_ends(&p.port);
     PortLabels {
         fabric: s.fabric.clone(),
         port: p.port.clone(),
