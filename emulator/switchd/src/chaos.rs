@@ -318,7 +318,8 @@ pub struct Step {
 }
 
 impl Step {
-    fn one(change: Change, what: String) -> Step {
+    /// A step of one change.
+    pub fn one(change: Change, what: String) -> Step {
         Step {
             changes: vec![change],
             what,

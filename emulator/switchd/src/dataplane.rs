@@ -1957,10 +1957,18 @@ impl<P: Ports> DataPlane<P> {
             );
         }
         self.loads_within_budget(steps.iter().flat_map(|(_, step)| &step.changes))?;
-        if self.scheduled.len() + steps.len() > MAX_PENDING {
+        // The bound is on the model's changes (a switch's step holds one per link), so that
+        // memory stays bounded whatever a step holds.
+        let changes = |s: &chaos::Step| s.changes.len();
+        let pending = self
+            .scheduled
+            .values()
+            .map(|(s, _)| changes(s))
+            .sum::<usize>()
+            + steps.iter().map(|(_, s)| changes(s)).sum::<usize>();
+        if pending > MAX_PENDING {
             return Err(format!(
-                "{} changes would be pending; at most {MAX_PENDING} may be",
-                self.scheduled.len() + steps.len()
+                "{pending} changes would be pending; at most {MAX_PENDING} may be"
             ));
         }
         self.next_load = next_load;
@@ -2016,10 +2024,7 @@ impl<P: Ports> DataPlane<P> {
         Ok(stop
             .into_iter()
             .map(|id| {
-                let stop = chaos::Step {
-                    changes: vec![Change::StopLoad(id)],
-                    what: format!("load {id} stopped"),
-                };
+                let stop = chaos::Step::one(Change::StopLoad(id), format!("load {id} stopped"));
                 self.apply(now, stop)
             })
             .collect())
@@ -2778,6 +2783,19 @@ mod tests {
         );
         assert_eq!(links_down(&mut dp), 0);
         assert_eq!(dp.status().events, 4, "one event per request");
+        // What may be pending is counted in the model's changes, a link each here.
+        let many: Vec<(u64, ChangeRequest)> = (0..MAX_PENDING as u64 / 2 + 1)
+            .map(|i| (1_000 + i, spine.clone()))
+            .collect();
+        let e = dp.schedule(&many).unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "{} changes would be pending; at most {MAX_PENDING} may be",
+                MAX_PENDING + 2
+            )
+        );
+        assert_eq!(dp.status().pending_changes, 0);
     }
 
     #[test]
