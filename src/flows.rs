@@ -91,7 +91,7 @@ fn render(
             if x.path.is_empty() {
                 "(per packet)".to_owned()
             } else {
-                x.path.join(" > ")
+                path_line(&x.path, &x.ports)
             }
         );
     }
@@ -104,4 +104,44 @@ fn render(
         );
     }
     o
+}
+
+/// "gpu0 > leaf0 >#4 spine1 >#5 leaf1 > gpu3": the vertices a flow crosses, and where
+/// parallel links join two of them, the index of the link it is hashed onto (two flows
+/// from leaf0 to spine1 collide only on the same one).
+fn path_line(path: &[String], ports: &[String]) -> String {
+    let mut line = path.first().cloned().unwrap_or_default();
+    for (i, v) in path.iter().enumerate().skip(1) {
+        match ports.get(i - 1).and_then(|p| p.split_once(" #")) {
+            Some((_, index)) => line += &format!(" >#{index} {v}"),
+            None => line += &format!(" > {v}"),
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_names_the_parallel_link_a_flow_is_hashed_onto() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let path = s(&["gpu0", "leaf0", "spine1", "leaf1", "gpu3"]);
+        let ports = s(&[
+            "gpu0->leaf0",
+            "leaf0->spine1 #4",
+            "spine1->leaf1 #5",
+            "leaf1->gpu3",
+        ]);
+        assert_eq!(
+            path_line(&path, &ports),
+            "gpu0 > leaf0 >#4 spine1 >#5 leaf1 > gpu3"
+        );
+        // Without the ports (an older daemon's reply): the vertices alone.
+        assert_eq!(
+            path_line(&path, &[]),
+            "gpu0 > leaf0 > spine1 > leaf1 > gpu3"
+        );
+    }
 }

@@ -169,6 +169,10 @@ pub struct FlowInfo {
     /// The vertices its packets cross now, as the fabric hashes it (empty when a switch
     /// on the way sprays or adapts packet by packet, or there is no route).
     pub path: Vec<String>,
+    /// The egress ports between them, as `status` names them ("leaf0->spine1 #4" where
+    /// parallel links join two switches: which of them the flow is hashed onto).
+    #[serde(default)]
+    pub ports: Vec<String>,
 }
 
 /// The flows reply.
@@ -2298,15 +2302,17 @@ impl<P: Ports> DataPlane<P> {
         let mut out: Vec<FlowInfo> = flows
             .into_iter()
             .map(|(k, c)| {
-                let path = self.model.flow_path(&k).map_or_else(Vec::new, |ports| {
-                    let routes = self.model.routes();
-                    let mut names = Vec::with_capacity(ports.len() + 1);
-                    if let Some(first) = ports.first() {
-                        names.push(vname(routes.port(*first).from));
-                    }
-                    names.extend(ports.iter().map(|p| vname(routes.port(*p).to)));
-                    names
-                });
+                let hops = self.model.flow_path(&k).unwrap_or_default();
+                let routes = self.model.routes();
+                let mut path = Vec::with_capacity(hops.len() + 1);
+                if let Some(first) = hops.first() {
+                    path.push(vname(routes.port(*first).from));
+                }
+                path.extend(hops.iter().map(|p| vname(routes.port(*p).to)));
+                let ports = hops
+                    .iter()
+                    .map(|p| self.port_names[p.0 as usize].clone())
+                    .collect();
                 FlowInfo {
                     src: k.src.to_string(),
                     dst: k.dst.to_string(),
@@ -2327,6 +2333,7 @@ impl<P: Ports> DataPlane<P> {
                     first_s: c.first.as_nanos() as f64 / 1e9,
                     last_s: c.last.as_nanos() as f64 / 1e9,
                     path,
+                    ports,
                 }
             })
             .collect();
