@@ -109,7 +109,7 @@ class Fabric:
         return answers[0]
 
     def port(self, port: str) -> dict:
-        """One egress port's counters ("leaf0->spine1")."""
+        """One egress port's counters ("leaf0->spine1"; one of parallel links: "leaf0->spine1 #3")."""
         r = self._closbox(["status", self.name, "--json", "--ports", port], check=False)
         for p in json.loads(r.stdout)[0].get("ports", []):
             if p["port"] == port:
