@@ -165,10 +165,13 @@ enum Command {
         after_help = "Examples:\n  closbox link down leaf0 spine1\n  closbox link set leaf0 spine1 --rate 100Gbit --loss 0.001\n  closbox link set leaf0 spine1 --loss 0.01 --loss-burst 16   # losses in bursts\n  closbox link set gpu0 leaf0 --from gpu0 --loss 1            # a one-way gray failure\n  closbox link up leaf0 spine1"
     )]
     Link(LinkCmd),
-    /// A switch down or up (all its links): a dead leaf or spine.
-    #[command(subcommand)]
+    /// A switch down, up or flapping (all its links): a dead or rebooting leaf or spine.
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  closbox switch down spine1\n  closbox switch flap leaf0 --down 5ms --up 20ms --count 3\n  closbox switch up spine1"
+    )]
     Switch(UpDown),
-    /// A GPU's links down or up (its NIC and scale-up link): a dead host port.
+    /// A GPU's links down, up or flapping (its NIC and scale-up link): a dead host port.
     #[command(subcommand)]
     Gpu(UpDown),
     /// Cut GPUs off from each other: traffic between the groups is dropped, both ways;
@@ -536,6 +539,24 @@ enum UpDown {
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
+    /// Every link of it goes down for D, comes back for U, N times, in fabric time,
+    /// starting now (a switch that reboots, a host port that flaps).
+    Flap {
+        /// The switch (`closbox switch`) or GPU (`closbox gpu`).
+        name: String,
+        /// How long its links stay down each time (fabric time), e.g. 10ms.
+        #[arg(long)]
+        down: closbox_fabric::Duration,
+        /// How long they stay up before the next time.
+        #[arg(long)]
+        up: closbox_fabric::Duration,
+        /// How many times.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Fabric (default: the only fabric up).
+        #[arg(long, short, value_parser = fabric_ref)]
+        fabric: Option<FabricName>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -797,6 +818,33 @@ impl FabricChoice {
     }
 }
 
+/// `closbox switch|gpu down|up|flap`: every link of a switch, or of a GPU.
+fn up_down(cmd: UpDown, gpu: bool) -> anyhow::Result<ExitCode> {
+    let (fabric, req) = match cmd {
+        UpDown::Down { name, fabric } if gpu => (fabric, ChangeRequest::GpuDown { name }),
+        UpDown::Down { name, fabric } => (fabric, ChangeRequest::SwitchDown { name }),
+        UpDown::Up { name, fabric } if gpu => (fabric, ChangeRequest::GpuUp { name }),
+        UpDown::Up { name, fabric } => (fabric, ChangeRequest::SwitchUp { name }),
+        UpDown::Flap {
+            name,
+            down,
+            up,
+            count,
+            fabric,
+        } => (
+            fabric,
+            ChangeRequest::SwitchFlap {
+                name,
+                gpu,
+                down_ns: down.as_nanos(),
+                up_ns: up.as_nanos(),
+                count,
+            },
+        ),
+    };
+    chaos::change(fabric.as_ref(), req)
+}
+
 /// A fabric on the command line: its name, or the topology file it was brought up from
 /// (`closbox down configs/default.toml`), whose `[fabric] name` it is. A valid name is a
 /// name even if a file of that name exists; anything else that is a file, or ends in
@@ -970,18 +1018,8 @@ fn main() -> ExitCode {
             };
             chaos::change(l.fabric.as_ref(), req)
         }
-        Command::Switch(UpDown::Down { name, fabric }) => {
-            chaos::change(fabric.as_ref(), ChangeRequest::SwitchDown { name })
-        }
-        Command::Switch(UpDown::Up { name, fabric }) => {
-            chaos::change(fabric.as_ref(), ChangeRequest::SwitchUp { name })
-        }
-        Command::Gpu(UpDown::Down { name, fabric }) => {
-            chaos::change(fabric.as_ref(), ChangeRequest::GpuDown { name })
-        }
-        Command::Gpu(UpDown::Up { name, fabric }) => {
-            chaos::change(fabric.as_ref(), ChangeRequest::GpuUp { name })
-        }
+        Command::Switch(cmd) => up_down(cmd, false),
+        Command::Gpu(cmd) => up_down(cmd, true),
         Command::Events {
             fabric,
             json,

@@ -67,6 +67,16 @@ pub enum ChangeRequest {
         up_ns: u64,
         count: u32,
     },
+    /// Every link of a switch (a leaf or spine that reboots), or of a GPU (`gpu: true`),
+    /// down for `down_ns`, back for `up_ns`, `count` times.
+    SwitchFlap {
+        name: String,
+        #[serde(default)]
+        gpu: bool,
+        down_ns: u64,
+        up_ns: u64,
+        count: u32,
+    },
     /// GPUs in different groups cannot reach each other; GPUs in no group form one more.
     Partition {
         groups: Vec<Vec<String>>,
@@ -334,19 +344,56 @@ pub fn schedule(
     req: &ChangeRequest,
     next_load: &mut u32,
 ) -> Result<Vec<(u64, Step)>, String> {
-    let ChangeRequest::LinkFlap {
-        a,
-        b,
-        index,
-        down_ns,
-        up_ns,
-        count,
-    } = req
-    else {
-        return Ok(resolve(topo, req, next_load)?
-            .into_iter()
-            .map(|step| (0, step))
-            .collect());
+    // A flap: the requests that take its target down and bring it back, repeated.
+    let (down, up, down_ns, up_ns, count) = match req {
+        ChangeRequest::LinkFlap {
+            a,
+            b,
+            index,
+            down_ns,
+            up_ns,
+            count,
+        } => {
+            let (a, b, index) = (a.clone(), b.clone(), *index);
+            (
+                ChangeRequest::LinkDown {
+                    a: a.clone(),
+                    b: b.clone(),
+                    index,
+                },
+                ChangeRequest::LinkUp { a, b, index },
+                down_ns,
+                up_ns,
+                count,
+            )
+        }
+        ChangeRequest::SwitchFlap {
+            name,
+            gpu,
+            down_ns,
+            up_ns,
+            count,
+        } => {
+            let name = name.clone();
+            let (d, u) = if *gpu {
+                (
+                    ChangeRequest::GpuDown { name: name.clone() },
+                    ChangeRequest::GpuUp { name },
+                )
+            } else {
+                (
+                    ChangeRequest::SwitchDown { name: name.clone() },
+                    ChangeRequest::SwitchUp { name },
+                )
+            };
+            (d, u, down_ns, up_ns, count)
+        }
+        _ => {
+            return Ok(resolve(topo, req, next_load)?
+                .into_iter()
+                .map(|step| (0, step))
+                .collect())
+        }
     };
     if *down_ns == 0 || *up_ns == 0 {
         return Err("a flap needs --down and --up above 0".into());
@@ -354,18 +401,22 @@ pub fn schedule(
     if *count == 0 || *count > MAX_FLAPS {
         return Err(format!("--count must be 1 to {MAX_FLAPS}"));
     }
-    let links = links_between(topo, a, b, *index)?;
-    let label = links_label(topo, &links);
+    let (down, up) = (
+        resolve(topo, &down, next_load)?,
+        resolve(topo, &up, next_load)?,
+    );
     let mut out = Vec::new();
     let period = down_ns.saturating_add(*up_ns);
     for k in 0..*count as u64 {
         let start = period.saturating_mul(k);
-        let step = |f: fn(u32) -> Change, what: &str| Step {
-            changes: links.iter().map(|&l| f(l)).collect(),
-            what: format!("{label} {what} (flap {} of {count})", k + 1),
+        let flap = |steps: &[Step], at: u64, out: &mut Vec<(u64, Step)>| {
+            for s in steps {
+                let what = format!("{} (flap {} of {count})", s.what, k + 1);
+                out.push((at, Step { what, ..s.clone() }));
+            }
         };
-        out.push((start, step(Change::LinkDown, "down")));
-        out.push((start.saturating_add(*down_ns), step(Change::LinkUp, "up")));
+        flap(&down, start, &mut out);
+        flap(&up, start.saturating_add(*down_ns), &mut out);
     }
     Ok(out)
 }
@@ -606,7 +657,9 @@ pub fn resolve(
             )]
         }
         ChangeRequest::Heal => vec![Step::one(Change::Heal, "heal: partition removed".into())],
-        ChangeRequest::LinkFlap { .. } => return Err("a flap is a schedule: see `schedule`".into()),
+        ChangeRequest::LinkFlap { .. } | ChangeRequest::SwitchFlap { .. } => {
+            return Err("a flap is a schedule: see `schedule`".into())
+        }
         ChangeRequest::LoadStop { .. } => {
             return Err(
                 "stopping a load depends on the loads running: the data plane does it".into(),
@@ -844,6 +897,46 @@ mod tests {
                 (40, 2, "links leaf0-spine1 #0, #1 up (flap 2 of 2)"),
             ]
         );
+    }
+
+    #[test]
+    fn a_switch_or_a_gpu_flaps_all_its_links_as_one_step_each_way() {
+        let t = topo();
+        let flap = |name: &str, gpu| ChangeRequest::SwitchFlap {
+            name: name.into(),
+            gpu,
+            down_ns: 5,
+            up_ns: 7,
+            count: 2,
+        };
+        let steps = schedule(&t, &flap("spine0", false), &mut 1).unwrap();
+        let got: Vec<(u64, usize, &str)> = steps
+            .iter()
+            .map(|(at, s)| (*at, s.changes.len(), s.what.as_str()))
+            .collect();
+        let what = |dir: &str, k| {
+            format!("switch spine0 {dir} (4 links, to leaf0 ×2, leaf1 ×2) (flap {k} of 2)")
+        };
+        assert_eq!(
+            got,
+            [
+                (0, 4, what("down", 1).as_str()),
+                (5, 4, what("up", 1).as_str()),
+                (12, 4, what("down", 2).as_str()),
+                (17, 4, what("up", 2).as_str()),
+            ]
+        );
+        assert!(matches!(steps[0].1.changes[0], Change::LinkDown(_)));
+        assert!(matches!(steps[1].1.changes[0], Change::LinkUp(_)));
+        let gpu = schedule(&t, &flap("gpu2", true), &mut 1).unwrap();
+        assert_eq!(
+            gpu[0].1.what,
+            "GPU gpu2 down (1 link, to leaf1) (flap 1 of 2)"
+        );
+        let e = schedule(&t, &flap("gpu2", false), &mut 1).unwrap_err();
+        assert!(e.contains("is a GPU: use `closbox gpu`"), "{e}");
+        let e = schedule(&t, &flap("spine0", true), &mut 1).unwrap_err();
+        assert!(e.contains("is a switch"), "{e}");
     }
 
     #[test]
