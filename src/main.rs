@@ -516,13 +516,23 @@ enum LinkCmd {
     Flap {
         #[command(flatten)]
         link: LinkArgs,
-        #[arg(long)]
-        down: closbox_fabric::Duration,
-        #[arg(long)]
-        up: closbox_fabric::Duration,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
+        #[command(flatten)]
+        flap: FlapArgs,
     },
+}
+
+/// A flap's timing: `link flap`, `switch flap`, `gpu flap`.
+#[derive(Debug, clap::Args)]
+struct FlapArgs {
+    /// How long the links stay down each time (fabric time), e.g. 10ms.
+    #[arg(long)]
+    down: closbox_fabric::Duration,
+    /// How long they stay up before the next time.
+    #[arg(long)]
+    up: closbox_fabric::Duration,
+    /// How many times.
+    #[arg(long, default_value_t = 1)]
+    count: u32,
 }
 
 #[derive(Debug, Subcommand)]
@@ -544,15 +554,8 @@ enum UpDown {
     Flap {
         /// The switch (`closbox switch`) or GPU (`closbox gpu`).
         name: String,
-        /// How long its links stay down each time (fabric time), e.g. 10ms.
-        #[arg(long)]
-        down: closbox_fabric::Duration,
-        /// How long they stay up before the next time.
-        #[arg(long)]
-        up: closbox_fabric::Duration,
-        /// How many times.
-        #[arg(long, default_value_t = 1)]
-        count: u32,
+        #[command(flatten)]
+        flap: FlapArgs,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
@@ -825,20 +828,14 @@ fn up_down(cmd: UpDown, gpu: bool) -> anyhow::Result<ExitCode> {
         UpDown::Down { name, fabric } => (fabric, ChangeRequest::SwitchDown { name }),
         UpDown::Up { name, fabric } if gpu => (fabric, ChangeRequest::GpuUp { name }),
         UpDown::Up { name, fabric } => (fabric, ChangeRequest::SwitchUp { name }),
-        UpDown::Flap {
-            name,
-            down,
-            up,
-            count,
-            fabric,
-        } => (
+        UpDown::Flap { name, flap, fabric } => (
             fabric,
             ChangeRequest::SwitchFlap {
                 name,
                 gpu,
-                down_ns: down.as_nanos(),
-                up_ns: up.as_nanos(),
-                count,
+                down_ns: flap.down.as_nanos(),
+                up_ns: flap.up.as_nanos(),
+                count: flap.count,
             },
         ),
     };
@@ -975,20 +972,15 @@ fn main() -> ExitCode {
                     let (a, b, index) = named(&l);
                     (l, ChangeRequest::LinkReset { a, b, index })
                 }
-                LinkCmd::Flap {
-                    link: l,
-                    down,
-                    up,
-                    count,
-                } => {
+                LinkCmd::Flap { link: l, flap } => {
                     let (a, b, index) = named(&l);
                     let r = ChangeRequest::LinkFlap {
                         a,
                         b,
                         index,
-                        down_ns: down.as_nanos(),
-                        up_ns: up.as_nanos(),
-                        count,
+                        down_ns: flap.down.as_nanos(),
+                        up_ns: flap.up.as_nanos(),
+                        count: flap.count,
                     };
                     (l, r)
                 }
