@@ -111,6 +111,31 @@ pub enum ChangeRequest {
     },
 }
 
+impl ChangeRequest {
+    /// Fabric ns from a request's start to the last change it schedules: a flap's last
+    /// return (`(count − 1) × (down + up) + down`); 0 for what applies at once.
+    pub fn span_ns(&self) -> u64 {
+        match self {
+            ChangeRequest::LinkFlap {
+                down_ns,
+                up_ns,
+                count,
+                ..
+            }
+            | ChangeRequest::SwitchFlap {
+                down_ns,
+                up_ns,
+                count,
+                ..
+            } => down_ns
+                .saturating_add(*up_ns)
+                .saturating_mul(u64::from(count.saturating_sub(1)))
+                .saturating_add(*down_ns),
+            _ => 0,
+        }
+    }
+}
+
 /// What was applied, when.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Event {

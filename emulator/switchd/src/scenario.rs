@@ -51,7 +51,7 @@ use crate::dataplane::MAX_PENDING;
 pub struct Scenario {
     /// Changes at fabric ns after the timeline's start, in time order.
     pub items: Vec<(u64, ChangeRequest)>,
-    /// When the last change is due (ns after start).
+    /// When the last change is due (ns after start), a flap's last return included.
     pub end_ns: u64,
 }
 
@@ -146,8 +146,10 @@ const ACTIONS: &[(&str, &[&str])] = &[
     ("link-flap", &["a", "b", "index", "down", "up", "flaps"]),
     ("switch-down", &["name"]),
     ("switch-up", &["name"]),
+    ("switch-flap", &["name", "down", "up", "flaps"]),
     ("gpu-down", &["name"]),
     ("gpu-up", &["name"]),
+    ("gpu-flap", &["name", "down", "up", "flaps"]),
     ("partition", &["groups"]),
     ("heal", &[]),
     (
@@ -169,7 +171,7 @@ fn in_file_words(
     let key_of = |flag: &str| -> Option<&'static str> {
         let flag = flag.replace('-', "_");
         let renamed = match (action, flag.as_str()) {
-            ("link-flap", "count") => Some("flaps"),
+            ("link-flap" | "switch-flap" | "gpu-flap", "count") => Some("flaps"),
             ("incast", "count") => Some("bursts"),
             ("incast", "every") => Some("burst_every"),
             _ => None,
@@ -292,7 +294,13 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
     }
     // Stable: events at the same time keep the file's order.
     items.sort_by_key(|(t, _)| *t);
-    let end_ns = items.last().map_or(0, |(t, _)| *t);
+    // A flap's changes come after its start: `closbox chaos` follows the scenario, and
+    // then cancels what is left of it, until the last of them.
+    let end_ns = items
+        .iter()
+        .map(|(t, req)| t.saturating_add(req.span_ns()))
+        .max()
+        .unwrap_or(0);
     Ok(Scenario { items, end_ns })
 }
 
@@ -360,6 +368,11 @@ fn event(
             .ok_or_else(|| cx.err(&e.action, format!("{action} needs `{key}`")))
     };
     let index = e.index.as_ref().map(|i| *i.get_ref());
+    let flap_time = |v: &Option<Spanned<Duration>>, key: &str| {
+        v.as_ref()
+            .map(|d| d.get_ref().as_nanos())
+            .ok_or_else(|| cx.err(&e.action, format!("{action} needs `{key}`")))
+    };
     let req = match action {
         "link-down" | "link-up" | "link-reset" => {
             let (a, b) = (need(&e.a, "a")?, need(&e.b, "b")?);
@@ -384,18 +397,15 @@ fn event(
             a: need(&e.a, "a")?,
             b: need(&e.b, "b")?,
             index,
-            down_ns: e
-                .down
-                .as_ref()
-                .ok_or_else(|| cx.err(&e.action, "link-flap needs `down`"))?
-                .get_ref()
-                .as_nanos(),
-            up_ns: e
-                .up
-                .as_ref()
-                .ok_or_else(|| cx.err(&e.action, "link-flap needs `up`"))?
-                .get_ref()
-                .as_nanos(),
+            down_ns: flap_time(&e.down, "down")?,
+            up_ns: flap_time(&e.up, "up")?,
+            count: e.flaps.as_ref().map_or(1, |c| *c.get_ref()),
+        },
+        "switch-flap" | "gpu-flap" => ChangeRequest::SwitchFlap {
+            name: need(&e.name, "name")?,
+            gpu: action == "gpu-flap",
+            down_ns: flap_time(&e.down, "down")?,
+            up_ns: flap_time(&e.up, "up")?,
             count: e.flaps.as_ref().map_or(1, |c| *c.get_ref()),
         },
         "switch-down" => ChangeRequest::SwitchDown {
@@ -848,6 +858,58 @@ for = "1ms"
         assert_eq!(times, [1, 2, 3, 5, 5]);
         assert!(matches!(s.items[1].1, ChangeRequest::LinkDown { .. }));
         assert_eq!(s.end_ns, 5_000_000);
+    }
+
+    #[test]
+    fn a_flap_lasts_until_its_last_return_and_switches_and_gpus_flap_too() {
+        let s = parse(
+            r#"
+[[event]]
+at = "1ms"
+do = "link-flap"
+a = "leaf0"
+b = "spine0"
+down = "200ms"
+up = "200ms"
+flaps = 3
+
+[[event]]
+at = "2ms"
+do = "switch-flap"
+name = "spine1"
+down = "5ms"
+up = "5ms"
+
+[[event]]
+at = "3ms"
+do = "gpu-flap"
+name = "gpu2"
+down = "1ms"
+up = "1ms"
+flaps = 2
+"#,
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
+        // The link's third return: 1 ms + 2 × 400 ms + 200 ms (`closbox chaos` followed
+        // only to 1 ms, then cancelled the flap's other four changes).
+        assert_eq!(s.end_ns, 1_001_000_000);
+        assert!(matches!(
+            &s.items[1].1,
+            ChangeRequest::SwitchFlap { name, gpu: false, count: 1, .. } if name == "spine1"
+        ));
+        assert!(matches!(
+            &s.items[2].1,
+            ChangeRequest::SwitchFlap { name, gpu: true, count: 2, .. } if name == "gpu2"
+        ));
+        let e =
+            err("[[event]]\nat = \"1ms\"\ndo = \"switch-flap\"\nname = \"spine1\"\nup = \"1ms\"\n");
+        assert!(e.starts_with("s.toml:3:6: switch-flap needs `down`"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"gpu-flap\"\nname = \"spine1\"\ndown = \"1ms\"\nup = \"1ms\"\n");
+        assert!(e.contains("spine1 is a switch"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"switch-flap\"\nname = \"spine1\"\ndown = \"1ms\"\nup = \"1ms\"\nflaps = 0\n");
+        assert!(e.starts_with("s.toml:7:9: `flaps` must be 1 to"), "{e}");
     }
 
     #[test]
