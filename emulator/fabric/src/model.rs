@@ -159,9 +159,11 @@ pub enum Change {
     LinkDown(u32),
     /// Link `i` comes back; routes use it again after the convergence time.
     LinkUp(u32),
-    /// New parameters for link `i`, in the directions `dirs`, for packets enqueued from
-    /// now on (`None`: unchanged). The buffer is that of the egress queue at the sending
-    /// end of each direction.
+    /// New parameters for link `i`, in the directions `dirs` (`None`: unchanged). A rate
+    /// or delay applies at once to what the sending end holds (`Fabric::retime`: the frame
+    /// on the wire sends its remaining bits at the new rate); loss and buffer to frames
+    /// enqueued from now on. The buffer is that of the egress queue at the sending end of
+    /// each direction.
     SetLink {
         link: u32,
         dirs: Directions,
@@ -172,7 +174,7 @@ pub enum Change {
         loss_burst: Option<f64>,
         buffer: Option<Bytes>,
     },
-    /// Link `i` back to the topology's parameters.
+    /// Link `i` back to the topology's parameters (at once, as `SetLink`).
     ResetLink(u32),
     /// GPUs in different groups (one group number per GPU) can no longer reach each
     /// other: their packets are dropped as they enter the fabric, both ways.
@@ -484,6 +486,8 @@ pub struct Fabric {
     /// Reused by `nic_start`.
     nic_burst: Vec<u32>,
     nic_sent: Vec<ToSend>,
+    /// Reused by `retime`.
+    retimed: Vec<Instant>,
     /// Drops that are no port's: at a GPU's ingress, at a switch (TTL), the memory budget.
     vertex_drops: Drops,
     /// Bytes charged for the packets the fabric holds (`charge`), and the most it may.
@@ -615,6 +619,7 @@ impl Fabric {
             deliveries: VecDeque::new(),
             nic_burst: Vec::new(),
             nic_sent: Vec::new(),
+            retimed: Vec::new(),
             vertex_drops: Drops::default(),
             memory_used: 0,
             memory_limit: topo.fabric.packet_memory.get(),
@@ -888,10 +893,13 @@ impl Fabric {
                 }
                 let p = &mut self.ports[port as usize];
                 // A link that went down lost what it carried: nothing arrives.
-                let Some((_, slot)) = p.transit.pop_front() else {
+                let Some((_at, slot)) = p.transit.pop_front() else {
                     PeekMut::pop(top);
                     continue;
                 };
+                // A port's one arrival event is always its next frame's (`flush` and
+                // `retime` take it off the schedule when that frame changes).
+                debug_assert_eq!(_at, t, "port {port}: an arrival event out of step");
                 match p.transit.front() {
                     Some(&(next, _)) => top.0 = pack(next, port),
                     None => {
@@ -987,6 +995,7 @@ impl Fabric {
                 for p in dirs.ports(link) {
                     let port = &mut self.ports[p.0 as usize];
                     settle(port, now);
+                    let was = port.link;
                     if let Some(r) = rate {
                         port.link.rate = r;
                     }
@@ -1004,6 +1013,7 @@ impl Fabric {
                         port.queue.buffer = b;
                     }
                     self.link_changed(p);
+                    self.retime(now, p, was);
                 }
             }
             Change::Partition(groups) => {
@@ -1059,10 +1069,12 @@ impl Fabric {
                     let buffer = self.original_buffer(p.0);
                     let port = &mut self.ports[p.0 as usize];
                     settle(port, now);
+                    let was = port.link;
                     port.link = self.topo.links[link as usize].params;
                     port.loss_bad = false;
                     port.queue.buffer = buffer;
                     self.link_changed(p);
+                    self.retime(now, p, was);
                 }
             }
         }
@@ -1334,6 +1346,13 @@ impl Fabric {
             waiting.extend(fq.drain());
         }
         self.in_transit -= lost.len() as u64;
+        // Nothing arrives and nothing waits to start: an arrival still scheduled would
+        // take the next frame sent (after the link is back) off the wire early.
+        let depart = std::mem::replace(&mut port.depart_pending, false);
+        self.unschedule(p.0);
+        if depart {
+            self.unschedule(DEPART_EVENT | p.0);
+        }
         // Lost on the wire (started), or waiting to start (lossless, or a NIC's flows).
         let on_wire = lost.into_iter().map(|s| (s, true));
         for (slot, started) in on_wire.chain(waiting.into_iter().map(|s| (s, false))) {
@@ -2030,6 +2049,69 @@ impl Fabric {
     /// Link parameters of a port (rate, delay, loss).
     pub fn link_of(&self, p: PortId) -> LinkParams {
         self.ports[p.0 as usize].link
+    }
+
+    /// A link's new rate or delay applied to what port `p` holds at `now` (settled), where
+    /// it was `was`: the frame on the wire sends the rest of its bits at the new rate, the
+    /// frames queued behind it follow back to back, and each goes on the link with the
+    /// delay it has now; only what finished leaving the port keeps its arrival. (The
+    /// schedule was fixed as frames were admitted: without this, a queue built at a
+    /// degraded rate kept draining at it after the link was reset — a frame sent at 1
+    /// bit/s held its port for minutes.)
+    fn retime(&mut self, now: Instant, p: PortId, was: LinkParams) {
+        let port = &mut self.ports[p.0 as usize];
+        let (old, new) = (was.rate.bps() as u128, port.link.rate.bps().max(1) as u128);
+        if (old == new && was.delay == port.link.delay) || port.backlog.is_empty() {
+            return;
+        }
+        // The backlog finishes after `now`: its first frame started by then (a frame
+        // starts at its admission or when the one before it finishes, and every one
+        // before it had finished), the others follow back to back.
+        let (mut before, mut after) = (now, now);
+        let mut finishes = std::mem::take(&mut self.retimed);
+        for e in port.backlog.iter_mut() {
+            let ns = e.0.saturating_since(before).as_nanos() as u128 * old / new;
+            before = e.0;
+            after = after + Duration::from_nanos(ns.min(u64::MAX as u128) as u64);
+            e.0 = after;
+            if e.2 & LOST == 0 {
+                finishes.push(after);
+            }
+        }
+        let ahead = before.saturating_since(now).as_nanos();
+        let busy = port.counters.busy.as_nanos().saturating_sub(ahead);
+        port.counters.busy = Duration::from_nanos(busy) + after.saturating_since(now);
+        port.busy_until = after;
+        port.carry = 0;
+        // The frames not lost are the last of those in transit, in the same order.
+        let head = port.transit.front().map(|t| t.0);
+        let first = port.transit.len() - finishes.len();
+        let mut last = first.checked_sub(1).map(|i| port.transit[i].0);
+        let prop = port.link.delay + port.next_latency;
+        for (t, &f) in port.transit.range_mut(first..).zip(&finishes) {
+            let at = last.map_or(f + prop, |l| (f + prop).max(l));
+            t.0 = at;
+            last = Some(at);
+        }
+        finishes.clear();
+        self.retimed = finishes;
+        let (head_now, depart) = (port.transit.front().map(|t| t.0), port.depart_pending);
+        if head_now != head {
+            self.unschedule(p.0);
+            if let Some(at) = head_now {
+                self.events.push(Reverse(pack(at, p.0)));
+            }
+        }
+        if depart {
+            self.unschedule(DEPART_EVENT | p.0);
+            self.events.push(Reverse(pack(after, DEPART_EVENT | p.0)));
+        }
+    }
+
+    /// Takes the events keyed `key` (a port's next arrival or its departure) off the
+    /// schedule: rare (a link changed or went down), so a pass over the heap.
+    fn unschedule(&mut self, key: u32) {
+        self.events.retain(|&Reverse(e)| e as u32 != key);
     }
 
     /// What port `p` derives from its link (PFC headroom, a NIC's flow scheduling), after

@@ -1008,6 +1008,100 @@ fn a_link_set_slower_serializes_new_packets_at_its_new_rate() {
     assert!(f.changed_links().is_empty());
 }
 
+fn set_rate(f: &mut Fabric, at: u64, link: u32, bps: u64) {
+    f.apply(
+        Instant::from_nanos(at),
+        Change::SetLink {
+            link,
+            dirs: Directions::Both,
+            rate: Some(closbox_fabric::Bandwidth::from_bps(bps)),
+            delay: None,
+            loss: None,
+            loss_burst: None,
+            buffer: None,
+        },
+    );
+}
+
+/// A rate change applies to what a port holds, not only to frames admitted later: the
+/// frame on the wire sends the rest of its bits at the new rate and the queue behind it
+/// drains at it.
+#[test]
+fn a_link_set_faster_drains_what_is_queued_at_its_new_rate() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let nic = f.routes().port(port(&t, &f, "gpu0", "sw0")).link;
+    for i in 0..4 {
+        assert_eq!(send(&mut f, &t, 0, (0, 1), i, 0, 1000), Verdict::Accepted);
+    }
+    // Half of the first frame's 8304 ns sent at 1 Gbit/s; the other 4152 bits take 415 ns
+    // at 10 Gbit/s, each next frame 830; the switch's port to gpu1 still sends at 1 Gbit/s.
+    set_rate(&mut f, 4_152, nic, 10_000_000_000);
+    let at: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
+    assert_eq!(
+        at,
+        [
+            4_567 + 8_304,
+            4_567 + 2 * 8_304,
+            4_567 + 3 * 8_304,
+            4_567 + 4 * 8_304
+        ]
+    );
+    // Slower: the frame on the wire and the one queued behind it take the new rate.
+    for i in 0..2 {
+        assert_eq!(
+            send(&mut f, &t, 100_000, (0, 1), i, 0, 1000),
+            Verdict::Accepted
+        );
+    }
+    // At 10 Gbit/s: 830 ns a frame; after 415 of them, 100 Mbit/s: 41,500 and 83,000.
+    set_rate(&mut f, 100_415, nic, 100_000_000);
+    let at: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
+    assert_eq!(at, [141_915 + 8_304, 224_915 + 8_304]);
+    let now = f.now().as_nanos() + 1;
+    totals_conserved(&mut f, now);
+    let busy =
+        f.port_counters(Instant::from_nanos(now))[port(&t, &f, "gpu0", "sw0").0 as usize].busy;
+    assert_eq!(
+        busy.as_nanos(),
+        4_152 + 415 + 3 * 830 + 415 + 41_500 + 83_000
+    );
+}
+
+/// A link degraded to a crawl and reset: the frame it was sending finishes at the reset
+/// rate (it held the port for 8304 s, and everything queued behind it, after the reset).
+#[test]
+fn a_link_reset_ends_a_degradation_at_once() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    let nic = f.routes().port(port(&t, &f, "gpu0", "sw0")).link;
+    set_rate(&mut f, 0, nic, 1);
+    assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+    assert_eq!(send(&mut f, &t, 500, (0, 1), 2, 0, 1000), Verdict::Accepted);
+    f.apply(Instant::from_nanos(1_000), Change::ResetLink(nic));
+    let at: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
+    // 1000 ns at 1 bit/s sent no bit: all 8304 at 1 Gbit/s from 1000 (less a rounding ns).
+    assert_eq!(at, [1_000 + 8_303 + 8_304, 1_000 + 8_303 + 2 * 8_304]);
+}
+
+/// A link that goes down and comes back before what it carried would have arrived: the
+/// next frame arrives after its own delay, not when the lost one would have.
+#[test]
+fn a_frame_sent_after_a_link_comes_back_is_not_delivered_early() {
+    let t = topo(&SWITCH2.replace("delay = \"0ns\"", "delay = \"1ms\""));
+    let mut f = Fabric::new(&t);
+    let nic = f.routes().port(port(&t, &f, "gpu0", "sw0")).link;
+    assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1000), Verdict::Accepted);
+    assert!(f.apply(Instant::from_nanos(10_000), Change::LinkDown(nic)));
+    assert!(f.apply(Instant::from_nanos(20_000), Change::LinkUp(nic)));
+    assert_eq!(
+        send(&mut f, &t, 30_000, (0, 1), 2, 0, 1000),
+        Verdict::Accepted
+    );
+    let at: Vec<u64> = run(&mut f).iter().map(|d| d.at.as_nanos()).collect();
+    assert_eq!(at, [30_000 + 2 * (8_304 + 1_000_000)]);
+}
+
 #[test]
 fn a_link_set_in_one_direction_leaves_the_other_as_it_was() {
     let t = topo(SWITCH2);
