@@ -484,7 +484,7 @@ enum LinkCmd {
     Down(LinkArgs),
     /// Bring the link(s) back; routes use them again after `route_convergence`.
     Up(LinkArgs),
-    /// Degrade or change the link(s), both directions, for packets from now on.
+    /// Degrade or change the link(s), both directions: rate and delay at once (what a port holds drains at the new rate), loss and buffer for packets from now on.
     Set {
         #[command(flatten)]
         link: LinkArgs,

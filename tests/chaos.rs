@@ -201,6 +201,16 @@ fn links_and_switches_go_down_and_come_back() {
     assert_eq!(st["changed_links"][0]["rate_bps"], 100_000_000);
     assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
     assert!(f.status()["changed_links"].as_array().unwrap().is_empty());
+    // A link crawled to 1 bit/s, then reset: the ping on its wire and gpu3's qdisc (held
+    // to 1 bit/s for its non-TCP packets) go on at once at the link's rate; they waited
+    // out the crawl (the frame ~800 s, htb's debt up to 60 s).
+    assert!(run(&["link", "set", "gpu3", "leaf1", "--rate", "1bit"])
+        .status
+        .success());
+    let crawl = f.exec("gpu3", &["ping", "-c", "1", "-W", "1", "-q", "gpu0"]);
+    assert!(!crawl.status.success(), "a ping at 1 bit/s");
+    assert!(run(&["link", "reset", "gpu3", "leaf1"]).status.success());
+    assert!(ping(&f, "gpu3", "gpu0"), "the crawl is over");
     // A flap, on schedule: down 100 ms, up 100 ms, twice.
     let out = run(&[
         "link", "flap", "gpu3", "leaf1", "--down", "100ms", "--up", "100ms", "--count", "2",

@@ -133,7 +133,24 @@ impl Plan {
         self.rates = rates;
         changed
     }
+
+    /// Whether the classes, once at rates `was` (bytes/s), would hold their packets past
+    /// their new rates: htb keeps a class's debt (what it sent beyond its tokens, in time,
+    /// up to 60 s) across a rate change, so a class raised from a rate at which one frame
+    /// of `frame` bytes takes more than `HELD_OVER` waits out the old rate's debt first (a
+    /// GPU's link set to 1 bit/s and reset held its pings for a minute). Such a qdisc is
+    /// laid anew instead, which drops what it holds.
+    fn held_over(&self, was: &[u64], frame: u64) -> bool {
+        let bytes = frame + self.overhead as u64;
+        self.rates.iter().zip(was).any(|(&now, &was)| {
+            now > was && bytes.saturating_mul(1_000_000_000) / was.max(1) > HELD_OVER_NS
+        })
+    }
 }
+
+/// See `Plan::held_over`: a frame's time at a class's old rate (wall time) beyond which a
+/// raised rate lays the qdisc anew.
+const HELD_OVER_NS: u64 = 1_000_000;
 
 /// Installs `plan` on interface `dev` of the calling thread's network namespace,
 /// replacing whatever root qdisc it had.
@@ -277,7 +294,7 @@ impl Plans {
     }
 
     /// Applies `change`; the GPUs whose qdisc must change, and whether only its rates
-    /// did (else its classes and filters are laid anew).
+    /// did and may change in place (else its classes and filters are laid anew).
     fn apply(&mut self, change: Change) -> Vec<(usize, bool)> {
         match change {
             Change::Rate(link, bps) => {
@@ -286,10 +303,13 @@ impl Plans {
                 };
                 *r = bps;
                 let rates = &self.rates;
+                let frame = self.topo.fabric.mtu as u64;
                 let mut out = Vec::new();
                 for &i in self.users.get(&link).map_or(&[][..], |v| &v[..]) {
-                    if self.plans[i].rerate(|l| rates[l as usize]) {
-                        out.push((i, true));
+                    let plan = &mut self.plans[i];
+                    let was = plan.rates.clone();
+                    if plan.rerate(|l| rates[l as usize]) {
+                        out.push((i, !plan.held_over(&was, frame)));
                     }
                 }
                 out
@@ -670,6 +690,21 @@ mod tests {
         let want: Vec<Ipv4Addr> = [4, 6, 7].iter().map(|&i| t.hosts[i].addr).collect();
         assert_eq!(peers, want);
         assert!(p.by_dst.iter().all(|(_, c)| *c == 1 - nic));
+    }
+
+    #[test]
+    fn a_rate_raised_from_a_crawl_lays_the_qdisc_anew() {
+        let t = topo(LS);
+        let plans = (0..4).map(|g| plan_of(&t, g, 1.0)).collect();
+        let mut p = Plans::new(&t, plans);
+        let nic = p.plans[0].links[0][0];
+        // Down to 100 Mbit/s and back: changed in place (a frame takes 0.12 ms).
+        assert_eq!(p.apply(Change::Rate(nic, 100_000_000)), vec![(0, true)]);
+        assert_eq!(p.apply(Change::Rate(nic, 1_000_000_000)), vec![(0, true)]);
+        // Down to 1 Mbit/s: in place; back up from it (a frame took 12 ms): anew.
+        assert_eq!(p.apply(Change::Rate(nic, 1_000_000)), vec![(0, true)]);
+        assert_eq!(p.apply(Change::Rate(nic, 1_000_000_000)), vec![(0, false)]);
+        assert_eq!(p.apply(Change::Rate(nic, 1_000_000_000)), vec![]);
     }
 
     #[test]
