@@ -220,11 +220,21 @@ impl Timeline {
                 timeline: Some(started.id),
             },
         ) {
-            Ok(Reply::Cancelled { changes }) if changes > 0 => eprintln!(
-                "# chaos: the job ended before {changes} change{} of {}: cancelled (the fabric stays as the timeline left it: `closbox status`)",
-                if changes == 1 { "" } else { "s" },
-                self.file
-            ),
+            Ok(Reply::Cancelled { changes, repaired }) if changes > 0 => {
+                eprintln!(
+                    "# chaos: the job ended before {changes} change{} of {}: cancelled; {}",
+                    if changes == 1 { "" } else { "s" },
+                    self.file,
+                    if repaired.is_empty() {
+                        "no repair of what it broke was among them"
+                    } else {
+                        "the repairs among them of what it broke are made now:"
+                    }
+                );
+                for e in &repaired {
+                    eprintln!("# chaos: {}", line(e));
+                }
+            }
             Ok(_) => {}
             Err(e) => eprintln!("# chaos: could not cancel the rest of {}: {e:#}", self.file),
         }

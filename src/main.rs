@@ -412,7 +412,7 @@ enum Command {
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random faults of links, switches and GPUs (see the README). Prints
-    /// events as they happen; Ctrl-C cancels the rest.
+    /// events as they happen; Ctrl-C cancels the rest, but for the repairs of what it broke, made at once.
     #[command(
         after_help = "Examples:\n  closbox chaos configs/chaos/spine-failure.toml\n  closbox chaos configs/chaos/flaky-uplinks.toml --dry-run --topology configs/default.toml\n  closbox bench allreduce --chaos configs/chaos/spine-failure.toml"
     )]
@@ -448,7 +448,7 @@ enum Command {
         #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
         master_port: u16,
         /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
-        /// start; what is still pending when the job ends is cancelled.
+        /// start; what is still pending when the job ends is cancelled, but for the repairs of what it broke (a link it took down comes up), made at once.
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
@@ -578,7 +578,7 @@ struct TargetArgs {
     #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
     timeout: Option<std::time::Duration>,
     /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
-    /// start; what is still pending when the job ends is cancelled.
+    /// start; what is still pending when the job ends is cancelled, but for the repairs of what it broke (a link it took down comes up), made at once.
     #[arg(long, value_name = "FILE")]
     chaos: Option<PathBuf>,
 }

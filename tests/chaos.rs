@@ -605,7 +605,8 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     );
     assert_eq!(at("load ").len(), 6, "{events:?}");
     // `run --chaos`: the timeline starts with the job and what the job outlives is
-    // cancelled.
+    // cancelled, but for the repair of what the scenario broke (the link it took down at
+    // 100 ms comes up when the job ends at 150 ms, not at 300 ms: never, once cancelled).
     let out = closbox(&[
         "run",
         "--fabric",
@@ -621,7 +622,9 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert!(out.status.success(), "{:?}", text(&out));
     let e = text(&out).1;
     assert!(e.contains("# chaos: ") && e.contains("cancelled"), "{e}");
+    assert!(e.contains("link leaf0-spine0 #0 up (now: timeline "), "{e}");
     assert_eq!(f.status()["pending_changes"], 0);
+    assert_eq!(f.status()["changed_links"], serde_json::json!([]));
     f.down();
 }
 

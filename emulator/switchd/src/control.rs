@@ -43,7 +43,8 @@ pub enum Request {
     Schedule {
         items: Vec<(u64, ChangeRequest)>,
     },
-    /// Drops a timeline's pending changes (`null`: every timeline's and flap's).
+    /// Drops a timeline's pending changes (`null`: every timeline's and flap's); those
+    /// that repair what the timeline broke are made at once.
     Cancel {
         timeline: Option<u64>,
     },
@@ -89,9 +90,12 @@ pub enum Reply {
         timeline: u64,
         events: Vec<Event>,
     },
-    /// Pending changes dropped.
+    /// Pending steps dropped, and the repairs among them made at once (of what the
+    /// timeline had broken).
     Cancelled {
         changes: usize,
+        #[serde(default)]
+        repaired: Vec<Event>,
     },
     /// A capture started: a pcapng stream follows the line.
     Capturing {
@@ -247,8 +251,8 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                             }
                             Ok(Request::Cancel { timeline }) => {
                                 ask(ctl, wake, |tx| Ctl::Cancel(timeline, tx))
-                                    .map_or_else(Reply::error, |changes| Reply::Cancelled {
-                                        changes,
+                                    .map_or_else(Reply::error, |(changes, repaired)| {
+                                        Reply::Cancelled { changes, repaired }
                                     })
                             }
                             Ok(Request::Capture { .. } | Request::Record { .. }) => {

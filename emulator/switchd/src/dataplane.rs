@@ -128,7 +128,7 @@ pub enum Ctl {
     ),
     /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
     /// how many.
-    Cancel(Option<u64>, Sender<usize>),
+    Cancel(Option<u64>, Sender<(usize, Vec<Event>)>),
     /// Starts a capture: tapped packets go to the channel (when it is full they are
     /// counted as the capture's drops); the reply has what it captures.
     Capture(CaptureSpec, Sender<Result<CaptureStart, String>>),
@@ -1181,6 +1181,75 @@ impl WakeMargin {
     }
 }
 
+/// What a timeline broke and has not repaired yet (see `DataPlane::cancel`), while it has
+/// steps pending.
+#[derive(Debug, Default)]
+struct Broken {
+    pending: usize,
+    down: std::collections::BTreeSet<u32>,
+    degraded: std::collections::BTreeSet<u32>,
+    partition: bool,
+}
+
+/// What a change does to what `Broken` keeps.
+#[derive(Clone, Copy)]
+enum Target {
+    Down(u32),
+    Up(u32),
+    Set(u32),
+    Reset(u32),
+    Partition,
+    Heal,
+    Other,
+}
+
+impl Target {
+    fn of(change: &Change) -> Target {
+        match change {
+            Change::LinkDown(l) => Target::Down(*l),
+            Change::LinkUp(l) => Target::Up(*l),
+            Change::SetLink { link, .. } => Target::Set(*link),
+            Change::ResetLink(l) => Target::Reset(*l),
+            Change::Partition(_) => Target::Partition,
+            Change::Heal => Target::Heal,
+            Change::StartLoad(_) | Change::StopLoad(_) => Target::Other,
+        }
+    }
+}
+
+impl Broken {
+    /// `target` was applied (and changed the fabric).
+    fn record(&mut self, target: Target) {
+        match target {
+            Target::Down(l) => {
+                self.down.insert(l);
+            }
+            Target::Up(l) => {
+                self.down.remove(&l);
+            }
+            Target::Set(l) => {
+                self.degraded.insert(l);
+            }
+            Target::Reset(l) => {
+                self.degraded.remove(&l);
+            }
+            Target::Partition => self.partition = true,
+            Target::Heal => self.partition = false,
+            Target::Other => {}
+        }
+    }
+
+    /// Whether `change` repairs something this timeline broke.
+    fn repaired_by(&self, change: &Change) -> bool {
+        match Target::of(change) {
+            Target::Up(l) => self.down.contains(&l),
+            Target::Reset(l) => self.degraded.contains(&l),
+            Target::Heal => self.partition,
+            _ => false,
+        }
+    }
+}
+
 pub struct DataPlane<P: Ports> {
     name: String,
     /// Steps due at fabric times (flaps, scenarios): (when, order) → the step, its
@@ -1188,6 +1257,8 @@ pub struct DataPlane<P: Ports> {
     scheduled: std::collections::BTreeMap<(Instant, u64), (chaos::Step, u64)>,
     scheduled_seq: u64,
     timelines: u64,
+    /// Per timeline with steps pending: what it broke and has not repaired yet.
+    broken: std::collections::HashMap<u64, Broken>,
     /// Id of the next load started.
     next_load: u32,
     captures: Vec<Capture>,
@@ -1263,6 +1334,7 @@ impl<P: Ports> DataPlane<P> {
             scheduled: Default::default(),
             scheduled_seq: 0,
             timelines: 0,
+            broken: Default::default(),
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
@@ -1978,25 +2050,66 @@ impl<P: Ports> DataPlane<P> {
         self.next_load = next_load;
         let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
+        // Pending first: what the steps applied now break is kept only for a timeline
+        // with more to come (the repairs a cancel would make).
+        let mut now_steps = Vec::new();
         for (after, step) in steps {
             if after == 0 {
-                applied.push(self.apply(now, step));
+                now_steps.push(step);
             } else {
                 self.scheduled_seq += 1;
                 let at = now + closbox_fabric::Duration::from_nanos(after);
                 self.scheduled
                     .insert((at, self.scheduled_seq), (step, timeline));
+                self.broken.entry(timeline).or_default().pending += 1;
             }
+        }
+        for step in now_steps {
+            applied.push(self.apply(now, step, Some(timeline)));
         }
         Ok(applied)
     }
 
-    /// Drops the pending changes of `timeline` (or of all); how many.
-    pub fn cancel(&mut self, timeline: Option<u64>) -> usize {
-        let before = self.scheduled.len();
-        self.scheduled
-            .retain(|_, (_, t)| timeline.is_some_and(|want| *t != want));
-        before - self.scheduled.len()
+    /// Drops the pending steps of `timeline` (or of all), and makes at once the repairs
+    /// among them of what the timeline broke: a link it took down comes up, a link it
+    /// degraded is reset, its partition healed (a job that ends in the middle of a
+    /// scenario leaves the fabric as the scenario would have, not with its faults in
+    /// place). Faults still pending are dropped; a link it broke for good stays broken.
+    /// How many steps were pending, and the repairs' events.
+    pub fn cancel(&mut self, timeline: Option<u64>) -> (usize, Vec<Event>) {
+        let keys: Vec<(Instant, u64)> = self
+            .scheduled
+            .iter()
+            .filter(|(_, (_, t))| timeline.is_none_or(|want| *t == want))
+            .map(|(k, _)| *k)
+            .collect();
+        let now = self.fabric_now(self.ports.now());
+        let mut repaired = Vec::new();
+        for k in &keys {
+            let (step, t) = self.scheduled.remove(k).expect("a pending step");
+            let Some(b) = self.broken.get(&t) else {
+                continue;
+            };
+            let changes: Vec<Change> = step
+                .changes
+                .into_iter()
+                .filter(|c| b.repaired_by(c))
+                .collect();
+            if !changes.is_empty() {
+                let what = match t {
+                    0 => format!("{} (now: cancelled)", step.what),
+                    t => format!("{} (now: timeline {t} cancelled)", step.what),
+                };
+                repaired.push(self.apply(now, chaos::Step { changes, what }, Some(t)));
+            }
+        }
+        match timeline {
+            Some(t) => {
+                self.broken.remove(&t);
+            }
+            None => self.broken.clear(),
+        }
+        (keys.len(), repaired)
     }
 
     fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
@@ -2029,7 +2142,7 @@ impl<P: Ports> DataPlane<P> {
             .into_iter()
             .map(|id| {
                 let stop = chaos::Step::one(Change::StopLoad(id), format!("load {id} stopped"));
-                self.apply(now, stop)
+                self.apply(now, stop, None)
             })
             .collect())
     }
@@ -2061,8 +2174,15 @@ impl<P: Ports> DataPlane<P> {
             if entry.key().0 > now {
                 break;
             }
-            let (step, _) = entry.remove();
-            self.apply(now, step);
+            let (step, timeline) = entry.remove();
+            self.apply(now, step, Some(timeline));
+            if let std::collections::hash_map::Entry::Occupied(mut b) = self.broken.entry(timeline)
+            {
+                b.get_mut().pending -= 1;
+                if b.get().pending == 0 {
+                    b.remove();
+                }
+            }
         }
     }
 
@@ -2084,12 +2204,19 @@ impl<P: Ports> DataPlane<P> {
     }
 
     /// Applies a step's changes at `now` and logs it as one event, saying which of its
-    /// changes found the fabric already so (a link already down).
-    fn apply(&mut self, now: Instant, step: chaos::Step) -> Event {
+    /// changes found the fabric already so (a link already down). What it breaks and
+    /// repairs is kept for `timeline` while that has steps pending.
+    fn apply(&mut self, now: Instant, step: chaos::Step, timeline: Option<u64>) -> Event {
         let total = step.changes.len();
         let mut done = 0;
         for change in step.changes {
-            done += usize::from(self.apply_change(now, change));
+            let target = Target::of(&change);
+            if self.apply_change(now, change) {
+                done += 1;
+                if let Some(b) = timeline.and_then(|t| self.broken.get_mut(&t)) {
+                    b.record(target);
+                }
+            }
         }
         let what = match total - done {
             0 => step.what,
@@ -2824,13 +2951,88 @@ mod tests {
         let (a, _) = dp.schedule(&[(1_000_000, down("spine0"))]).unwrap();
         let (b, _) = dp.schedule(&[(1_000_000, down("spine1"))]).unwrap();
         assert_ne!(a, b);
-        assert_eq!(dp.cancel(Some(a)), 1);
+        assert_eq!(dp.cancel(Some(a)).0, 1);
         assert_eq!(dp.status().pending_changes, 1);
-        assert_eq!(dp.cancel(None), 1);
+        assert_eq!(dp.cancel(None).0, 1);
         let e = dp
             .change(&ChangeRequest::LoadStop { id: None })
             .unwrap_err();
         assert_eq!(e, "no load is running");
+    }
+
+    /// A timeline cancelled in the middle repairs at once what it broke and would have
+    /// repaired, drops the faults still to come, and leaves alone what others broke.
+    #[test]
+    fn a_cancelled_timeline_repairs_what_it_broke() {
+        let (mut dp, _t) = plane(LS);
+        let link = |b: &str| (String::from("leaf0"), String::from(b));
+        let down = |b: &str| ChangeRequest::LinkDown {
+            a: link(b).0,
+            b: link(b).1,
+            index: None,
+        };
+        let up = |b: &str| ChangeRequest::LinkUp {
+            a: link(b).0,
+            b: link(b).1,
+            index: None,
+        };
+        // Down by hand: the timeline's later "up" of it is not its repair to make.
+        dp.change(&down("spine1")).unwrap();
+        let slow = ChangeRequest::LinkSet {
+            a: "gpu0".into(),
+            b: "leaf0".into(),
+            index: None,
+            rate_bps: Some(1_000_000),
+            delay_ns: None,
+            loss: None,
+            loss_burst: None,
+            buffer_bytes: None,
+            from: None,
+        };
+        let reset = ChangeRequest::LinkReset {
+            a: "gpu0".into(),
+            b: "leaf0".into(),
+            index: None,
+        };
+        let s = 1_000_000_000;
+        let (t, now) = dp
+            .schedule(&[
+                (0, down("spine0")),
+                (0, slow),
+                (s, up("spine0")),
+                (2 * s, down("spine0")),
+                (3 * s, up("spine0")),
+                (3 * s, reset),
+                (3 * s, up("spine1")),
+                (4 * s, down("spine1")),
+            ])
+            .unwrap();
+        assert_eq!(now.len(), 2);
+        assert_eq!(dp.status().changed_links.len(), 3);
+        let (dropped, repaired) = dp.cancel(Some(t));
+        assert_eq!(dropped, 6);
+        let what: Vec<&str> = repaired.iter().map(|e| e.what.as_str()).collect();
+        assert_eq!(
+            what,
+            [
+                format!("link leaf0-spine0 #0 up (now: timeline {t} cancelled)"),
+                format!("link gpu0-leaf0 #0 reset to the topology's values (now: timeline {t} cancelled)"),
+            ]
+        );
+        let changed = dp.status().changed_links;
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert_eq!(changed[0].ends, ["leaf0", "spine1"]);
+        assert_eq!(dp.status().pending_changes, 0);
+        assert!(dp.broken.is_empty());
+        // A timeline run to its end keeps nothing.
+        dp.schedule(&[(0, up("spine1")), (1, down("spine1")), (2, up("spine1"))])
+            .unwrap();
+        while dp.ports.elapsed < StdDuration::from_millis(1) {
+            dp.step();
+        }
+        assert_eq!(dp.status().pending_changes, 0);
+        assert!(dp.broken.is_empty());
+        assert!(dp.status().changed_links.is_empty());
     }
 
     /// The real-time valve: out of the FIFO class after running `RT_MAX_RUN` without
