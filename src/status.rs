@@ -50,9 +50,14 @@ pub fn status(
                 n.log_path().display()
             ))
         };
+        let mut dead = Vec::new();
         let answer = match reply {
             Reply::Status(mut s) => {
                 healthy &= !s.behind && s.deadlocked.is_empty();
+                dead = dead_vertices(
+                    s.ports.iter().map(|p| (p.port.as_str(), p.up)),
+                    &s.changed_links,
+                );
                 // Busy ports only, unless asked for all or some.
                 s.ports.retain(|p| match ports {
                     Some(pattern) => p.port.contains(pattern),
@@ -83,7 +88,7 @@ pub fn status(
             healthy = false;
         }
         if !json {
-            print!("{}", render(&st, &answer, ports.is_some()));
+            print!("{}", render(&st, &answer, ports.is_some(), &dead));
         }
         out.push(answer);
     }
@@ -159,6 +164,48 @@ pub fn link_groups<'a>(
         .collect()
 }
 
+/// Vertices (switches, GPUs) every port of which is down, with their links' count and
+/// since when the last of them is down, most links first; one whose links all lead to
+/// vertices listed already is left out (a GPU under a dead leaf).
+fn dead_vertices<'a>(
+    ports: impl IntoIterator<Item = (&'a str, bool)>,
+    changed: &[closbox_switchd::dataplane::LinkStatus],
+) -> Vec<(String, usize, f64)> {
+    let mut by: std::collections::BTreeMap<&str, (usize, bool)> = Default::default();
+    for (port, up) in ports {
+        let from = port.split("->").next().unwrap_or_default();
+        let e = by.entry(from).or_insert((0, true));
+        e.0 += 1;
+        e.1 &= !up;
+    }
+    let mut dead: Vec<(&str, usize)> = by
+        .into_iter()
+        .filter(|(_, (n, down))| *down && *n > 0)
+        .map(|(v, (n, _))| (v, n))
+        .collect();
+    dead.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let mut out: Vec<(String, usize, f64)> = Vec::new();
+    for (v, n) in dead {
+        let links = changed
+            .iter()
+            .filter(|l| !l.up && l.ends.iter().any(|e| e == v));
+        let mut others = links.clone().map(|l| {
+            let [a, b] = &l.ends;
+            if a == v {
+                b
+            } else {
+                a
+            }
+        });
+        if others.all(|o| out.iter().any(|(d, ..)| d == o)) {
+            continue;
+        }
+        let since = links.filter_map(|l| l.down_since_s).fold(0.0, f64::max);
+        out.push((v.to_owned(), n, since));
+    }
+    out
+}
+
 /// Runs of links a line of `status` or a bench footer names before "and N more".
 const SHOWN_LINK_RUNS: usize = 4;
 
@@ -231,7 +278,8 @@ fn render_loads(o: &mut String, loads: &[LoadInfo]) {
     }
 }
 
-fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
+/// `dead`: `dead_vertices` of the status (before its ports were filtered).
+fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, f64)]) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
     let _ = writeln!(
@@ -365,8 +413,28 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
             thousands(memory_drops)
         );
     }
+    // A switch or GPU whose every link is down: one line, not its links'.
+    for (v, links, since) in dead {
+        let what = if st.gpus.iter().any(|g| g.name == *v) {
+            "gpu    "
+        } else {
+            "switch "
+        };
+        let _ = writeln!(
+            o,
+            "  {what}   {v} DOWN since fabric time {since:.6} s ({})",
+            if *links == 1 {
+                "its link".to_owned()
+            } else {
+                format!("its {links} links")
+            }
+        );
+    }
     let mut states = Vec::new();
     for l in &s.changed_links {
+        if !l.up && l.ends.iter().any(|e| dead.iter().any(|(v, ..)| v == e)) {
+            continue;
+        }
         let mut what = Vec::new();
         if !l.up {
             what.push(format!(
@@ -498,6 +566,55 @@ fn render(st: &State, answer: &Answer, all_ports: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_switch_or_gpu_with_every_link_down_is_one_line() {
+        use closbox_switchd::dataplane::LinkStatus;
+        // leaf1 and spine1 down (leaf1's GPU gpu2 with them: left out), gpu1's link down;
+        // leaf0 and spine0 keep links up.
+        let link = |a: &str, b: &str, up: bool, since: f64| LinkStatus {
+            link: format!("{a}-{b} #0"),
+            id: 0,
+            up,
+            down_since_s: (!up).then_some(since),
+            rate_bps: 1,
+            delay_ns: 0,
+            loss: 0.0,
+            loss_burst: 1.0,
+            buffer_bytes: [0, 0],
+            b_to_a: None,
+            ends: [a.to_owned(), b.to_owned()],
+        };
+        let links = [
+            ("gpu0", "leaf0", true),
+            ("gpu1", "leaf0", false),
+            ("gpu2", "leaf1", false),
+            ("leaf0", "spine0", true),
+            ("leaf0", "spine1", false),
+            ("leaf1", "spine0", false),
+            ("leaf1", "spine1", false),
+        ];
+        let ports: Vec<(String, bool)> = links
+            .iter()
+            .flat_map(|&(a, b, up)| [(format!("{a}->{b}"), up), (format!("{b}->{a}"), up)])
+            .collect();
+        let changed: Vec<LinkStatus> = links
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.2)
+            .map(|(i, &(a, b, up))| link(a, b, up, i as f64))
+            .collect();
+        let dead = dead_vertices(ports.iter().map(|(p, up)| (p.as_str(), *up)), &changed);
+        assert_eq!(
+            dead,
+            [
+                ("leaf1".to_owned(), 3, 6.0),
+                ("spine1".to_owned(), 2, 6.0),
+                ("gpu1".to_owned(), 1, 1.0)
+            ]
+        );
+        assert!(dead_vertices(ports.iter().map(|(p, _)| (p.as_str(), true)), &[]).is_empty());
+    }
 
     #[test]
     fn links_in_one_state_share_a_line_with_parallel_links_as_runs() {
