@@ -212,8 +212,9 @@ impl Timeline {
         }
     }
 
-    /// The job is over: what of the timeline is still pending is dropped, and said so.
-    pub fn finish(&self, started: &Started) {
+    /// The job is over (`why`: "the job ended", "interrupted"): what of the timeline is
+    /// still pending is dropped but for its repairs, and said so.
+    pub fn finish(&self, started: &Started, why: &str) {
         match control::request(
             &self.fabric,
             &Request::Cancel {
@@ -222,7 +223,7 @@ impl Timeline {
         ) {
             Ok(Reply::Cancelled { changes, repaired }) if changes > 0 => {
                 eprintln!(
-                    "# chaos: the job ended before {changes} change{} of {}: cancelled; {}",
+                    "# chaos: {why} before {changes} change{} of {}: cancelled; {}",
                     if changes == 1 { "" } else { "s" },
                     self.file,
                     if repaired.is_empty() {
@@ -307,7 +308,7 @@ pub fn scenario_cmd(
             last = last.max(e.seq);
         }
         if stop.load(Ordering::Relaxed) {
-            timeline.finish(&started);
+            timeline.finish(&started, "interrupted");
             return Ok(ExitCode::from(130));
         }
         if StdInstant::now() >= end {
@@ -315,6 +316,6 @@ pub fn scenario_cmd(
         }
         std::thread::sleep(StdDuration::from_millis(100));
     }
-    timeline.finish(&started);
+    timeline.finish(&started, "followed to its end");
     Ok(ExitCode::SUCCESS)
 }

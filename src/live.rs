@@ -726,7 +726,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(10));
     }
     if let (Some(t), Some(started)) = (a.chaos, &timeline) {
-        t.finish(started);
+        t.finish(started, "the job ended");
     }
     // The ranks are gone; their output is read to its end, unless something they started
     // outside their process groups (a launcher's remote daemons) still holds their pipes.
