@@ -48,6 +48,41 @@ pub fn partition(fabric: Option<&FabricName>, sels: &[String]) -> anyhow::Result
     change(Some(&st.fabric), ChangeRequest::Partition { groups })
 }
 
+/// `closbox cancel [TIMELINE]`: ends a timeline (or every one) as a job's end does.
+pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Result<ExitCode> {
+    closbox_switchd::require_root("closbox cancel")?;
+    let st = live::resolve(fabric)?;
+    match control::request(&st.fabric, &Request::Cancel { timeline })? {
+        Reply::Cancelled { changes, repaired } => {
+            let which = timeline.map_or("every timeline".to_owned(), |t| format!("timeline {t}"));
+            if changes == 0 && repaired.is_empty() {
+                println!("{which}: nothing pending or running (`closbox status` lists what is)");
+            } else {
+                println!(
+                    "{which}: {} dropped{}",
+                    crate::bench::plural(changes, "pending change"),
+                    if repaired.is_empty() { "" } else { "; now:" }
+                );
+            }
+            for e in &repaired {
+                println!("{}", line(e));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
+/// Whether timeline `id` has changes pending or loads running.
+fn running(fabric: &FabricName, id: u64) -> anyhow::Result<bool> {
+    match control::request(fabric, &Request::Status)? {
+        Reply::Status(s) => Ok(s.timelines.iter().any(|t| t.id == id)),
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
 /// The events with a number above `after`.
 fn events_after(fabric: &FabricName, after: u64) -> anyhow::Result<Vec<Event>> {
     match control::request(fabric, &Request::Events)? {
@@ -227,9 +262,9 @@ impl Timeline {
                     if changes == 1 { "" } else { "s" },
                     self.file,
                     if repaired.is_empty() {
-                        "no repair of what it broke was among them"
+                        "nothing it broke was waiting for a repair, no load of it runs"
                     } else {
-                        "the repairs among them of what it broke are made now:"
+                        "repaired or stopped at once:"
                     }
                 );
                 for e in &repaired {
@@ -298,7 +333,8 @@ pub fn scenario_cmd(
         );
         return Ok(ExitCode::SUCCESS);
     }
-    // Follow until the last change is due (plus a moment to see it), printing events.
+    // Follow until the last change is due (plus a moment to see it) and its loads have
+    // ended, printing events.
     let end =
         started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
     let mut last = before;
@@ -311,7 +347,12 @@ pub fn scenario_cmd(
             timeline.finish(&started, "interrupted");
             return Ok(ExitCode::from(130));
         }
-        if StdInstant::now() >= end {
+        // Past its last change, it lasts while loads it started run.
+        if StdInstant::now() >= end && !running(&st.fabric, started.id)? {
+            // What it logged as it ended (a load's end).
+            for e in events_after(&st.fabric, last)? {
+                println!("{}", line(&e));
+            }
             break;
         }
         std::thread::sleep(StdDuration::from_millis(100));

@@ -191,6 +191,16 @@ enum Command {
         #[command(flatten)]
         fabric: FabricChoice,
     },
+    /// End a running chaos scenario (a timeline `status` lists; 0: the pending flaps):
+    /// its pending changes are dropped, the repairs among them of what it broke are made
+    /// at once, its loads stop. Without TIMELINE: every one.
+    Cancel {
+        /// The timeline's number (`closbox chaos` and `status` give it).
+        timeline: Option<u64>,
+        /// Fabric (default: the only fabric up).
+        #[arg(long, short, value_parser = fabric_ref)]
+        fabric: Option<FabricName>,
+    },
     /// The changes made to a fabric since it came up, with their fabric and wall times.
     Events {
         #[command(flatten)]
@@ -412,7 +422,8 @@ enum Command {
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random faults of links, switches and GPUs (see the README). Prints
-    /// events as they happen; Ctrl-C cancels the rest, but for the repairs of what it broke, made at once.
+    /// events as they happen, until its last change and the end of its loads; Ctrl-C
+    /// cancels it as `closbox cancel` does.
     #[command(
         after_help = "Examples:\n  closbox chaos configs/chaos/spine-failure.toml\n  closbox chaos configs/chaos/flaky-uplinks.toml --dry-run --topology configs/default.toml\n  closbox bench allreduce --chaos configs/chaos/spine-failure.toml"
     )]
@@ -448,7 +459,7 @@ enum Command {
         #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
         master_port: u16,
         /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
-        /// start; what is still pending when the job ends is cancelled, but for the repairs of what it broke (a link it took down comes up), made at once.
+        /// start; it is cancelled when the job ends, as `closbox cancel` does (repairs of what it broke made at once, its loads stopped).
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
@@ -578,7 +589,7 @@ struct TargetArgs {
     #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
     timeout: Option<std::time::Duration>,
     /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
-    /// start; what is still pending when the job ends is cancelled, but for the repairs of what it broke (a link it took down comes up), made at once.
+    /// start; it is cancelled when the job ends, as `closbox cancel` does (repairs of what it broke made at once, its loads stopped).
     #[arg(long, value_name = "FILE")]
     chaos: Option<PathBuf>,
 }
@@ -1149,6 +1160,7 @@ fn main() -> ExitCode {
         } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
+        Command::Cancel { timeline, fabric } => chaos::cancel(fabric.as_ref(), timeline),
         Command::Exec {
             gpu,
             fabric,

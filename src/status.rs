@@ -498,6 +498,33 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             thousands(s.pending_changes as u64)
         );
     }
+    for t in &s.timelines {
+        let mut what = Vec::new();
+        if t.pending > 0 {
+            what.push(format!(
+                "{} pending",
+                crate::bench::plural(t.pending, "change")
+            ));
+        }
+        if !t.loads.is_empty() {
+            let ids: Vec<String> = t.loads.iter().map(u32::to_string).collect();
+            what.push(format!(
+                "load{} {} running",
+                if ids.len() == 1 { "" } else { "s" },
+                ids.join(", ")
+            ));
+        }
+        let name = match t.id {
+            0 => "flaps".to_owned(),
+            id => format!("timeline {id}"),
+        };
+        let _ = writeln!(
+            o,
+            "  chaos     {name}: {} (`closbox cancel {}` ends it, repairing what it broke)",
+            what.join(", "),
+            t.id
+        );
+    }
     // The busiest ports, and any that dropped or marked; or all that were asked for.
     let mut ports: Vec<&PortStatus> = s.ports.iter().collect();
     let shown = if all_ports {

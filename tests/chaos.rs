@@ -625,6 +625,51 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert!(e.contains("link leaf0-spine0 #0 up (now: timeline "), "{e}");
     assert_eq!(f.status()["pending_changes"], 0);
     assert_eq!(f.status()["changed_links"], serde_json::json!([]));
+    // A detached scenario's load runs until `closbox cancel` ends it.
+    let long = dir.join("long-load.toml");
+    std::fs::write(
+        &long,
+        "[[event]]\nat = \"0ms\"\ndo = \"load\"\nfrom = \"leaf0\"\nto = \"leaf1\"\nrate = \"10Mbit\"\nfor = \"60s\"\n",
+    )
+    .unwrap();
+    let out = closbox(&[
+        "chaos",
+        long.to_str().unwrap(),
+        "--detach",
+        "--fabric",
+        "lt-scen",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let timelines = f.status()["timelines"].clone();
+    assert_eq!(timelines.as_array().map(Vec::len), Some(1), "{timelines}");
+    let id = timelines[0]["id"].as_u64().unwrap();
+    let out = closbox(&["status", "lt-scen"]);
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("chaos     timeline {id}: load ")),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["cancel", &id.to_string(), "--fabric", "lt-scen"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("stopped (now: timeline {id} cancelled)")),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(f.status()["timelines"], serde_json::json!([]));
+    let loads = f.status()["loads"].clone();
+    assert!(
+        loads
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["active"] == false),
+        "{loads}"
+    );
     f.down();
 }
 

@@ -258,6 +258,16 @@ pub const MAX_PENDING: usize = 100_000;
 /// Finished loads `status` still lists.
 const MAX_DONE_LOADS: usize = 20;
 
+/// A timeline still running, for `status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimelineStatus {
+    pub id: u64,
+    /// Steps not applied yet.
+    pub pending: usize,
+    /// Loads it started that still run.
+    pub loads: Vec<u32>,
+}
+
 /// A link that is down or changed, for `status`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinkStatus {
@@ -362,6 +372,10 @@ pub struct Status {
     /// Changes scheduled and not applied yet (flaps, scenarios).
     #[serde(default)]
     pub pending_changes: usize,
+    /// Timelines (scenarios, flaps: timeline 0) with changes pending or loads running:
+    /// what `closbox cancel` would end.
+    #[serde(default)]
+    pub timelines: Vec<TimelineStatus>,
     /// "none" (lossy), "pfc" or "credit".
     #[serde(default)]
     pub flow_control: String,
@@ -1182,13 +1196,15 @@ impl WakeMargin {
 }
 
 /// What a timeline broke and has not repaired yet (see `DataPlane::cancel`), while it has
-/// steps pending.
+/// steps pending or loads running.
 #[derive(Debug, Default)]
 struct Broken {
     pending: usize,
     down: std::collections::BTreeSet<u32>,
     degraded: std::collections::BTreeSet<u32>,
     partition: bool,
+    /// Loads it started that still run.
+    loads: Vec<u32>,
 }
 
 /// What a change does to what `Broken` keeps.
@@ -1200,6 +1216,7 @@ enum Target {
     Reset(u32),
     Partition,
     Heal,
+    Load(u32),
     Other,
 }
 
@@ -1212,7 +1229,8 @@ impl Target {
             Change::ResetLink(l) => Target::Reset(*l),
             Change::Partition(_) => Target::Partition,
             Change::Heal => Target::Heal,
-            Change::StartLoad(_) | Change::StopLoad(_) => Target::Other,
+            Change::StartLoad(spec) => Target::Load(spec.id),
+            Change::StopLoad(_) => Target::Other,
         }
     }
 }
@@ -1235,6 +1253,7 @@ impl Broken {
             }
             Target::Partition => self.partition = true,
             Target::Heal => self.partition = false,
+            Target::Load(id) => self.loads.push(id),
             Target::Other => {}
         }
     }
@@ -1247,6 +1266,11 @@ impl Broken {
             Target::Heal => self.partition,
             _ => false,
         }
+    }
+
+    /// Nothing pending and nothing running: nothing left to cancel.
+    fn done(&self) -> bool {
+        self.pending == 0 && self.loads.is_empty()
     }
 }
 
@@ -2064,8 +2088,15 @@ impl<P: Ports> DataPlane<P> {
                 self.broken.entry(timeline).or_default().pending += 1;
             }
         }
+        if timeline != 0 {
+            // A scenario's loads are its to stop when it is cancelled, whenever they start.
+            self.broken.entry(timeline).or_default();
+        }
         for step in now_steps {
             applied.push(self.apply(now, step, Some(timeline)));
+        }
+        if self.broken.get(&timeline).is_some_and(Broken::done) {
+            self.broken.remove(&timeline);
         }
         Ok(applied)
     }
@@ -2103,11 +2134,23 @@ impl<P: Ports> DataPlane<P> {
                 repaired.push(self.apply(now, chaos::Step { changes, what }, Some(t)));
             }
         }
-        match timeline {
-            Some(t) => {
-                self.broken.remove(&t);
+        // Its loads still running stop (another job's traffic ends with the experiment).
+        let ended: Vec<(u64, Broken)> = match timeline {
+            Some(t) => self.broken.remove(&t).map(|b| (t, b)).into_iter().collect(),
+            None => self.broken.drain().collect(),
+        };
+        let running: Vec<u32> = self
+            .model
+            .loads()
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.spec.id)
+            .collect();
+        for (t, b) in ended {
+            for id in b.loads.into_iter().filter(|id| running.contains(id)) {
+                let what = format!("load {id} stopped (now: timeline {t} cancelled)");
+                repaired.push(self.apply(now, chaos::Step::one(Change::StopLoad(id), what), None));
             }
-            None => self.broken.clear(),
         }
         (keys.len(), repaired)
     }
@@ -2158,6 +2201,12 @@ impl<P: Ports> DataPlane<P> {
     fn apply_due(&mut self, wall: StdInstant) {
         let now = self.fabric_now(wall);
         let ended = self.model.take_ended_loads();
+        if !ended.is_empty() && !self.broken.is_empty() {
+            for b in self.broken.values_mut() {
+                b.loads.retain(|id| !ended.iter().any(|(e, _)| e == id));
+            }
+            self.broken.retain(|_, b| !b.done());
+        }
         if !ended.is_empty() {
             let loads = self.model.loads();
             for (id, at) in ended {
@@ -2179,7 +2228,7 @@ impl<P: Ports> DataPlane<P> {
             if let std::collections::hash_map::Entry::Occupied(mut b) = self.broken.entry(timeline)
             {
                 b.get_mut().pending -= 1;
-                if b.get().pending == 0 {
+                if b.get().done() {
                     b.remove();
                 }
             }
@@ -2213,7 +2262,9 @@ impl<P: Ports> DataPlane<P> {
             let target = Target::of(&change);
             if self.apply_change(now, change) {
                 done += 1;
-                if let Some(b) = timeline.and_then(|t| self.broken.get_mut(&t)) {
+                // (Loads started by hand, timeline 0, are not a flap's to stop.)
+                let ours = timeline.filter(|&t| t != 0 || !matches!(target, Target::Load(_)));
+                if let Some(b) = ours.and_then(|t| self.broken.get_mut(&t)) {
                     b.record(target);
                 }
             }
@@ -2393,6 +2444,19 @@ impl<P: Ports> DataPlane<P> {
             }),
             loads,
             pending_changes: self.scheduled.len(),
+            timelines: {
+                let mut t: Vec<TimelineStatus> = self
+                    .broken
+                    .iter()
+                    .map(|(&id, b)| TimelineStatus {
+                        id,
+                        pending: b.pending,
+                        loads: b.loads.clone(),
+                    })
+                    .collect();
+                t.sort_by_key(|t| t.id);
+                t
+            },
             flow_control: self.model.flow_control().name().to_owned(),
             deadlocked,
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
@@ -2995,8 +3059,18 @@ mod tests {
             index: None,
         };
         let s = 1_000_000_000;
+        let load = ChangeRequest::Load {
+            from: "leaf0".into(),
+            to: "leaf1".into(),
+            rate_bps: 1_000_000,
+            packet_bytes: None,
+            for_ns: Some(10 * s),
+            on_ns: None,
+            off_ns: None,
+        };
         let (t, now) = dp
             .schedule(&[
+                (0, load),
                 (0, down("spine0")),
                 (0, slow),
                 (s, up("spine0")),
@@ -3007,8 +3081,16 @@ mod tests {
                 (4 * s, down("spine1")),
             ])
             .unwrap();
-        assert_eq!(now.len(), 2);
+        assert_eq!(now.len(), 3);
         assert_eq!(dp.status().changed_links.len(), 3);
+        assert_eq!(
+            dp.status().timelines,
+            [TimelineStatus {
+                id: t,
+                pending: 6,
+                loads: vec![1]
+            }]
+        );
         let (dropped, repaired) = dp.cancel(Some(t));
         assert_eq!(dropped, 6);
         let what: Vec<&str> = repaired.iter().map(|e| e.what.as_str()).collect();
@@ -3017,16 +3099,34 @@ mod tests {
             [
                 format!("link leaf0-spine0 #0 up (now: timeline {t} cancelled)"),
                 format!("link gpu0-leaf0 #0 reset to the topology's values (now: timeline {t} cancelled)"),
+                format!("load 1 stopped (now: timeline {t} cancelled)"),
             ]
         );
+        assert!(dp.status().loads.iter().all(|l| !l.active));
+        assert!(dp.status().timelines.is_empty());
         let changed = dp.status().changed_links;
         assert_eq!(changed.len(), 1, "{changed:?}");
         assert_eq!(changed[0].ends, ["leaf0", "spine1"]);
         assert_eq!(dp.status().pending_changes, 0);
         assert!(dp.broken.is_empty());
-        // A timeline run to its end keeps nothing.
-        dp.schedule(&[(0, up("spine1")), (1, down("spine1")), (2, up("spine1"))])
-            .unwrap();
+        // A timeline run to its end keeps nothing: its changes applied, its load ended.
+        let short = ChangeRequest::Load {
+            from: "leaf0".into(),
+            to: "leaf1".into(),
+            rate_bps: 1_000_000,
+            packet_bytes: None,
+            for_ns: Some(100_000),
+            on_ns: None,
+            off_ns: None,
+        };
+        dp.schedule(&[
+            (0, short),
+            (0, up("spine1")),
+            (1, down("spine1")),
+            (2, up("spine1")),
+        ])
+        .unwrap();
+        assert_eq!(dp.status().timelines.len(), 1);
         while dp.ports.elapsed < StdDuration::from_millis(1) {
             dp.step();
         }
