@@ -197,12 +197,19 @@ fn draw(f: &mut Frame, v: &View) {
                 Span::styled("health ok", Style::default().fg(Color::Green))
             },
             Span::raw(format!(
-                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}",
+                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}{}",
                 s.lateness_recent.p99_us,
                 s.packets_in,
                 drops,
                 s.loads.iter().filter(|l| l.active).count(),
-                s.events
+                s.events,
+                match s.timelines.len() {
+                    0 => String::new(),
+                    n => format!(
+                        "  chaos running: {n} ({} pending)",
+                        s.timelines.iter().map(|t| t.pending).sum::<usize>()
+                    ),
+                }
             )),
         ]),
     ];
