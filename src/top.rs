@@ -170,10 +170,14 @@ fn draw(f: &mut Frame, v: &View) {
                 Style::default().add_modifier(Modifier::BOLD),
             ),
             Span::raw(format!(
-                "  {}  time_scale {}  fabric time {:.6} s",
+                "  {}  time_scale {}  fabric time {:.6} s{}",
                 crate::bench::plural(s.gpus, "GPU"),
                 s.time_scale,
-                s.fabric_time_s
+                s.fabric_time_s,
+                match s.timelines.len() {
+                    0 => String::new(),
+                    n => format!("  chaos {n} running"),
+                }
             )),
         ]),
         Line::from(vec![
@@ -197,19 +201,12 @@ fn draw(f: &mut Frame, v: &View) {
                 Span::styled("health ok", Style::default().fg(Color::Green))
             },
             Span::raw(format!(
-                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}{}",
+                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}",
                 s.lateness_recent.p99_us,
                 s.packets_in,
                 drops,
                 s.loads.iter().filter(|l| l.active).count(),
                 s.events,
-                match s.timelines.len() {
-                    0 => String::new(),
-                    n => format!(
-                        "  chaos running: {n} ({} pending)",
-                        s.timelines.iter().map(|t| t.pending).sum::<usize>()
-                    ),
-                }
             )),
         ]),
     ];
