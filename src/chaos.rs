@@ -256,11 +256,17 @@ impl Timeline {
                 timeline: Some(started.id),
             },
         ) {
-            Ok(Reply::Cancelled { changes, repaired }) if changes > 0 => {
+            Ok(Reply::Cancelled { changes, repaired }) if changes > 0 || !repaired.is_empty() => {
+                let what = match changes {
+                    0 => format!(": {} cancelled", self.file),
+                    n => format!(
+                        " before {n} change{} of {}: cancelled",
+                        if n == 1 { "" } else { "s" },
+                        self.file
+                    ),
+                };
                 eprintln!(
-                    "# chaos: {why} before {changes} change{} of {}: cancelled; {}",
-                    if changes == 1 { "" } else { "s" },
-                    self.file,
+                    "# chaos: {why}{what}; {}",
                     if repaired.is_empty() {
                         "nothing it broke was waiting for a repair, no load of it runs"
                     } else {
@@ -338,6 +344,7 @@ pub fn scenario_cmd(
     let end =
         started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
     let mut last = before;
+    let mut said = false;
     loop {
         for e in events_after(&st.fabric, last)? {
             println!("{}", line(&e));
@@ -348,12 +355,20 @@ pub fn scenario_cmd(
             return Ok(ExitCode::from(130));
         }
         // Past its last change, it lasts while loads it started run.
-        if StdInstant::now() >= end && !running(&st.fabric, started.id)? {
-            // What it logged as it ended (a load's end).
-            for e in events_after(&st.fabric, last)? {
-                println!("{}", line(&e));
+        if StdInstant::now() >= end {
+            if !running(&st.fabric, started.id)? {
+                // What it logged as it ended (a load's end).
+                for e in events_after(&st.fabric, last)? {
+                    println!("{}", line(&e));
+                }
+                break;
             }
-            break;
+            if !said {
+                eprintln!(
+                    "# chaos: its last change is made; following its loads until they end (Ctrl-C stops them, `--detach` would leave them running)"
+                );
+                said = true;
+            }
         }
         std::thread::sleep(StdDuration::from_millis(100));
     }
