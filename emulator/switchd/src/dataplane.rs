@@ -3029,16 +3029,24 @@ mod tests {
     #[test]
     fn a_cancelled_timeline_repairs_what_it_broke() {
         let (mut dp, _t) = plane(LS);
-        let link = |b: &str| (String::from("leaf0"), String::from(b));
         let down = |b: &str| ChangeRequest::LinkDown {
-            a: link(b).0,
-            b: link(b).1,
+            a: "leaf0".into(),
+            b: b.into(),
             index: None,
         };
         let up = |b: &str| ChangeRequest::LinkUp {
-            a: link(b).0,
-            b: link(b).1,
+            a: "leaf0".into(),
+            b: b.into(),
             index: None,
+        };
+        let load = |for_ns| ChangeRequest::Load {
+            from: "leaf0".into(),
+            to: "leaf1".into(),
+            rate_bps: 1_000_000,
+            packet_bytes: None,
+            for_ns: Some(for_ns),
+            on_ns: None,
+            off_ns: None,
         };
         // Down by hand: the timeline's later "up" of it is not its repair to make.
         dp.change(&down("spine1")).unwrap();
@@ -3059,18 +3067,9 @@ mod tests {
             index: None,
         };
         let s = 1_000_000_000;
-        let load = ChangeRequest::Load {
-            from: "leaf0".into(),
-            to: "leaf1".into(),
-            rate_bps: 1_000_000,
-            packet_bytes: None,
-            for_ns: Some(10 * s),
-            on_ns: None,
-            off_ns: None,
-        };
         let (t, now) = dp
             .schedule(&[
-                (0, load),
+                (0, load(10 * s)),
                 (0, down("spine0")),
                 (0, slow),
                 (s, up("spine0")),
@@ -3110,17 +3109,8 @@ mod tests {
         assert_eq!(dp.status().pending_changes, 0);
         assert!(dp.broken.is_empty());
         // A timeline run to its end keeps nothing: its changes applied, its load ended.
-        let short = ChangeRequest::Load {
-            from: "leaf0".into(),
-            to: "leaf1".into(),
-            rate_bps: 1_000_000,
-            packet_bytes: None,
-            for_ns: Some(100_000),
-            on_ns: None,
-            off_ns: None,
-        };
         dp.schedule(&[
-            (0, short),
+            (0, load(100_000)),
             (0, up("spine1")),
             (1, down("spine1")),
             (2, up("spine1")),
