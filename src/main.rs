@@ -521,7 +521,8 @@ enum LinkCmd {
         #[arg(long)]
         buffer: Option<closbox_fabric::Bytes>,
     },
-    /// Back to the topology file's rate, delay, loss and buffers.
+    /// Back to the topology file's rate, delay, loss and buffers (for good: a scenario's
+    /// later reset returns the link to them too).
     Reset(LinkArgs),
     /// Down for --down, up for --up, --count times (fabric time), starting now.
     Flap {

@@ -181,6 +181,28 @@ fn links_and_switches_go_down_and_come_back() {
     let sent = iperf3_between_gpu0_and_gpu3(&f, false, 50e6, "gpu0's transmitter at 100 Mbit/s");
     assert!(sent < 100e6, "{sent} bit/s through a 100 Mbit/s direction");
     iperf3_between_gpu0_and_gpu3(&f, true, 300e6, "the other direction, unchanged");
+    // A scenario that degrades the link and repairs it returns it to what was set by
+    // hand (it was reset to the topology's values, wiping the 100 Mbit/s).
+    let degrade = common::scratch_dir().join("degrade.toml");
+    std::fs::write(
+        &degrade,
+        "[[event]]\nat = \"0ms\"\ndo = \"link-set\"\na = \"gpu0\"\nb = \"leaf0\"\nloss = 0.3\n\
+         [[event]]\nat = \"20ms\"\ndo = \"link-reset\"\na = \"gpu0\"\nb = \"leaf0\"\n",
+    )
+    .unwrap();
+    let out = run(&["chaos", degrade.to_str().unwrap()]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .0
+            .contains("link gpu0-leaf0 #0 reset to the values set by hand"),
+        "{:?}",
+        text(&out)
+    );
+    let link = &f.status()["changed_links"][0];
+    assert_eq!(link["rate_bps"], 100_000_000, "{link}");
+    assert_eq!(link["loss"], 0.0, "{link}");
+    assert_eq!(link["b_to_a"]["rate_bps"], 1_000_000_000, "{link}");
     let out = run(&[
         "link", "set", "gpu0", "leaf0", "--from", "spine0", "--rate", "1Gbit",
     ]);

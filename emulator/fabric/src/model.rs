@@ -2051,6 +2051,15 @@ impl Fabric {
         self.ports[p.0 as usize].link
     }
 
+    /// What the topology gives port `p`: its link's parameters and its egress buffer (what
+    /// `Change::ResetLink` returns it to).
+    pub fn original_of(&self, p: PortId) -> (LinkParams, Bytes) {
+        (
+            self.topo.links[(p.0 / 2) as usize].params,
+            self.original_buffer(p.0),
+        )
+    }
+
     /// A link's new rate or delay applied to what port `p` holds at `now` (settled), where
     /// it was `was`: the frame on the wire sends the rest of its bits at the new rate, the
     /// frames queued behind it follow back to back, and each goes on the link with the

@@ -9,6 +9,12 @@ use closbox_fabric::model::{Change, Directions};
 use closbox_fabric::topology::{LinkClass, Topology, Vertex};
 use closbox_fabric::{Bandwidth, Bytes, Duration};
 
+/// How a `link reset` is logged; a scenario's reset of a link set by hand says instead
+/// `RESET_TO_HAND` (`DataPlane::apply`).
+pub const RESET_TO_TOPOLOGY: &str = "reset to the topology's values";
+/// A scenario's reset of a link whose values were set by hand: back to those.
+pub const RESET_TO_HAND: &str = "reset to the values set by hand";
+
 /// A change, as a client names it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "change", rename_all = "kebab-case")]
@@ -542,7 +548,7 @@ pub fn resolve(
         ChangeRequest::LinkReset { a, b, index } => each(
             links_between(topo, a, b, *index)?,
             &Change::ResetLink,
-            "reset to the topology's values",
+            RESET_TO_TOPOLOGY,
         ),
         ChangeRequest::LinkSet {
             a,

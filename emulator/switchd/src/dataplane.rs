@@ -1274,6 +1274,13 @@ impl Broken {
     }
 }
 
+/// A direction of a link as `closbox link set` left it (timeline 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct HandSet {
+    link: closbox_fabric::topology::LinkParams,
+    buffer: closbox_fabric::Bytes,
+}
+
 pub struct DataPlane<P: Ports> {
     name: String,
     /// Steps due at fabric times (flaps, scenarios): (when, order) → the step, its
@@ -1283,6 +1290,9 @@ pub struct DataPlane<P: Ports> {
     timelines: u64,
     /// Per timeline with steps pending: what it broke and has not repaired yet.
     broken: std::collections::HashMap<u64, Broken>,
+    /// Links set by hand and not reset by hand since: each direction's values outside
+    /// scenarios, which a scenario's reset (a degrade's repair) returns the link to.
+    by_hand: std::collections::HashMap<u32, [HandSet; 2]>,
     /// Id of the next load started.
     next_load: u32,
     captures: Vec<Capture>,
@@ -1359,6 +1369,7 @@ impl<P: Ports> DataPlane<P> {
             scheduled_seq: 0,
             timelines: 0,
             broken: Default::default(),
+            by_hand: Default::default(),
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
@@ -2258,9 +2269,24 @@ impl<P: Ports> DataPlane<P> {
     fn apply(&mut self, now: Instant, step: chaos::Step, timeline: Option<u64>) -> Event {
         let total = step.changes.len();
         let mut done = 0;
+        let mut to_hand = false;
         for change in step.changes {
             let target = Target::of(&change);
-            if self.apply_change(now, change) {
+            let by_hand = timeline == Some(0);
+            if by_hand {
+                self.remember_by_hand(&change);
+            }
+            let applied = match change {
+                Change::ResetLink(l) if !by_hand && self.by_hand.contains_key(&l) => {
+                    to_hand = true;
+                    let restore = self.restore_by_hand(l);
+                    restore
+                        .into_iter()
+                        .fold(false, |any, c| self.apply_change(now, c) | any)
+                }
+                change => self.apply_change(now, change),
+            };
+            if applied {
                 done += 1;
                 // (Loads started by hand, timeline 0, are not a flap's to stop.)
                 let ours = timeline.filter(|&t| t != 0 || !matches!(target, Target::Load(_)));
@@ -2269,12 +2295,78 @@ impl<P: Ports> DataPlane<P> {
                 }
             }
         }
+        let what = if to_hand {
+            step.what
+                .replace(chaos::RESET_TO_TOPOLOGY, chaos::RESET_TO_HAND)
+        } else {
+            step.what
+        };
         let what = match total - done {
-            0 => step.what,
-            n if n == total => format!("{} (already so)", step.what),
-            n => format!("{} ({n} of {total} already so)", step.what),
+            0 => what,
+            n if n == total => format!("{what} (already so)"),
+            n => format!("{what} ({n} of {total} already so)"),
         };
         self.log(now, StdDuration::ZERO, what)
+    }
+
+    /// Keeps what a change made by hand (timeline 0) sets a link to: a set changes the
+    /// values it gives over what the link had outside scenarios (the topology's, or an
+    /// earlier set by hand), not over a scenario's degrade in place now; a reset by hand
+    /// returns the link to the topology's values for good.
+    fn remember_by_hand(&mut self, change: &Change) {
+        match *change {
+            Change::SetLink {
+                link,
+                dirs,
+                rate,
+                delay,
+                loss,
+                loss_burst,
+                buffer,
+            } => {
+                let model = &self.model;
+                let kept = *self.by_hand.entry(link).or_insert_with(|| {
+                    [0, 1].map(|end| {
+                        let (link, buffer) =
+                            model.original_of(closbox_fabric::routing::PortId(2 * link + end));
+                        HandSet { link, buffer }
+                    })
+                });
+                let mut set = kept;
+                for p in dirs.ports(link) {
+                    let h = &mut set[(p.0 % 2) as usize];
+                    h.link.rate = rate.unwrap_or(h.link.rate);
+                    h.link.delay = delay.unwrap_or(h.link.delay);
+                    h.link.loss = loss.unwrap_or(h.link.loss);
+                    h.link.loss_burst = loss_burst.unwrap_or(h.link.loss_burst);
+                    h.buffer = buffer.unwrap_or(h.buffer);
+                }
+                self.by_hand.insert(link, set);
+            }
+            Change::ResetLink(l) => {
+                self.by_hand.remove(&l);
+            }
+            _ => {}
+        }
+    }
+
+    /// The changes that return link `l` to the values set by hand, a direction each.
+    fn restore_by_hand(&self, l: u32) -> Vec<Change> {
+        use closbox_fabric::model::Directions;
+        let set = self.by_hand[&l];
+        [Directions::FromA, Directions::FromB]
+            .into_iter()
+            .zip(set)
+            .map(|(dirs, h)| Change::SetLink {
+                link: l,
+                dirs,
+                rate: Some(h.link.rate),
+                delay: Some(h.link.delay),
+                loss: Some(h.link.loss),
+                loss_burst: Some(h.link.loss_burst),
+                buffer: Some(h.buffer),
+            })
+            .collect()
     }
 
     /// Applies one change to the model (and the GPUs' pacing it concerns); false if it
@@ -3022,6 +3114,78 @@ mod tests {
             .change(&ChangeRequest::LoadStop { id: None })
             .unwrap_err();
         assert_eq!(e, "no load is running");
+    }
+
+    /// A scenario's reset (a degrade's repair, made at once by a cancel too) returns a
+    /// link set by hand to the values set by hand, direction by direction, not to the
+    /// topology's; a reset by hand forgets them.
+    #[test]
+    fn a_scenario_reset_returns_a_link_to_what_was_set_by_hand() {
+        use closbox_fabric::routing::PortId;
+        let (mut dp, _t) = plane(LS);
+        let set =
+            |rate_bps: Option<u64>, loss: Option<f64>, from: Option<&str>| ChangeRequest::LinkSet {
+                a: "gpu0".into(),
+                b: "leaf0".into(),
+                index: None,
+                rate_bps,
+                delay_ns: None,
+                loss,
+                loss_burst: None,
+                buffer_bytes: from.map(|_| 64_000),
+                from: from.map(Into::into),
+            };
+        let reset = || ChangeRequest::LinkReset {
+            a: "gpu0".into(),
+            b: "leaf0".into(),
+            index: None,
+        };
+        // By hand: the gpu0→leaf0 direction at 100 Mbit/s with a 64 kB buffer.
+        dp.change(&set(Some(100_000_000), None, Some("gpu0")))
+            .unwrap();
+        let l = dp.status().changed_links[0].id;
+        let (gpu_end, leaf_end) = (PortId(2 * l), PortId(2 * l + 1));
+        let hand = (dp.model.link_of(gpu_end), dp.model.link_of(leaf_end));
+        assert_eq!(hand.0.rate.bps(), 100_000_000);
+        assert_eq!(hand.1.rate.bps(), 1_000_000_000);
+        let s = 1_000_000_000;
+        let degrade = |dp: &mut DataPlane<MemPorts>| {
+            let (t, _) = dp
+                .schedule(&[(0, set(Some(10_000_000), Some(0.5), None)), (s, reset())])
+                .unwrap();
+            assert_eq!(dp.model.link_of(gpu_end).rate.bps(), 10_000_000);
+            assert_eq!(dp.model.link_of(leaf_end).loss, 0.5);
+            let (_, repaired) = dp.cancel(Some(t));
+            assert_eq!(repaired.len(), 1);
+            repaired[0].what.clone()
+        };
+        let what = degrade(&mut dp);
+        assert_eq!(
+            what,
+            "link gpu0-leaf0 #0 reset to the values set by hand (now: timeline 1 cancelled)"
+        );
+        assert_eq!(
+            (dp.model.link_of(gpu_end), dp.model.link_of(leaf_end)),
+            hand
+        );
+        let buffers = dp.status().changed_links[0].buffer_bytes;
+        assert_eq!(buffers[0], 64_000, "{buffers:?}");
+        // A set by hand during a degrade changes what the repair returns to, with what it
+        // sets only: the degrade's loss is not taken for the link's own.
+        let (t, _) = dp
+            .schedule(&[(0, set(None, Some(0.5), None)), (s, reset())])
+            .unwrap();
+        dp.change(&set(Some(200_000_000), None, None)).unwrap();
+        dp.cancel(Some(t));
+        assert_eq!(dp.model.link_of(gpu_end).rate.bps(), 200_000_000);
+        assert_eq!(dp.model.link_of(leaf_end).rate.bps(), 200_000_000);
+        assert_eq!(dp.model.link_of(gpu_end).loss, 0.0);
+        // Reset by hand: the topology's values, to which a scenario's reset returns too.
+        dp.change(&reset()).unwrap();
+        assert!(dp.status().changed_links.is_empty());
+        let what = degrade(&mut dp);
+        assert!(what.contains("reset to the topology's values"), "{what}");
+        assert!(dp.status().changed_links.is_empty());
     }
 
     /// A timeline cancelled in the middle repairs at once what it broke and would have
