@@ -1,0 +1,560 @@
+//! Changes to the running fabric: made by hand, scheduled as a scenario's timeline,
+//! applied when due, cancelled with the repairs of what a timeline broke; and the event
+//! log they are written to.
+
+use std::time::{Duration as StdDuration, Instant as StdInstant};
+
+use closbox_fabric::model::Change;
+use closbox_fabric::Instant;
+
+use super::{
+    DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING, SHORT_LOAD_PACKETS,
+};
+use crate::chaos::{self, ChangeRequest, Event};
+
+/// What a timeline broke and has not repaired yet (see `DataPlane::cancel`), while it has
+/// steps pending or loads running.
+#[derive(Debug, Default)]
+pub(super) struct Broken {
+    /// Steps still to come.
+    pub(super) pending: usize,
+    down: std::collections::BTreeSet<u32>,
+    degraded: std::collections::BTreeSet<u32>,
+    partition: bool,
+    /// Loads it started that still run.
+    pub(super) loads: Vec<u32>,
+}
+
+/// What a change does to what `Broken` keeps.
+#[derive(Clone, Copy)]
+enum Target {
+    Down(u32),
+    Up(u32),
+    Set(u32),
+    Reset(u32),
+    Partition,
+    Heal,
+    Load(u32),
+    Other,
+}
+
+impl Target {
+    fn of(change: &Change) -> Target {
+        match change {
+            Change::LinkDown(l) => Target::Down(*l),
+            Change::LinkUp(l) => Target::Up(*l),
+            Change::SetLink { link, .. } => Target::Set(*link),
+            Change::ResetLink(l) => Target::Reset(*l),
+            Change::Partition(_) => Target::Partition,
+            Change::Heal => Target::Heal,
+            Change::StartLoad(spec) => Target::Load(spec.id),
+            Change::StopLoad(_) => Target::Other,
+        }
+    }
+}
+
+impl Broken {
+    /// `target` was applied (and changed the fabric).
+    fn record(&mut self, target: Target) {
+        match target {
+            Target::Down(l) => {
+                self.down.insert(l);
+            }
+            Target::Up(l) => {
+                self.down.remove(&l);
+            }
+            Target::Set(l) => {
+                self.degraded.insert(l);
+            }
+            Target::Reset(l) => {
+                self.degraded.remove(&l);
+            }
+            Target::Partition => self.partition = true,
+            Target::Heal => self.partition = false,
+            Target::Load(id) => self.loads.push(id),
+            Target::Other => {}
+        }
+    }
+
+    /// Whether `change` repairs something this timeline broke.
+    fn repaired_by(&self, change: &Change) -> bool {
+        match Target::of(change) {
+            Target::Up(l) => self.down.contains(&l),
+            Target::Reset(l) => self.degraded.contains(&l),
+            Target::Heal => self.partition,
+            _ => false,
+        }
+    }
+
+    /// Nothing pending and nothing running: nothing left to cancel.
+    fn done(&self) -> bool {
+        self.pending == 0 && self.loads.is_empty()
+    }
+}
+
+/// A direction of a link as `closbox link set` left it (timeline 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct HandSet {
+    link: closbox_fabric::topology::LinkParams,
+    buffer: closbox_fabric::Bytes,
+}
+
+impl<P: Ports> DataPlane<P> {
+    /// Applies a change now (or schedules it, for a flap), all of it or (a name or value
+    /// wrong) none of it. Returns what was applied now.
+    pub fn change(&mut self, req: &ChangeRequest) -> Result<Vec<Event>, String> {
+        if let ChangeRequest::LoadStop { id } = req {
+            return self.stop_loads(*id);
+        }
+        self.schedule_at(&[(0, req.clone())], 0)
+    }
+
+    /// Schedules `items` (fabric ns after now, request) as a new timeline: all of them or,
+    /// if one is wrong, none.
+    pub fn schedule(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+    ) -> Result<(u64, Vec<Event>), String> {
+        self.timelines += 1;
+        let id = self.timelines;
+        Ok((id, self.schedule_at(items, id)?))
+    }
+
+    /// Packets a second of wall time a load generates while it sends: 0 for one short
+    /// load or burst (`SHORT_LOAD_PACKETS`), the average of repeated short bursts.
+    fn load_packets_per_wall_s(&self, spec: &closbox_fabric::load::LoadSpec) -> f64 {
+        use closbox_fabric::load::Pattern;
+        let bits = 8.0 * (spec.packet + self.topo.fabric.l2_overhead) as f64;
+        let sending = spec.rate.bps() as f64 / bits;
+        let secs = |d: closbox_fabric::Duration| d.as_nanos() as f64 / 1e9;
+        let per_fabric_s = match (&spec.pattern, spec.duration) {
+            (
+                &Pattern::Bursts {
+                    bytes,
+                    every,
+                    count,
+                },
+                _,
+            ) => {
+                let burst = (bytes as f64 / spec.packet as f64).ceil();
+                match (burst <= SHORT_LOAD_PACKETS, count) {
+                    (true, 1) => 0.0,
+                    (true, _) => sending.min(burst / secs(every).max(1e-9)),
+                    (false, _) => sending,
+                }
+            }
+            (_, Some(d)) if sending * secs(d) <= SHORT_LOAD_PACKETS => 0.0,
+            _ => sending,
+        };
+        per_fabric_s / self.time_scale.get()
+    }
+
+    /// Refuses loads that, with those running and those scheduled, could generate more than
+    /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
+    fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
+        let running = self.model.loads().into_iter().filter(|l| l.active);
+        let scheduled = self
+            .scheduled
+            .values()
+            .flat_map(|(step, _)| &step.changes)
+            .filter_map(|c| match c {
+                Change::StartLoad(spec) => Some(spec),
+                _ => None,
+            });
+        let mut added = 0.0;
+        for c in new {
+            if let Change::StartLoad(spec) = c {
+                added += self.load_packets_per_wall_s(spec);
+            }
+        }
+        if added == 0.0 {
+            return Ok(());
+        }
+        let others: f64 = running
+            .map(|l| self.load_packets_per_wall_s(&l.spec))
+            .sum::<f64>()
+            + scheduled
+                .map(|spec| self.load_packets_per_wall_s(spec))
+                .sum::<f64>();
+        if added + others > MAX_LOAD_PACKETS_PER_WALL_S {
+            return Err(format!(
+                "loads would generate {added:.0} packets a second of wall time ({:.0} with those running or scheduled), more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: use slower or fewer loads (an incast: fewer bytes or sources), larger packets (--packet, up to the mtu), or a larger time_scale",
+                added + others,
+            ));
+        }
+        Ok(())
+    }
+
+    fn schedule_at(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+        timeline: u64,
+    ) -> Result<Vec<Event>, String> {
+        let mut next_load = self.next_load;
+        let mut steps = Vec::new();
+        for (i, (at, req)) in items.iter().enumerate() {
+            if matches!(req, ChangeRequest::LoadStop { .. }) {
+                return Err("a load stop cannot be scheduled: give the load a duration".into());
+            }
+            let resolved = chaos::schedule(&self.topo, req, &mut next_load).map_err(|e| {
+                if items.len() > 1 {
+                    format!("change {} of {}: {e}", i + 1, items.len())
+                } else {
+                    e
+                }
+            })?;
+            steps.extend(
+                resolved
+                    .into_iter()
+                    .map(|(after, step)| (at.saturating_add(after), step)),
+            );
+        }
+        self.loads_within_budget(steps.iter().flat_map(|(_, step)| &step.changes))?;
+        // The bound is on the model's changes (a switch's step holds one per link), so that
+        // memory stays bounded whatever a step holds.
+        let changes = |s: &chaos::Step| s.changes.len();
+        let pending = self
+            .scheduled
+            .values()
+            .map(|(s, _)| changes(s))
+            .sum::<usize>()
+            + steps.iter().map(|(_, s)| changes(s)).sum::<usize>();
+        if pending > MAX_PENDING {
+            return Err(format!(
+                "{pending} changes would be pending; at most {MAX_PENDING} may be"
+            ));
+        }
+        self.next_load = next_load;
+        let now = self.fabric_now(self.ports.now());
+        let mut applied = Vec::new();
+        // Pending first: what the steps applied now break is kept only for a timeline
+        // with more to come (the repairs a cancel would make).
+        let mut now_steps = Vec::new();
+        for (after, step) in steps {
+            if after == 0 {
+                now_steps.push(step);
+            } else {
+                self.scheduled_seq += 1;
+                let at = now + closbox_fabric::Duration::from_nanos(after);
+                self.scheduled
+                    .insert((at, self.scheduled_seq), (step, timeline));
+                self.broken.entry(timeline).or_default().pending += 1;
+            }
+        }
+        if timeline != 0 {
+            // A scenario's loads are its to stop when it is cancelled, whenever they start.
+            self.broken.entry(timeline).or_default();
+        }
+        for step in now_steps {
+            applied.push(self.apply(now, step, Some(timeline)));
+        }
+        if self.broken.get(&timeline).is_some_and(Broken::done) {
+            self.broken.remove(&timeline);
+        }
+        Ok(applied)
+    }
+
+    /// Drops the pending steps of `timeline` (or of all), and makes at once the repairs
+    /// among them of what the timeline broke: a link it took down comes up, a link it
+    /// degraded is reset, its partition healed (a job that ends in the middle of a
+    /// scenario leaves the fabric as the scenario would have, not with its faults in
+    /// place). Faults still pending are dropped; a link it broke for good stays broken.
+    /// How many steps were pending, and the repairs' events.
+    pub fn cancel(&mut self, timeline: Option<u64>) -> (usize, Vec<Event>) {
+        let keys: Vec<(Instant, u64)> = self
+            .scheduled
+            .iter()
+            .filter(|(_, (_, t))| timeline.is_none_or(|want| *t == want))
+            .map(|(k, _)| *k)
+            .collect();
+        let now = self.fabric_now(self.ports.now());
+        let mut repaired = Vec::new();
+        for k in &keys {
+            let (step, t) = self.scheduled.remove(k).expect("a pending step");
+            let Some(b) = self.broken.get(&t) else {
+                continue;
+            };
+            let changes: Vec<Change> = step
+                .changes
+                .into_iter()
+                .filter(|c| b.repaired_by(c))
+                .collect();
+            if !changes.is_empty() {
+                let what = match t {
+                    0 => format!("{} (now: cancelled)", step.what),
+                    t => format!("{} (now: timeline {t} cancelled)", step.what),
+                };
+                repaired.push(self.apply(now, chaos::Step { changes, what }, Some(t)));
+            }
+        }
+        // Its loads still running stop (another job's traffic ends with the experiment).
+        let ended: Vec<(u64, Broken)> = match timeline {
+            Some(t) => self.broken.remove(&t).map(|b| (t, b)).into_iter().collect(),
+            None => self.broken.drain().collect(),
+        };
+        let running: Vec<u32> = self
+            .model
+            .loads()
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.spec.id)
+            .collect();
+        for (t, b) in ended {
+            for id in b.loads.into_iter().filter(|id| running.contains(id)) {
+                let what = format!("load {id} stopped (now: timeline {t} cancelled)");
+                repaired.push(self.apply(now, chaos::Step::one(Change::StopLoad(id), what), None));
+            }
+        }
+        (keys.len(), repaired)
+    }
+
+    fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
+        let loads = self.model.loads();
+        let running: Vec<u32> = loads
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.spec.id)
+            .collect();
+        let stop = match id {
+            Some(id) if running.contains(&id) => vec![id],
+            Some(id) if loads.iter().any(|l| l.spec.id == id) => {
+                return Err(format!("load {id} is not running any more"))
+            }
+            Some(id) => {
+                return Err(format!(
+                    "no load {id}; {}",
+                    if running.is_empty() {
+                        "no load is running".to_owned()
+                    } else {
+                        format!("running: {running:?}")
+                    }
+                ))
+            }
+            None if running.is_empty() => return Err("no load is running".into()),
+            None => running,
+        };
+        let now = self.fabric_now(self.ports.now());
+        Ok(stop
+            .into_iter()
+            .map(|id| {
+                let stop = chaos::Step::one(Change::StopLoad(id), format!("load {id} stopped"));
+                self.apply(now, stop, None)
+            })
+            .collect())
+    }
+
+    /// Fabric time now.
+    #[cfg(test)]
+    pub(super) fn applied_now(&self) -> u64 {
+        self.fabric_now(self.ports.now()).as_nanos()
+    }
+
+    /// Logs the loads that ended on their own (before now, so first), then applies the
+    /// scheduled changes that are due.
+    pub(super) fn apply_due(&mut self, wall: StdInstant) {
+        let now = self.fabric_now(wall);
+        let ended = self.model.take_ended_loads();
+        if !ended.is_empty() && !self.broken.is_empty() {
+            for b in self.broken.values_mut() {
+                b.loads.retain(|id| !ended.iter().any(|(e, _)| e == id));
+            }
+            self.broken.retain(|_, b| !b.done());
+        }
+        if !ended.is_empty() {
+            let loads = self.model.loads();
+            for (id, at) in ended {
+                let sent = loads
+                    .iter()
+                    .find(|l| l.spec.id == id)
+                    .map_or(0, |l| l.counters.sent_bytes);
+                let ago = self.time_scale.to_wall(now.saturating_since(at));
+                let sent = closbox_fabric::units::approx_bytes(sent);
+                self.log(at, ago, format!("load {id} done: {sent} sent"));
+            }
+        }
+        while let Some(entry) = self.scheduled.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let (step, timeline) = entry.remove();
+            self.apply(now, step, Some(timeline));
+            if let std::collections::hash_map::Entry::Occupied(mut b) = self.broken.entry(timeline)
+            {
+                b.get_mut().pending -= 1;
+                if b.get().done() {
+                    b.remove();
+                }
+            }
+        }
+    }
+
+    /// Routes converged since the last turn (links went down or came up): the pacer lays
+    /// the GPUs' classes over the links their packets now leave on.
+    pub(super) fn follow_routes(&mut self) {
+        let epoch = self.model.route_epoch();
+        if epoch == self.route_epoch {
+            return;
+        }
+        self.route_epoch = epoch;
+        if let Some(p) = &self.pacer {
+            let mut up = vec![true; self.topo.links.len()];
+            for l in self.model.changed_links() {
+                up[l.link as usize] = l.up;
+            }
+            p.routes(up);
+        }
+    }
+
+    /// Applies a step's changes at `now` and logs it as one event, saying which of its
+    /// changes found the fabric already so (a link already down). What it breaks and
+    /// repairs is kept for `timeline` while that has steps pending.
+    fn apply(&mut self, now: Instant, step: chaos::Step, timeline: Option<u64>) -> Event {
+        let total = step.changes.len();
+        let mut done = 0;
+        let mut to_hand = false;
+        for change in step.changes {
+            let target = Target::of(&change);
+            let by_hand = timeline == Some(0);
+            if by_hand {
+                self.remember_by_hand(&change);
+            }
+            let applied = match change {
+                Change::ResetLink(l) if !by_hand && self.by_hand.contains_key(&l) => {
+                    to_hand = true;
+                    let restore = self.restore_by_hand(l);
+                    restore
+                        .into_iter()
+                        .fold(false, |any, c| self.apply_change(now, c) | any)
+                }
+                change => self.apply_change(now, change),
+            };
+            if applied {
+                done += 1;
+                // (Loads started by hand, timeline 0, are not a flap's to stop.)
+                let ours = timeline.filter(|&t| t != 0 || !matches!(target, Target::Load(_)));
+                if let Some(b) = ours.and_then(|t| self.broken.get_mut(&t)) {
+                    b.record(target);
+                }
+            }
+        }
+        let what = if to_hand {
+            step.what
+                .replace(chaos::RESET_TO_TOPOLOGY, chaos::RESET_TO_HAND)
+        } else {
+            step.what
+        };
+        let what = match total - done {
+            0 => what,
+            n if n == total => format!("{what} (already so)"),
+            n => format!("{what} ({n} of {total} already so)"),
+        };
+        self.log(now, StdDuration::ZERO, what)
+    }
+
+    /// Keeps what a change made by hand (timeline 0) sets a link to: a set changes the
+    /// values it gives over what the link had outside scenarios (the topology's, or an
+    /// earlier set by hand), not over a scenario's degrade in place now; a reset by hand
+    /// returns the link to the topology's values for good.
+    fn remember_by_hand(&mut self, change: &Change) {
+        match *change {
+            Change::SetLink {
+                link,
+                dirs,
+                rate,
+                delay,
+                loss,
+                loss_burst,
+                buffer,
+            } => {
+                let model = &self.model;
+                let kept = *self.by_hand.entry(link).or_insert_with(|| {
+                    [0, 1].map(|end| {
+                        let (link, buffer) =
+                            model.original_of(closbox_fabric::routing::PortId(2 * link + end));
+                        HandSet { link, buffer }
+                    })
+                });
+                let mut set = kept;
+                for p in dirs.ports(link) {
+                    let h = &mut set[(p.0 % 2) as usize];
+                    h.link.rate = rate.unwrap_or(h.link.rate);
+                    h.link.delay = delay.unwrap_or(h.link.delay);
+                    h.link.loss = loss.unwrap_or(h.link.loss);
+                    h.link.loss_burst = loss_burst.unwrap_or(h.link.loss_burst);
+                    h.buffer = buffer.unwrap_or(h.buffer);
+                }
+                self.by_hand.insert(link, set);
+            }
+            Change::ResetLink(l) => {
+                self.by_hand.remove(&l);
+            }
+            _ => {}
+        }
+    }
+
+    /// The changes that return link `l` to the values set by hand, a direction each.
+    fn restore_by_hand(&self, l: u32) -> Vec<Change> {
+        use closbox_fabric::model::Directions;
+        let set = self.by_hand[&l];
+        [Directions::FromA, Directions::FromB]
+            .into_iter()
+            .zip(set)
+            .map(|(dirs, h)| Change::SetLink {
+                link: l,
+                dirs,
+                rate: Some(h.link.rate),
+                delay: Some(h.link.delay),
+                loss: Some(h.link.loss),
+                loss_burst: Some(h.link.loss_burst),
+                buffer: Some(h.buffer),
+            })
+            .collect()
+    }
+
+    /// Applies one change to the model (and the GPUs' pacing it concerns); false if it
+    /// changed nothing.
+    fn apply_change(&mut self, now: Instant, change: Change) -> bool {
+        let rated = match &change {
+            Change::SetLink {
+                link,
+                rate: Some(_),
+                ..
+            }
+            | Change::ResetLink(link) => Some(*link),
+            _ => None,
+        };
+        let done = self.model.apply(now, change);
+        if let (true, Some(link), Some(p)) = (done, rated, &self.pacer) {
+            // The pacer holds a GPU's sending to its NIC links: the rate of the direction
+            // leaving the GPU (a change may have been made in the other one only).
+            use closbox_fabric::topology::Vertex;
+            let l = &self.topo.links[link as usize];
+            let from_b = !matches!(l.a, Vertex::Host(_)) && matches!(l.b, Vertex::Host(_));
+            let port = closbox_fabric::routing::PortId(2 * link + u32::from(from_b));
+            let bps = self.model.link_of(port).rate.bps();
+            p.link_rate(link, bps);
+        }
+        done
+    }
+
+    /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago.
+    fn log(&mut self, at: Instant, ago: StdDuration, what: String) -> Event {
+        let event = Event {
+            fabric_ns: at.as_nanos(),
+            wall_ms: std::time::SystemTime::now()
+                .checked_sub(ago)
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as u64),
+            what,
+            seq: self.events_total + 1,
+        };
+        tracing::info!("fabric {}: {}", self.name, event.what);
+        self.events_total += 1;
+        self.events.push(event.clone());
+        if self.events.len() > MAX_EVENTS {
+            let extra = self.events.len() - MAX_EVENTS;
+            self.events.drain(..extra);
+        }
+        event
+    }
+}
