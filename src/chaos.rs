@@ -230,7 +230,7 @@ impl Timeline {
                     } else {
                         "s"
                     },
-                    self.span()
+                    closbox_fabric::units::approx_duration(self.span())
                 );
                 for e in &events {
                     eprintln!("# chaos: {}", line(e));

@@ -363,6 +363,31 @@ pub fn approx_bytes(b: u64) -> String {
     format!("{b} B")
 }
 
+/// A duration for people, to 3 significant digits at most: "218 ms", "1.5 s", "5.2 µs",
+/// "40 ns" (the exact `Display`, "217999914ns", is for files and command lines).
+pub fn approx_duration(d: Duration) -> String {
+    let ns = d.as_nanos();
+    for (div, unit) in [(1_000_000_000u64, "s"), (1_000_000, "ms"), (1_000, "µs")] {
+        if ns >= div {
+            let v = ns as f64 / div as f64;
+            let text = if v >= 100.0 {
+                format!("{v:.0}")
+            } else if v >= 10.0 {
+                format!("{v:.1}")
+            } else {
+                format!("{v:.2}")
+            };
+            let text = if text.contains('.') {
+                text.trim_end_matches('0').trim_end_matches('.')
+            } else {
+                &text
+            };
+            return format!("{text} {unit}");
+        }
+    }
+    format!("{ns} ns")
+}
+
 impl FromStr for Bytes {
     type Err = UnitError;
 
@@ -498,6 +523,19 @@ mod tests {
             assert!(TimeScale::new(bad).is_none(), "{bad}");
         }
         assert_eq!(parse_scale("4000"), k);
+    }
+
+    #[test]
+    fn durations_for_people_keep_three_digits() {
+        let d = |ns| approx_duration(Duration::from_nanos(ns));
+        assert_eq!(d(217_999_914), "218 ms");
+        assert_eq!(d(31_000_000), "31 ms");
+        assert_eq!(d(1_500_000_000), "1.5 s");
+        assert_eq!(d(5_240), "5.24 µs");
+        assert_eq!(d(12_345_678), "12.3 ms");
+        assert_eq!(d(1_000), "1 µs");
+        assert_eq!(d(40), "40 ns");
+        assert_eq!(d(0), "0 ns");
     }
 
     /// A TimeScale through serde (from TOML).
