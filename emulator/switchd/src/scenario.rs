@@ -587,6 +587,9 @@ fn random(
                 ));
             }
             let links = random_links(cx, topo, raw)?;
+            if degrade {
+                degrades(cx, topo, raw, &links)?;
+            }
             let targets: Vec<_> = links
                 .into_iter()
                 .map(|l| {
@@ -720,6 +723,56 @@ fn random(
 }
 
 /// The links a `[[random]]` link fault may hit: a class's, or those between `a` and `b`.
+/// A `link-degrade` makes every link it may hit worse, never better: a rate above a
+/// link's, a delay below it, a loss below it would be an upgrade (a scenario written for
+/// a 400 Gbit/s fabric, run on a 1 Gbit/s one, would speed its links up a hundredfold).
+fn degrades(cx: &Cx, topo: &Topology, raw: &RawRandom, links: &[u32]) -> Result<(), ConfigError> {
+    let better = |what: &str, given: String, has: String, l: u32, which: &str| {
+        format!(
+            "link-degrade's {what} {given} is {which} the {has} of {} (a link it picks): a degrade must not make a link better",
+            chaos::link_name(topo, l)
+        )
+    };
+    for &l in links {
+        let p = &topo.links[l as usize].params;
+        if let Some(r) = raw
+            .rate
+            .as_ref()
+            .filter(|r| r.get_ref().bps() > p.rate.bps())
+        {
+            let m = better(
+                "rate",
+                r.get_ref().to_string(),
+                p.rate.to_string(),
+                l,
+                "above",
+            );
+            return Err(cx.err(r, m));
+        }
+        if let Some(d) = raw.delay.as_ref().filter(|d| *d.get_ref() < p.delay) {
+            let m = better(
+                "delay",
+                d.get_ref().to_string(),
+                p.delay.to_string(),
+                l,
+                "below",
+            );
+            return Err(cx.err(d, m));
+        }
+        if let Some(x) = raw.loss.as_ref().filter(|x| *x.get_ref() < p.loss) {
+            let m = better(
+                "loss",
+                x.get_ref().to_string(),
+                p.loss.to_string(),
+                l,
+                "below",
+            );
+            return Err(cx.err(x, m));
+        }
+    }
+    Ok(())
+}
+
 fn random_links(cx: &Cx, topo: &Topology, raw: &RawRandom) -> Result<Vec<u32>, ConfigError> {
     Ok(match (&raw.links, &raw.a, &raw.b) {
         (Some(class), None, None) => {
@@ -971,6 +1024,17 @@ flaps = 2
         let e = err(&format!("{base}do = \"link-degrade\"\n"));
         assert!(
             e.starts_with("s.toml:6:6: link-degrade needs what a fault sets"),
+            "{e}"
+        );
+        // A degrade that would make a link better: a file written for a faster fabric.
+        let e = err(&format!("{base}do = \"link-degrade\"\nrate = \"1Tbit\"\n"));
+        assert!(
+            e.starts_with("s.toml:7:8: link-degrade's rate 1Tbit/s is above the 400Gbit/s of leaf0-spine0 #0 (a link it picks): a degrade must not make a link better"),
+            "{e}"
+        );
+        let e = err(&format!("{base}do = \"link-degrade\"\ndelay = \"1ns\"\n"));
+        assert!(
+            e.starts_with("s.toml:7:9: link-degrade's delay 1ns is below"),
             "{e}"
         );
         let e = err(&format!("{base}do = \"link-degrade\"\nloss = 1.5\n"));
