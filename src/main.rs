@@ -84,6 +84,7 @@ enum Command {
         /// Fabric name, or the topology file it was brought up from (default: all).
         #[arg(value_parser = fabric_ref)]
         fabric: Option<FabricName>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
         /// Every port's counters (idle ones too), or only ports whose name contains
@@ -156,6 +157,7 @@ enum Command {
         /// AllReduce algorithm: auto, ring, tree, rhd, hier.
         #[arg(long, default_value = "auto", value_parser = parse_algo)]
         algo: closbox_agents::Algo,
+        /// Print JSON instead of the table.
         #[arg(long)]
         json: bool,
     },
@@ -183,6 +185,7 @@ enum Command {
         /// GPU selections as `run --gpus` takes them, one per group.
         #[arg(required = true)]
         groups: Vec<String>,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
@@ -205,6 +208,7 @@ enum Command {
     Events {
         #[command(flatten)]
         fabric: FabricChoice,
+        /// Print JSON instead of lines.
         #[arg(long)]
         json: bool,
         /// Keep printing new events as they happen (JSON lines with --json).
@@ -233,6 +237,7 @@ enum Command {
         /// Send for this long, then pause for --off, again.
         #[arg(long, requires = "off")]
         on: Option<closbox_fabric::Duration>,
+        /// Pause for this long between the --on periods.
         #[arg(long, requires = "on")]
         off: Option<closbox_fabric::Duration>,
         /// IP bytes per packet [default: the fabric's mtu].
@@ -241,6 +246,7 @@ enum Command {
         /// Stop load ID (as `status` lists them), or every load.
         #[arg(long, value_name = "ID", num_args = 0..=1, conflicts_with_all = ["from", "to", "rate", "duration", "on", "off", "packet"])]
         stop: Option<Option<u32>>,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
@@ -264,6 +270,7 @@ enum Command {
         /// Number of bursts.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
         count: u32,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
@@ -318,6 +325,7 @@ enum Command {
         /// Only flows with a packet in the last DURATION of fabric time.
         #[arg(long, value_name = "DURATION")]
         since: Option<closbox_fabric::Duration>,
+        /// Print JSON instead of the table.
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -349,8 +357,10 @@ enum Command {
     Plot {
         /// A CSV written by `closbox record`.
         file: PathBuf,
+        /// The SVG file to write.
         #[arg(short = 'o', long = "output", value_name = "FILE.svg")]
         out: PathBuf,
+        /// Queue depth (bytes) or utilization (of the port's rate) over fabric time.
         #[arg(long, value_enum, default_value = "queue")]
         metric: record::Metric,
         /// How many ports (those with the highest values).
@@ -411,6 +421,7 @@ enum Command {
     /// with its launcher.
     #[command(hide = true)]
     Rsh {
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
         /// HOST=CPU,...: run the command of a listed host on that CPU (busy-polling ranks).
@@ -439,6 +450,7 @@ enum Command {
         /// Return once the timeline is scheduled.
         #[arg(long, conflicts_with = "dry_run")]
         detach: bool,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
@@ -552,12 +564,14 @@ enum UpDown {
     /// Every link of it goes down.
     Down {
         name: String,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
     /// Every link of it comes back.
     Up {
         name: String,
+        /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
@@ -599,8 +613,10 @@ struct TargetArgs {
 struct BenchOpts {
     #[command(flatten)]
     agent: closbox_agents::bench::Options,
+    /// Print the rows as a JSON array instead of the table.
     #[arg(long, conflicts_with = "csv")]
     json: bool,
+    /// Print CSV instead of the table.
     #[arg(long)]
     csv: bool,
     /// Write busbw against size as an SVG.
