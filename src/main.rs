@@ -491,6 +491,7 @@ enum Command {
 struct LinkArgs {
     /// A GPU or switch name, as `plan` and `status` show them.
     a: String,
+    /// The GPU or switch at the other end.
     b: String,
     /// One of several parallel links (from 0); default: all of them.
     #[arg(long)]
@@ -563,6 +564,7 @@ struct FlapArgs {
 enum UpDown {
     /// Every link of it goes down.
     Down {
+        /// Its name, as `plan` and `status` show it (spine1, gpu3).
         name: String,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
@@ -570,6 +572,7 @@ enum UpDown {
     },
     /// Every link of it comes back.
     Up {
+        /// Its name, as `plan` and `status` show it (spine1, gpu3).
         name: String,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
@@ -1357,6 +1360,30 @@ mod tests {
         assert!(e.contains("is not HOST=CPU"), "{e}");
         let e = cpu_of("gpu0=x", "gpu0").unwrap_err().to_string();
         assert!(e.contains("\"x\" is not a CPU number"), "{e}");
+    }
+
+    /// `--help` says what every argument of every command is for (hidden ones aside).
+    #[test]
+    fn every_argument_has_help() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            if cmd.is_hide_set() {
+                return;
+            }
+            let path = format!("{path} {}", cmd.get_name());
+            for a in cmd.get_arguments() {
+                let builtin = matches!(a.get_id().as_str(), "help" | "version");
+                if !builtin && !a.is_hide_set() && a.get_help().is_none() {
+                    missing.push(format!("{path} {}", a.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &path, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&crate::Cli::command(), "", &mut missing);
+        assert!(missing.is_empty(), "no help for: {missing:?}");
     }
 
     #[test]
