@@ -727,47 +727,28 @@ fn random(
 /// link's, a delay below it, a loss below it would be an upgrade (a scenario written for
 /// a 400 Gbit/s fabric, run on a 1 Gbit/s one, would speed its links up a hundredfold).
 fn degrades(cx: &Cx, topo: &Topology, raw: &RawRandom, links: &[u32]) -> Result<(), ConfigError> {
-    let better = |what: &str, given: String, has: String, l: u32, which: &str| {
-        format!(
-            "link-degrade's {what} {given} is {which} the {has} of {} (a link it picks): a degrade must not make a link better",
-            chaos::link_name(topo, l)
-        )
-    };
+    use std::fmt::Display;
     for &l in links {
         let p = &topo.links[l as usize].params;
+        let better = |span, what: &str, given: &dyn Display, has: &dyn Display, how: &str| {
+            let link = chaos::link_name(topo, l);
+            Err(cx.at(
+                span,
+                format!("link-degrade's {what} {given} is {how} the {has} of {link} (a link it picks): a degrade must not make a link better"),
+            ))
+        };
         if let Some(r) = raw
             .rate
             .as_ref()
             .filter(|r| r.get_ref().bps() > p.rate.bps())
         {
-            let m = better(
-                "rate",
-                r.get_ref().to_string(),
-                p.rate.to_string(),
-                l,
-                "above",
-            );
-            return Err(cx.err(r, m));
+            return better(r.span(), "rate", r.get_ref(), &p.rate, "above");
         }
         if let Some(d) = raw.delay.as_ref().filter(|d| *d.get_ref() < p.delay) {
-            let m = better(
-                "delay",
-                d.get_ref().to_string(),
-                p.delay.to_string(),
-                l,
-                "below",
-            );
-            return Err(cx.err(d, m));
+            return better(d.span(), "delay", d.get_ref(), &p.delay, "below");
         }
         if let Some(x) = raw.loss.as_ref().filter(|x| *x.get_ref() < p.loss) {
-            let m = better(
-                "loss",
-                x.get_ref().to_string(),
-                p.loss.to_string(),
-                l,
-                "below",
-            );
-            return Err(cx.err(x, m));
+            return better(x.span(), "loss", x.get_ref(), &p.loss, "below");
         }
     }
     Ok(())
