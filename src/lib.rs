@@ -277,6 +277,14 @@ impl Fabric {
         })
     }
 
+    /// Puts the fabric back as its topology made it (`closbox reset`): scenarios and flaps
+    /// cancelled, loads stopped, the partition healed, every link up at the topology's
+    /// values. What runs in the GPUs is left alone: a fabric shared by several tests can
+    /// be reset between them.
+    pub fn reset(&self) -> anyhow::Result<()> {
+        self.change(ChangeRequest::Reset)
+    }
+
     /// Takes the fabric down, and says why if it could not.
     pub fn down(mut self) -> anyhow::Result<()> {
         self.take_down()

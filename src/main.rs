@@ -194,6 +194,14 @@ enum Command {
         #[command(flatten)]
         fabric: FabricChoice,
     },
+    /// Put the fabric back as its topology file made it: every scenario and flap
+    /// cancelled, every load stopped, the partition healed, every link up at the file's
+    /// values (those set by hand forgotten), as one event. The GPUs and what runs in them
+    /// are left alone (`down` and `up` would end them).
+    Reset {
+        #[command(flatten)]
+        fabric: FabricChoice,
+    },
     /// End a running chaos scenario (a timeline `status` lists; 0: the pending flaps):
     /// its pending changes are dropped, the repairs among them of what it broke are made
     /// at once, its loads stop. Without TIMELINE: every one.
@@ -1180,6 +1188,7 @@ fn main() -> ExitCode {
         } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
+        Command::Reset { fabric } => chaos::change(fabric.get(), ChangeRequest::Reset),
         Command::Cancel { timeline, fabric } => chaos::cancel(fabric.as_ref(), timeline),
         Command::Exec {
             gpu,

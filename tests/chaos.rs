@@ -255,6 +255,23 @@ fn links_and_switches_go_down_and_come_back() {
         .map(|e| e["fabric_ns"].as_u64().unwrap())
         .collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]));
+    // `reset`: everything back at once, as one event.
+    assert!(run(&["link", "down", "gpu3", "leaf1"]).status.success());
+    assert!(run(&["link", "set", "leaf0", "spine1", "--loss", "0.5"])
+        .status
+        .success());
+    assert!(run(&["partition", "gpu0"]).status.success());
+    let out = run(&["reset"]);
+    assert!(
+        text(&out).0.contains(
+            "fabric reset: 1 link up, 1 link reset to the topology's values, partition healed"
+        ),
+        "{:?}",
+        text(&out)
+    );
+    assert!(f.status()["changed_links"].as_array().unwrap().is_empty());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(ping(&f, "gpu0", "gpu3"), "after reset");
     f.down();
 }
 

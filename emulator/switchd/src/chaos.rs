@@ -106,6 +106,11 @@ pub enum ChangeRequest {
     LoadStop {
         id: Option<u32>,
     },
+    /// The whole fabric back to its topology: every timeline cancelled (its pending
+    /// changes and flaps dropped, nothing repaired one by one), every load stopped, the
+    /// partition healed, every link up at the topology's values (those set by hand
+    /// forgotten), as one event.
+    Reset,
     /// Every GPU of `from` sends `bytes` to GPU `to` at its link's rate, `count` times,
     /// `every_ns` apart: synthetic bursts converging on `to`'s port.
     Incast {
@@ -695,6 +700,9 @@ pub fn resolve(
             return Err(
                 "stopping a load depends on the loads running: the data plane does it".into(),
             )
+        }
+        ChangeRequest::Reset => {
+            return Err("a reset depends on the fabric's state: the data plane does it".into())
         }
         ChangeRequest::Load {
             from,

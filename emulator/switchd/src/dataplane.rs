@@ -2137,6 +2137,72 @@ mod tests {
         assert_eq!(e, "no load is running");
     }
 
+    /// `reset` undoes everything at once, as one event that says what it took, and forgets
+    /// what was set by hand; a second one has nothing to undo.
+    #[test]
+    fn a_reset_puts_the_fabric_back_as_its_topology_made_it() {
+        let (mut dp, _t) = plane(LS);
+        let link = |b: &str| ("leaf0".to_owned(), b.to_owned());
+        let (a, b) = link("spine0");
+        dp.change(&ChangeRequest::LinkDown { a, b, index: None })
+            .unwrap();
+        let (a, b) = link("spine1");
+        dp.change(&ChangeRequest::LinkSet {
+            a,
+            b,
+            index: None,
+            rate_bps: Some(100_000_000),
+            delay_ns: None,
+            loss: Some(0.1),
+            loss_burst: None,
+            buffer_bytes: None,
+            from: None,
+        })
+        .unwrap();
+        dp.change(&ChangeRequest::Partition {
+            groups: vec![vec!["gpu0".into()]],
+        })
+        .unwrap();
+        dp.change(&ChangeRequest::Load {
+            from: "leaf0".into(),
+            to: "leaf1".into(),
+            rate_bps: 1_000_000,
+            packet_bytes: None,
+            for_ns: None,
+            on_ns: None,
+            off_ns: None,
+        })
+        .unwrap();
+        let s = 1_000_000_000;
+        let (a, b) = link("spine1");
+        let flap = ChangeRequest::LinkFlap {
+            a,
+            b,
+            index: None,
+            down_ns: s,
+            up_ns: s,
+            count: 2,
+        };
+        dp.schedule(&[(s, flap.clone())]).unwrap();
+        dp.change(&flap).unwrap();
+        assert_eq!(dp.status().pending_changes, 7);
+        let e = dp.change(&ChangeRequest::Reset).unwrap();
+        assert_eq!(
+            e[0].what,
+            "fabric reset: 2 links up, 1 link reset to the topology's values, partition healed, \
+             1 load stopped, 7 pending steps dropped (1 timeline cancelled)"
+        );
+        let st = dp.status();
+        assert!(st.changed_links.is_empty(), "{:?}", st.changed_links);
+        assert!(st.partition.is_empty());
+        assert!(st.loads.iter().all(|l| !l.active));
+        assert!(st.timelines.is_empty());
+        assert_eq!(st.pending_changes, 0);
+        assert!(dp.by_hand.is_empty());
+        let e = dp.change(&ChangeRequest::Reset).unwrap();
+        assert_eq!(e[0].what, "fabric reset: nothing to undo");
+    }
+
     /// A scenario's reset (a degrade's repair, made at once by a cancel too) returns a
     /// link set by hand to the values set by hand, direction by direction, not to the
     /// topology's; a reset by hand forgets them.

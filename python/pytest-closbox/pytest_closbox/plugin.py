@@ -123,6 +123,12 @@ class Fabric:
     def link_up(self, a: str, b: str) -> None:
         self._closbox(["link", "up", a, b, "--fabric", self.name], check=True)
 
+    def reset(self) -> None:
+        """Puts the fabric back as its topology made it (`closbox reset`): scenarios and
+        flaps cancelled, loads stopped, the partition healed, every link up at the
+        topology's values. What runs in the GPUs is left alone."""
+        self._closbox(["reset", "--fabric", self.name], check=True)
+
     def closbox(self, *args: str, check: bool = True,
                 timeout: Optional[float] = None) -> subprocess.CompletedProcess:
         """Any other closbox command on this fabric, as on the command line without

@@ -72,6 +72,10 @@ def test_a_failed_uplink_is_reported_and_routed_around(closbox_fabric):
     assert fabric.port("leaf0->spine1")["tx_packets"] > 0
     with pytest.raises(ClosboxError):
         fabric.link_down("leaf0", "nowhere")
+    # A fabric shared by several tests is put back between them.
+    fabric.reset()
+    assert fabric.status()["changed_links"] == []
+    assert fabric.events()[-1]["what"] == "fabric reset: 1 link up"
 
 
 def test_cross_traffic_and_a_partition_show_in_the_counters_and_events(closbox_fabric):

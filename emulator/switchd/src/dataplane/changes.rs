@@ -103,8 +103,10 @@ impl<P: Ports> DataPlane<P> {
     /// Applies a change now (or schedules it, for a flap), all of it or (a name or value
     /// wrong) none of it. Returns what was applied now.
     pub fn change(&mut self, req: &ChangeRequest) -> Result<Vec<Event>, String> {
-        if let ChangeRequest::LoadStop { id } = req {
-            return self.stop_loads(*id);
+        match req {
+            ChangeRequest::LoadStop { id } => return self.stop_loads(*id),
+            ChangeRequest::Reset => return Ok(vec![self.reset()]),
+            _ => {}
         }
         self.schedule_at(&[(0, req.clone())], 0)
     }
@@ -306,6 +308,71 @@ impl<P: Ports> DataPlane<P> {
             }
         }
         (keys.len(), repaired)
+    }
+
+    /// The fabric back to its topology, as one event saying what that took (see
+    /// `ChangeRequest::Reset`).
+    fn reset(&mut self) -> Event {
+        use closbox_fabric::routing::PortId;
+        let pending = self.scheduled.len();
+        let timelines = self.broken.keys().filter(|&&t| t != 0).count();
+        self.scheduled.clear();
+        self.broken.clear();
+        let mut changes = Vec::new();
+        let mut said = Vec::new();
+        let (mut up, mut reset) = (0, 0);
+        for l in self.model.changed_links() {
+            if !l.up {
+                changes.push(Change::LinkUp(l.link));
+                up += 1;
+            }
+            let own = [0, 1].map(|end| self.model.original_of(PortId(2 * l.link + end)));
+            if own != [0, 1].map(|end| (l.params[end], l.buffers[end])) {
+                changes.push(Change::ResetLink(l.link));
+                reset += 1;
+            }
+        }
+        let plural =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        if up > 0 {
+            said.push(format!("{} up", plural(up, "link", "links")));
+        }
+        if reset > 0 {
+            let what = plural(reset, "link", "links");
+            said.push(format!("{what} reset to the topology's values"));
+        }
+        if self.model.partition().is_some() {
+            changes.push(Change::Heal);
+            said.push("partition healed".into());
+        }
+        let loads: Vec<u32> = self
+            .model
+            .loads()
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.spec.id)
+            .collect();
+        if !loads.is_empty() {
+            said.push(format!("{} stopped", plural(loads.len(), "load", "loads")));
+        }
+        changes.extend(loads.into_iter().map(Change::StopLoad));
+        if pending > 0 {
+            let steps = plural(pending, "pending step", "pending steps");
+            said.push(match timelines {
+                0 => format!("{steps} dropped"),
+                n => format!(
+                    "{steps} dropped ({} cancelled)",
+                    plural(n, "timeline", "timelines")
+                ),
+            });
+        }
+        self.by_hand.clear();
+        let what = match said.is_empty() {
+            true => "fabric reset: nothing to undo".to_owned(),
+            false => format!("fabric reset: {}", said.join(", ")),
+        };
+        let now = self.fabric_now(self.ports.now());
+        self.apply(now, chaos::Step { changes, what }, Some(0))
     }
 
     fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
