@@ -221,16 +221,18 @@ impl Timeline {
         };
         match control::request(&self.fabric, &req)? {
             Reply::Scheduled { timeline, events } => {
+                let n = self.scenario.items.len();
+                let changes = format!("{n} change{}", if n == 1 { "" } else { "s" });
+                let when = match self.span().as_nanos() {
+                    0 => "at its start".to_owned(),
+                    _ => format!(
+                        "over {} of fabric time",
+                        closbox_fabric::units::approx_duration(self.span())
+                    ),
+                };
                 eprintln!(
-                    "# chaos: {} started: {} change{} over {} of fabric time (timeline {timeline})",
-                    self.file,
-                    self.scenario.items.len(),
-                    if self.scenario.items.len() == 1 {
-                        ""
-                    } else {
-                        "s"
-                    },
-                    closbox_fabric::units::approx_duration(self.span())
+                    "# chaos: {} started: {changes} {when} (timeline {timeline})",
+                    self.file
                 );
                 for e in &events {
                     eprintln!("# chaos: {}", line(e));
@@ -341,14 +343,23 @@ pub fn scenario_cmd(
     }
     // Follow until the last change is due (plus a moment to see it) and its loads have
     // ended, printing events.
-    let end =
-        started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
+    let due = started.at + timeline.time_scale.to_wall(timeline.span());
+    let end = due + StdDuration::from_millis(300);
     let mut last = before;
     let mut said = false;
     loop {
-        for e in events_after(&st.fabric, last)? {
-            println!("{}", line(&e));
+        let new = events_after(&st.fabric, last)?;
+        for e in &new {
+            println!("{}", line(e));
             last = last.max(e.seq);
+        }
+        // Ended from elsewhere (`closbox cancel`, `closbox reset`), which logs an event.
+        if !new.is_empty() && StdInstant::now() < due && !running(&st.fabric, started.id)? {
+            eprintln!(
+                "# chaos: timeline {} ended before its last change: cancelled by `closbox cancel` or `closbox reset`",
+                started.id
+            );
+            return Ok(ExitCode::SUCCESS);
         }
         if stop.load(Ordering::Relaxed) {
             timeline.finish(&started, "interrupted");

@@ -709,6 +709,48 @@ fn scenario_files_are_checked_then_run_on_schedule() {
             .all(|l| l["active"] == false),
         "{loads}"
     );
+    // A scenario followed in the foreground ends when `closbox reset` ends its timeline,
+    // and says so (it waited for its last change, 60 s later).
+    let pending = dir.join("pending.toml");
+    std::fs::write(
+        &pending,
+        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"60s\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+    )
+    .unwrap();
+    let follow = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["chaos", pending.to_str().unwrap(), "--fabric", "lt-scen"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while f.status()["timelines"] == serde_json::json!([]) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the scenario started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = closbox(&["reset", "--fabric", "lt-scen"]);
+    assert!(
+        text(&out)
+            .0
+            .contains("fabric reset: 1 link up, 1 pending step dropped (1 timeline cancelled)"),
+        "{:?}",
+        text(&out)
+    );
+    let out = follow.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("ended before its last change"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "it did not wait 60 s"
+    );
     f.down();
 }
 
