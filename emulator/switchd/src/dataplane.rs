@@ -2352,6 +2352,13 @@ mod tests {
                 format!("load 1 stopped (now: timeline {t} cancelled)"),
             ]
         );
+        // The log says the timeline ended, and with how much to come, before the repairs.
+        let log: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
+        let at = log
+            .iter()
+            .position(|w| *w == format!("timeline {t} cancelled with 6 steps pending"))
+            .expect("the cancel is logged");
+        assert_eq!(log[at + 1], what[0]);
         assert!(dp.status().loads.iter().all(|l| !l.active));
         assert!(dp.status().timelines.is_empty());
         let changed = dp.status().changed_links;

@@ -270,6 +270,19 @@ impl<P: Ports> DataPlane<P> {
             .map(|(k, _)| *k)
             .collect();
         let now = self.fabric_now(self.ports.now());
+        // The log says what ended, and with how much still to come, before its repairs.
+        let mut pending = std::collections::BTreeMap::<u64, usize>::new();
+        for k in &keys {
+            *pending.entry(self.scheduled[k].1).or_default() += 1;
+        }
+        for (t, n) in pending {
+            let steps = format!("{n} step{} pending", if n == 1 { "" } else { "s" });
+            let what = match t {
+                0 => format!("flaps cancelled with {steps}"),
+                t => format!("timeline {t} cancelled with {steps}"),
+            };
+            self.log(now, StdDuration::ZERO, what);
+        }
         let mut repaired = Vec::new();
         for k in &keys {
             let (step, t) = self.scheduled.remove(k).expect("a pending step");
