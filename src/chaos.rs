@@ -348,7 +348,13 @@ pub fn scenario_cmd(
     let mut last = before;
     let mut said = false;
     loop {
-        let new = events_after(&st.fabric, last)?;
+        let Ok(new) = events_after(&st.fabric, last) else {
+            eprintln!(
+                "closbox: fabric {} is gone (taken down while its scenario ran)",
+                st.fabric
+            );
+            return Ok(ExitCode::FAILURE);
+        };
         for e in &new {
             println!("{}", line(e));
             last = last.max(e.seq);
