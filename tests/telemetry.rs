@@ -418,6 +418,33 @@ fn metrics_pass_promtool_and_equal_status() {
         ),
         1.0
     );
+    // Chaos in progress: a partition and a scenario with a change pending, then a reset.
+    let later = scratch_dir().join("lt-met-later.toml");
+    std::fs::write(
+        &later,
+        "[[event]]\nat = \"60s\"\ndo = \"link-down\"\na = \"gpu1\"\nb = \"sw0\"\n",
+    )
+    .unwrap();
+    for args in [
+        &["partition", "gpu0", "--fabric", "lt-met"][..],
+        &[
+            "chaos",
+            later.to_str().unwrap(),
+            "--detach",
+            "--fabric",
+            "lt-met",
+        ],
+    ] {
+        let out = closbox(args);
+        assert!(out.status.success(), "{args:?}: {:?}", text(&out));
+    }
+    let chaos = |body: &str| {
+        ["partitioned", "timelines_running", "changes_pending"]
+            .map(|m| sample(body, &format!("closbox_{m}{{fabric=\"lt-met\"}}")))
+    };
+    assert_eq!(chaos(&scrape(addr, None)), [1.0, 1.0, 1.0]);
+    assert!(closbox(&["reset", "lt-met"]).status.success());
+    assert_eq!(chaos(&scrape(addr, None)), [0.0, 0.0, 0.0]);
     // The data-plane thread's CPU use over the recent window, once it has a half second
     // behind it (sampled every half second): a share of one CPU, and of the window spent
     // waiting for one.

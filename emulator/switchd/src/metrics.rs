@@ -461,6 +461,27 @@ pub fn encode(s: &Status) -> String {
     );
     gauge_f(
         &mut reg,
+        "timelines_running",
+        "Chaos scenarios (timelines) with changes pending or loads running",
+        None,
+        s.timelines.len() as f64,
+    );
+    gauge_f(
+        &mut reg,
+        "changes_pending",
+        "Scheduled changes not made yet (scenarios, flaps)",
+        None,
+        s.pending_changes as f64,
+    );
+    gauge_f(
+        &mut reg,
+        "partitioned",
+        "1 while a partition cuts GPUs off from each other",
+        None,
+        f64::from(u8::from(!s.partition.is_empty())),
+    );
+    gauge_f(
+        &mut reg,
         "behind",
         "1 if the box is not keeping up (recent p99 lateness above the bar)",
         None,
