@@ -380,9 +380,10 @@ impl<P: Ports> DataPlane<P> {
             });
         }
         self.by_hand.clear();
-        let what = match said.is_empty() {
-            true => "fabric reset: nothing to undo".to_owned(),
-            false => format!("fabric reset: {}", said.join(", ")),
+        let what = if said.is_empty() {
+            "fabric reset: nothing to undo".to_owned()
+        } else {
+            format!("fabric reset: {}", said.join(", "))
         };
         let now = self.fabric_now(self.ports.now());
         self.apply(now, chaos::Step { changes, what }, Some(0))
