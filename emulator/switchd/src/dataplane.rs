@@ -2199,6 +2199,22 @@ mod tests {
         assert!(st.timelines.is_empty());
         assert_eq!(st.pending_changes, 0);
         assert!(dp.by_hand.is_empty());
+        // A scenario whose changes are all made but whose load still runs.
+        let load = ChangeRequest::Load {
+            from: "leaf0".into(),
+            to: "leaf1".into(),
+            rate_bps: 1_000_000,
+            packet_bytes: None,
+            for_ns: Some(10 * s),
+            on_ns: None,
+            off_ns: None,
+        };
+        dp.schedule(&[(0, load)]).unwrap();
+        let e = dp.change(&ChangeRequest::Reset).unwrap();
+        assert_eq!(
+            e[0].what,
+            "fabric reset: 1 load stopped, 1 timeline cancelled"
+        );
         let e = dp.change(&ChangeRequest::Reset).unwrap();
         assert_eq!(e[0].what, "fabric reset: nothing to undo");
     }

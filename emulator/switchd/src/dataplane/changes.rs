@@ -369,15 +369,19 @@ impl<P: Ports> DataPlane<P> {
             said.push(format!("{} stopped", plural(loads.len(), "load", "loads")));
         }
         changes.extend(loads.into_iter().map(Change::StopLoad));
-        if pending > 0 {
-            let steps = plural(pending, "pending step", "pending steps");
-            said.push(match timelines {
-                0 => format!("{steps} dropped"),
-                n => format!(
-                    "{steps} dropped ({} cancelled)",
-                    plural(n, "timeline", "timelines")
-                ),
-            });
+        // (A timeline whose changes are all made may still run loads.)
+        let cancelled = format!("{} cancelled", plural(timelines, "timeline", "timelines"));
+        match (pending, timelines) {
+            (0, 0) => {}
+            (0, _) => said.push(cancelled),
+            (n, 0) => said.push(format!(
+                "{} dropped",
+                plural(n, "pending step", "pending steps")
+            )),
+            (n, _) => said.push(format!(
+                "{} dropped ({cancelled})",
+                plural(n, "pending step", "pending steps")
+            )),
         }
         self.by_hand.clear();
         let what = if said.is_empty() {
