@@ -328,7 +328,8 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
     if !s.flow_control.is_empty() && s.flow_control != "none" {
         let paused: Vec<&PortStatus> = s.ports.iter().filter(|p| p.pause_events > 0).collect();
         let events: u64 = paused.iter().map(|p| p.pause_events).sum();
-        let total: f64 = paused.iter().map(|p| p.paused_s).sum();
+        // (Not `sum`: an empty f64 sum is -0.0, which prints as "-0.000".)
+        let total = paused.iter().fold(0.0, |t, p| t + p.paused_s);
         let _ = writeln!(
             o,
             "  lossless  {}: {} pause events on {} ports, {:.3} ms paused in all (fabric time), {} paused now",
