@@ -307,13 +307,7 @@ impl<P: Ports> DataPlane<P> {
             Some(t) => self.broken.remove(&t).map(|b| (t, b)).into_iter().collect(),
             None => self.broken.drain().collect(),
         };
-        let running: Vec<u32> = self
-            .model
-            .loads()
-            .iter()
-            .filter(|l| l.active)
-            .map(|l| l.spec.id)
-            .collect();
+        let running = self.running_loads();
         for (t, b) in ended {
             for id in b.loads.into_iter().filter(|id| running.contains(id)) {
                 let what = format!("load {id} stopped (now: timeline {t} cancelled)");
@@ -358,13 +352,7 @@ impl<P: Ports> DataPlane<P> {
             changes.push(Change::Heal);
             said.push("partition healed".into());
         }
-        let loads: Vec<u32> = self
-            .model
-            .loads()
-            .iter()
-            .filter(|l| l.active)
-            .map(|l| l.spec.id)
-            .collect();
+        let loads = self.running_loads();
         if !loads.is_empty() {
             said.push(format!("{} stopped", plural(loads.len(), "load", "loads")));
         }
@@ -393,13 +381,15 @@ impl<P: Ports> DataPlane<P> {
         self.apply(now, chaos::Step { changes, what }, Some(0))
     }
 
+    /// The ids of the loads still sending.
+    fn running_loads(&self) -> Vec<u32> {
+        let loads = self.model.loads().into_iter();
+        loads.filter(|l| l.active).map(|l| l.spec.id).collect()
+    }
+
     fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
         let loads = self.model.loads();
-        let running: Vec<u32> = loads
-            .iter()
-            .filter(|l| l.active)
-            .map(|l| l.spec.id)
-            .collect();
+        let running = self.running_loads();
         let stop = match id {
             Some(id) if running.contains(&id) => vec![id],
             Some(id) if loads.iter().any(|l| l.spec.id == id) => {
