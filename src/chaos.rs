@@ -193,6 +193,8 @@ pub struct Timeline {
 pub struct Started {
     id: u64,
     at: StdInstant,
+    /// The last event it printed as it started (what it applied at once).
+    seen: u64,
 }
 
 impl Timeline {
@@ -240,6 +242,7 @@ impl Timeline {
                 Ok(Started {
                     id: timeline,
                     at: StdInstant::now(),
+                    seen: events.iter().map(|e| e.seq).max().unwrap_or(0),
                 })
             }
             // Refused by the daemon as a whole (loads beyond its budget together, too
@@ -343,10 +346,12 @@ pub fn scenario_cmd(
     }
     // Follow until the last change is due (plus a moment to see it) and its loads have
     // ended, printing events.
-    let due = started.at + timeline.time_scale.to_wall(timeline.span());
-    let end = due + StdDuration::from_millis(300);
-    let mut last = before;
+    let end =
+        started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
+    // (What it applied at once, `start` printed.)
+    let mut last = before.max(started.seen);
     let mut said = false;
+    let mut cancelled = false;
     loop {
         let Ok(new) = events_after(&st.fabric, last) else {
             eprintln!(
@@ -358,11 +363,12 @@ pub fn scenario_cmd(
         for e in &new {
             println!("{}", line(e));
             last = last.max(e.seq);
+            cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
-        // Ended from elsewhere (`closbox cancel`, `closbox reset`), which logs an event.
-        if !new.is_empty() && StdInstant::now() < due && !running(&st.fabric, started.id)? {
+        // Ended from elsewhere (`closbox cancel`, `closbox reset`), which its log says.
+        if cancelled && !running(&st.fabric, started.id)? {
             eprintln!(
-                "# chaos: timeline {} ended before its last change: cancelled by `closbox cancel` or `closbox reset`",
+                "# chaos: timeline {} was cancelled before its end (`closbox cancel` or `closbox reset`)",
                 started.id
             );
             return Ok(ExitCode::SUCCESS);

@@ -743,7 +743,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let out = follow.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(
-        text(&out).1.contains("ended before its last change"),
+        text(&out).1.contains("was cancelled before its end"),
         "{:?}",
         text(&out)
     );

@@ -27,6 +27,7 @@ use crate::sys;
 mod changes;
 mod tun;
 
+pub use changes::ends_early;
 use changes::{Broken, HandSet};
 pub use tun::TunPorts;
 
@@ -2215,6 +2216,7 @@ mod tests {
             e[0].what,
             "fabric reset: 1 load stopped, 1 timeline cancelled"
         );
+        assert!(ends_early(&e[0].what, 2));
         let e = dp.change(&ChangeRequest::Reset).unwrap();
         assert_eq!(e[0].what, "fabric reset: nothing to undo");
     }
@@ -2375,6 +2377,8 @@ mod tests {
             .position(|w| *w == format!("timeline {t} cancelled with 6 steps pending"))
             .expect("the cancel is logged");
         assert_eq!(log[at + 1], what[0]);
+        assert!(log[at..].iter().all(|w| ends_early(w, t)), "{log:?}");
+        assert!(!log[..at].iter().any(|w| ends_early(w, t)), "{log:?}");
         assert!(dp.status().loads.iter().all(|l| !l.active));
         assert!(dp.status().timelines.is_empty());
         let changed = dp.status().changed_links;

@@ -99,6 +99,18 @@ pub(super) struct HandSet {
     buffer: closbox_fabric::Bytes,
 }
 
+/// Whether a logged event's text ends `timeline` early: its cancel's own line or one of
+/// its repairs or stops, or a fabric reset (which cancels every timeline). For clients
+/// following a timeline, which see it end and must tell a cancel from a natural end.
+pub fn ends_early(what: &str, timeline: u64) -> bool {
+    what.starts_with(RESET)
+        || what.starts_with(&format!("timeline {timeline} cancelled with "))
+        || what.ends_with(&format!("(now: timeline {timeline} cancelled)"))
+}
+
+/// How a reset's event begins.
+const RESET: &str = "fabric reset: ";
+
 impl<P: Ports> DataPlane<P> {
     /// Applies a change now (or schedules it, for a flap), all of it or (a name or value
     /// wrong) none of it. Returns what was applied now.
@@ -373,9 +385,9 @@ impl<P: Ports> DataPlane<P> {
         }
         self.by_hand.clear();
         let what = if said.is_empty() {
-            "fabric reset: nothing to undo".to_owned()
+            format!("{RESET}nothing to undo")
         } else {
-            format!("fabric reset: {}", said.join(", "))
+            format!("{RESET}{}", said.join(", "))
         };
         let now = self.fabric_now(self.ports.now());
         self.apply(now, chaos::Step { changes, what }, Some(0))
