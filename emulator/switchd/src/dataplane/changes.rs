@@ -554,14 +554,13 @@ impl<P: Ports> DataPlane<P> {
                 buffer,
             } => {
                 let model = &self.model;
-                let kept = *self.by_hand.entry(link).or_insert_with(|| {
+                let set = self.by_hand.entry(link).or_insert_with(|| {
                     [0, 1].map(|end| {
                         let (link, buffer) =
                             model.original_of(closbox_fabric::routing::PortId(2 * link + end));
                         HandSet { link, buffer }
                     })
                 });
-                let mut set = kept;
                 for p in dirs.ports(link) {
                     let h = &mut set[(p.0 % 2) as usize];
                     h.link.rate = rate.unwrap_or(h.link.rate);
@@ -570,7 +569,6 @@ impl<P: Ports> DataPlane<P> {
                     h.link.loss_burst = loss_burst.unwrap_or(h.link.loss_burst);
                     h.buffer = buffer.unwrap_or(h.buffer);
                 }
-                self.by_hand.insert(link, set);
             }
             Change::ResetLink(l) => {
                 self.by_hand.remove(&l);
