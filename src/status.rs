@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use closbox_fabric::TimeScale;
 use closbox_switchd::control::{self, Lateness, PortStatus, Reply, Request, Status};
-use closbox_switchd::dataplane::LoadInfo;
+use closbox_switchd::dataplane::{holders, LoadInfo};
 use closbox_switchd::state::{self, FabricName, State};
 use serde::Serialize;
 
@@ -438,8 +438,12 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
         }
         let mut what = Vec::new();
         if !l.up {
+            let by = match l.down_by.as_slice() {
+                [] => String::new(),
+                by => format!(" (by {})", holders(by.iter().copied())),
+            };
             what.push(format!(
-                "DOWN since fabric time {:.6} s",
+                "DOWN since fabric time {:.6} s{by}",
                 l.down_since_s.unwrap_or(0.0)
             ));
         }
@@ -471,6 +475,12 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             closbox_fabric::Bytes::new(l.buffer_bytes[0]),
             closbox_fabric::Bytes::new(l.buffer_bytes[1])
         ));
+        if !l.degraded_by.is_empty() {
+            what.push(format!(
+                "degraded by {}",
+                holders(l.degraded_by.iter().copied())
+            ));
+        }
         states.push((l.link.as_str(), what.join("; ")));
     }
     // Links in the same state share a line (a switch down: one line, not one per link).
@@ -612,6 +622,8 @@ mod tests {
             buffer_bytes: [0, 0],
             b_to_a: None,
             ends: [a.to_owned(), b.to_owned()],
+            down_by: Vec::new(),
+            degraded_by: Vec::new(),
         };
         let links = [
             ("gpu0", "leaf0", true),

@@ -751,6 +751,65 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         started.elapsed() < Duration::from_secs(20),
         "it did not wait 60 s"
     );
+    // Two scenarios degrade one link: cancelling the first ends its degrade only.
+    let degrade = |file: &str, field: &str| {
+        let path = dir.join(file);
+        std::fs::write(
+            &path,
+            format!(
+                "[[event]]\nat = \"0ms\"\ndo = \"link-set\"\na = \"leaf0\"\nb = \"spine0\"\n{field}\n\
+                 [[event]]\nat = \"60s\"\ndo = \"link-reset\"\na = \"leaf0\"\nb = \"spine0\"\n"
+            ),
+        )
+        .unwrap();
+        let out = closbox(&[
+            "chaos",
+            path.to_str().unwrap(),
+            "--detach",
+            "--fabric",
+            "lt-scen",
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+        let timelines = f.status()["timelines"].clone();
+        timelines.as_array().unwrap().last().unwrap()["id"]
+            .as_u64()
+            .unwrap()
+    };
+    let slow = degrade("slow.toml", "rate = \"10Mbit\"");
+    let late = degrade("late.toml", "delay = \"3ms\"");
+    let link = || f.status()["changed_links"][0].clone();
+    assert_eq!(link()["rate_bps"], 10_000_000, "{}", link());
+    assert_eq!(link()["delay_ns"], 3_000_000, "{}", link());
+    let out = closbox(&["cancel", &slow.to_string(), "--fabric", "lt-scen"]);
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("(still degraded by timeline {late})")),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(link()["rate_bps"], 1_000_000_000u64, "{}", link());
+    assert_eq!(link()["delay_ns"], 3_000_000, "{}", link());
+    assert_eq!(
+        link()["degraded_by"],
+        serde_json::json!([late]),
+        "{}",
+        link()
+    );
+    let out = closbox(&["status", "lt-scen"]);
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("; degraded by timeline {late}")),
+        "{:?}",
+        text(&out)
+    );
+    assert!(
+        closbox(&["cancel", &late.to_string(), "--fabric", "lt-scen"])
+            .status
+            .success()
+    );
+    assert_eq!(f.status()["changed_links"], serde_json::json!([]));
     f.down();
 }
 

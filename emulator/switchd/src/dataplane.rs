@@ -25,10 +25,12 @@ use crate::histogram::{Histogram, Recent};
 use crate::sys;
 
 mod changes;
+mod layers;
 mod tun;
 
 pub use changes::ends_early;
-use changes::{Broken, HandSet};
+use changes::Broken;
+pub use layers::holders;
 pub use tun::TunPorts;
 
 /// How long before a departure the loop stops sleeping and polls: at least `SPIN` (the
@@ -300,6 +302,13 @@ pub struct LinkStatus {
     /// Names of the ends a and b.
     #[serde(default)]
     pub ends: [String; 2],
+    /// The timelines (scenarios; 0: by hand) holding it down: it comes up when the last
+    /// lets go, or by hand.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub down_by: Vec<u64>,
+    /// The scenarios' timelines whose degrades are in place on it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub degraded_by: Vec<u64>,
 }
 
 /// One direction of a link: rate, delay, loss.
@@ -770,9 +779,9 @@ pub struct DataPlane<P: Ports> {
     timelines: u64,
     /// Per timeline with steps pending: what it broke and has not repaired yet.
     broken: std::collections::HashMap<u64, Broken>,
-    /// Links set by hand and not reset by hand since: each direction's values outside
-    /// scenarios, which a scenario's reset (a degrade's repair) returns the link to.
-    by_hand: std::collections::HashMap<u32, [HandSet; 2]>,
+    /// Who holds each changed link down or degraded, and the values set by hand: what a
+    /// timeline's repair returns a link to.
+    layers: layers::Layers,
     /// Id of the next load started.
     next_load: u32,
     captures: Vec<Capture>,
@@ -849,7 +858,7 @@ impl<P: Ports> DataPlane<P> {
             scheduled_seq: 0,
             timelines: 0,
             broken: Default::default(),
-            by_hand: Default::default(),
+            layers: Default::default(),
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
@@ -1544,6 +1553,8 @@ impl<P: Ports> DataPlane<P> {
                         let (a, b, _) = chaos::link_ref(&self.topo, l.link);
                         [a, b]
                     },
+                    down_by: self.layers.down_by(l.link),
+                    degraded_by: self.layers.degraded_by(l.link),
                 })
                 .collect(),
             events: self.events_total,
@@ -2199,7 +2210,7 @@ mod tests {
         assert!(st.loads.iter().all(|l| !l.active));
         assert!(st.timelines.is_empty());
         assert_eq!(st.pending_changes, 0);
-        assert!(dp.by_hand.is_empty());
+        assert!(dp.layers.is_empty());
         // A scenario whose changes are all made but whose load still runs.
         let load = ChangeRequest::Load {
             from: "leaf0".into(),
@@ -2291,6 +2302,114 @@ mod tests {
         let what = degrade(&mut dp);
         assert!(what.contains("reset to the topology's values"), "{what}");
         assert!(dp.status().changed_links.is_empty());
+    }
+
+    /// Faults of several timelines on one link are undone one by one: a degrade's repair
+    /// leaves another timeline's degrade in place, a flap's "up" leaves a link down while
+    /// its switch is down.
+    #[test]
+    fn overlapping_faults_are_undone_one_by_one() {
+        use closbox_fabric::routing::PortId;
+        let (mut dp, _t) = plane(LS);
+        let set = |rate_bps: Option<u64>, loss: Option<f64>| ChangeRequest::LinkSet {
+            a: "leaf0".into(),
+            b: "spine0".into(),
+            index: None,
+            rate_bps,
+            delay_ns: None,
+            loss,
+            loss_burst: None,
+            buffer_bytes: None,
+            from: None,
+        };
+        let reset = || ChangeRequest::LinkReset {
+            a: "leaf0".into(),
+            b: "spine0".into(),
+            index: None,
+        };
+        let s = 1_000_000_000;
+        // A schedule refused takes no timeline id.
+        assert!(dp.schedule(&[(0, set(Some(0), None))]).is_err());
+        let (one, _) = dp
+            .schedule(&[(0, set(Some(500_000_000), None)), (10 * s, reset())])
+            .unwrap();
+        assert_eq!(one, 1);
+        let (two, _) = dp
+            .schedule(&[(0, set(None, Some(0.25))), (20 * s, reset())])
+            .unwrap();
+        let l = dp.status().changed_links[0].id;
+        let link = |dp: &DataPlane<MemPorts>| dp.model.link_of(PortId(2 * l));
+        assert_eq!((link(&dp).rate.bps(), link(&dp).loss), (500_000_000, 0.25));
+        let (_, repaired) = dp.cancel(Some(one));
+        assert_eq!(
+            repaired[0].what,
+            format!(
+                "link leaf0-spine0 #0 reset to the topology's values \
+                 (now: timeline {one} cancelled) (still degraded by timeline {two})"
+            )
+        );
+        assert!(ends_early(&repaired[0].what, one));
+        assert_eq!(
+            (link(&dp).rate.bps(), link(&dp).loss),
+            (1_000_000_000, 0.25)
+        );
+        dp.cancel(Some(two));
+        assert!(dp.status().changed_links.is_empty());
+        // A switch down for one timeline; another flaps one of its links: the flap's "up"
+        // leaves the link down, and the switch's own "up" brings every link back.
+        let (_, now) = dp
+            .schedule(&[
+                (
+                    0,
+                    ChangeRequest::SwitchDown {
+                        name: "spine0".into(),
+                    },
+                ),
+                (
+                    10 * s,
+                    ChangeRequest::SwitchUp {
+                        name: "spine0".into(),
+                    },
+                ),
+            ])
+            .unwrap();
+        let down = dp.status().changed_links.len();
+        assert!(
+            now[0].what.starts_with("switch spine0 down"),
+            "{}",
+            now[0].what
+        );
+        let (flap, now) = dp
+            .schedule(&[(
+                0,
+                ChangeRequest::LinkFlap {
+                    a: "leaf0".into(),
+                    b: "spine0".into(),
+                    index: None,
+                    down_ns: s / 1000,
+                    up_ns: s / 1000,
+                    count: 1,
+                },
+            )])
+            .unwrap();
+        assert_eq!(
+            now[0].what,
+            "link leaf0-spine0 #0 down (flap 1 of 1) (already so)"
+        );
+        while dp.ports.elapsed < StdDuration::from_millis(3) {
+            dp.step();
+        }
+        let log: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
+        assert!(
+            log.contains(&"link leaf0-spine0 #0 up (flap 1 of 1) (held down by timeline 3)"),
+            "timeline {flap}: {log:?}"
+        );
+        let changed = dp.status().changed_links;
+        assert_eq!(changed.len(), down);
+        assert!(changed.iter().all(|l| l.down_by == [3]), "{changed:?}");
+        dp.cancel(None);
+        assert!(dp.status().changed_links.is_empty());
+        assert!(dp.layers.is_empty());
     }
 
     /// A timeline cancelled in the middle repairs at once what it broke and would have
@@ -2386,14 +2505,17 @@ mod tests {
         assert_eq!(changed[0].ends, ["leaf0", "spine1"]);
         assert_eq!(dp.status().pending_changes, 0);
         assert!(dp.broken.is_empty());
+        // A timeline's "up" of a link down by hand leaves it down: the hand holds it.
+        let (t, now) = dp.schedule(&[(0, up("spine1"))]).unwrap();
+        assert_eq!(
+            now[0].what, "link leaf0-spine1 #0 up (held down by hand)",
+            "timeline {t}"
+        );
+        assert_eq!(dp.status().changed_links.len(), 1);
+        dp.change(&up("spine1")).unwrap();
         // A timeline run to its end keeps nothing: its changes applied, its load ended.
-        dp.schedule(&[
-            (0, load(100_000)),
-            (0, up("spine1")),
-            (1, down("spine1")),
-            (2, up("spine1")),
-        ])
-        .unwrap();
+        dp.schedule(&[(0, load(100_000)), (1, down("spine1")), (2, up("spine1"))])
+            .unwrap();
         assert_eq!(dp.status().timelines.len(), 1);
         while dp.ports.elapsed < StdDuration::from_millis(1) {
             dp.step();

@@ -8,7 +8,8 @@ use closbox_fabric::model::Change;
 use closbox_fabric::Instant;
 
 use super::{
-    DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING, SHORT_LOAD_PACKETS,
+    layers, DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING,
+    SHORT_LOAD_PACKETS,
 };
 use crate::chaos::{self, ChangeRequest, Event};
 
@@ -92,20 +93,13 @@ impl Broken {
     }
 }
 
-/// A direction of a link as `closbox link set` left it (timeline 0).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct HandSet {
-    link: closbox_fabric::topology::LinkParams,
-    buffer: closbox_fabric::Bytes,
-}
-
 /// Whether a logged event's text ends `timeline` early: its cancel's own line or one of
 /// its repairs or stops, or a fabric reset (which cancels every timeline). For clients
 /// following a timeline, which see it end and must tell a cancel from a natural end.
 pub fn ends_early(what: &str, timeline: u64) -> bool {
     what.starts_with(RESET)
         || what.starts_with(&format!("timeline {timeline} cancelled with "))
-        || what.ends_with(&format!("(now: timeline {timeline} cancelled)"))
+        || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
 /// How a reset's event begins.
@@ -129,9 +123,11 @@ impl<P: Ports> DataPlane<P> {
         &mut self,
         items: &[(u64, ChangeRequest)],
     ) -> Result<(u64, Vec<Event>), String> {
-        self.timelines += 1;
-        let id = self.timelines;
-        Ok((id, self.schedule_at(items, id)?))
+        // (A schedule refused takes no id: timelines are numbered as they run.)
+        let id = self.timelines + 1;
+        let applied = self.schedule_at(items, id)?;
+        self.timelines = id;
+        Ok((id, applied))
     }
 
     /// Packets a second of wall time a load generates while it sends: 0 for one short
@@ -383,7 +379,7 @@ impl<P: Ports> DataPlane<P> {
                 plural(n, "pending step", "pending steps")
             )),
         }
-        self.by_hand.clear();
+        self.layers.clear();
         let what = if said.is_empty() {
             format!("{RESET}nothing to undo")
         } else {
@@ -493,30 +489,63 @@ impl<P: Ports> DataPlane<P> {
     }
 
     /// Applies a step's changes at `now` and logs it as one event, saying which of its
-    /// changes found the fabric already so (a link already down). What it breaks and
-    /// repairs is kept for `timeline` while that has steps pending.
+    /// changes found the fabric already so (a link already down) and which were held by
+    /// other timelines (`Layers`). What it breaks and repairs is kept for `timeline`
+    /// while that has steps pending.
     fn apply(&mut self, now: Instant, step: chaos::Step, timeline: Option<u64>) -> Event {
+        use closbox_fabric::routing::PortId;
+        use layers::Outcome;
         let total = step.changes.len();
         let mut done = 0;
         let mut to_hand = false;
+        // Links that stay down for others, links left degraded by others: how many, by whom.
+        let (mut held, mut held_by) = (0, std::collections::BTreeSet::new());
+        let (mut degraded, mut degraded_by) = (0, std::collections::BTreeSet::new());
         for change in step.changes {
             let target = Target::of(&change);
-            let by_hand = timeline == Some(0);
-            if by_hand {
-                self.remember_by_hand(&change);
-            }
-            let applied = match change {
-                Change::ResetLink(l) if !by_hand && self.by_hand.contains_key(&l) => {
-                    to_hand = true;
-                    let restore = self.restore_by_hand(l);
-                    restore
+            let outcome = match timeline {
+                Some(t) => {
+                    let model = &self.model;
+                    self.layers.take(t, &change, |l, end| {
+                        model.original_of(PortId(2 * l + end as u32))
+                    })
+                }
+                None => Outcome::AsIs,
+            };
+            let applied = match (outcome, change) {
+                (Outcome::AsIs, change) => self.apply_change(now, change),
+                (Outcome::HeldDown(by), _) => {
+                    held += 1;
+                    held_by.extend(by);
+                    false
+                }
+                (
+                    Outcome::Restore {
+                        values,
+                        hand,
+                        degraded_by: by,
+                    },
+                    Change::ResetLink(l),
+                ) => {
+                    to_hand |= hand;
+                    if !by.is_empty() {
+                        degraded += 1;
+                        degraded_by.extend(by);
+                    }
+                    restore(l, values)
                         .into_iter()
                         .fold(false, |any, c| self.apply_change(now, c) | any)
                 }
-                change => self.apply_change(now, change),
+                (Outcome::Restore { .. }, change) => unreachable!("a restore for {change:?}"),
             };
-            if applied {
-                done += 1;
+            // A timeline holds what it takes down or degrades whether or not the fabric
+            // was already so, and lets go of it the same way.
+            let held_as_such = matches!(
+                target,
+                Target::Down(_) | Target::Up(_) | Target::Set(_) | Target::Reset(_)
+            );
+            if applied || held_as_such {
+                done += usize::from(applied);
                 // (Loads started by hand, timeline 0, are not a flap's to stop.)
                 let ours = timeline.filter(|&t| t != 0 || !matches!(target, Target::Load(_)));
                 if let Some(b) = ours.and_then(|t| self.broken.get_mut(&t)) {
@@ -524,76 +553,33 @@ impl<P: Ports> DataPlane<P> {
                 }
             }
         }
-        let what = if to_hand {
+        let mut what = if to_hand {
             step.what
                 .replace(chaos::RESET_TO_TOPOLOGY, chaos::RESET_TO_HAND)
         } else {
             step.what
         };
-        let what = match total - done {
-            0 => what,
-            n if n == total => format!("{what} (already so)"),
-            n => format!("{what} ({n} of {total} already so)"),
+        let of_total = |n: usize| {
+            if total == 1 {
+                String::new()
+            } else {
+                format!("{n} of {total} ")
+            }
         };
-        self.log(now, StdDuration::ZERO, what)
-    }
-
-    /// Keeps what a change made by hand (timeline 0) sets a link to: a set changes the
-    /// values it gives over what the link had outside scenarios (the topology's, or an
-    /// earlier set by hand), not over a scenario's degrade in place now; a reset by hand
-    /// returns the link to the topology's values for good.
-    fn remember_by_hand(&mut self, change: &Change) {
-        match *change {
-            Change::SetLink {
-                link,
-                dirs,
-                rate,
-                delay,
-                loss,
-                loss_burst,
-                buffer,
-            } => {
-                let model = &self.model;
-                let set = self.by_hand.entry(link).or_insert_with(|| {
-                    [0, 1].map(|end| {
-                        let (link, buffer) =
-                            model.original_of(closbox_fabric::routing::PortId(2 * link + end));
-                        HandSet { link, buffer }
-                    })
-                });
-                for p in dirs.ports(link) {
-                    let h = &mut set[(p.0 % 2) as usize];
-                    h.link.rate = rate.unwrap_or(h.link.rate);
-                    h.link.delay = delay.unwrap_or(h.link.delay);
-                    h.link.loss = loss.unwrap_or(h.link.loss);
-                    h.link.loss_burst = loss_burst.unwrap_or(h.link.loss_burst);
-                    h.buffer = buffer.unwrap_or(h.buffer);
-                }
-            }
-            Change::ResetLink(l) => {
-                self.by_hand.remove(&l);
-            }
-            _ => {}
+        match total - done - held {
+            0 => {}
+            n if n == total => what.push_str(" (already so)"),
+            n => what.push_str(&format!(" ({n} of {total} already so)")),
         }
-    }
-
-    /// The changes that return link `l` to the values set by hand, a direction each.
-    fn restore_by_hand(&self, l: u32) -> Vec<Change> {
-        use closbox_fabric::model::Directions;
-        let set = self.by_hand[&l];
-        [Directions::FromA, Directions::FromB]
-            .into_iter()
-            .zip(set)
-            .map(|(dirs, h)| Change::SetLink {
-                link: l,
-                dirs,
-                rate: Some(h.link.rate),
-                delay: Some(h.link.delay),
-                loss: Some(h.link.loss),
-                loss_burst: Some(h.link.loss_burst),
-                buffer: Some(h.buffer),
-            })
-            .collect()
+        if held > 0 {
+            let by = layers::holders(held_by);
+            what.push_str(&format!(" ({}held down by {by})", of_total(held)));
+        }
+        if degraded > 0 {
+            let by = layers::holders(degraded_by);
+            what.push_str(&format!(" ({}still degraded by {by})", of_total(degraded)));
+        }
+        self.log(now, StdDuration::ZERO, what)
     }
 
     /// Applies one change to the model (and the GPUs' pacing it concerns); false if it
@@ -642,4 +628,23 @@ impl<P: Ports> DataPlane<P> {
         }
         event
     }
+}
+
+/// The changes that set link `l` to `values`, a direction each (full sets: what is left
+/// when a timeline's degrade ends).
+fn restore(l: u32, values: [layers::Values; 2]) -> Vec<Change> {
+    use closbox_fabric::model::Directions;
+    [Directions::FromA, Directions::FromB]
+        .into_iter()
+        .zip(values)
+        .map(|(dirs, (link, buffer))| Change::SetLink {
+            link: l,
+            dirs,
+            rate: Some(link.rate),
+            delay: Some(link.delay),
+            loss: Some(link.loss),
+            loss_burst: Some(link.loss_burst),
+            buffer: Some(buffer),
+        })
+        .collect()
 }

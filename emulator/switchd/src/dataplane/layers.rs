@@ -1,0 +1,479 @@
+//! Who holds each changed link as it is: the timelines (scenarios; 0: by hand) that took
+//! it down, and the values each one's degrade set, so that one fault's repair undoes only
+//! that fault. Two scenarios that degrade one link, or a flap of a link whose spine is
+//! down, would otherwise undo each other: the first repair reset the link for both.
+//!
+//! A link is down while any timeline holds it down; its values are, field by field and
+//! direction by direction, the latest degrade still in place over its own values (those
+//! set by hand, else the topology's). By hand is the operator's word: a set by hand
+//! changes the link's own values and takes the fields it sets from every degrade (it
+//! shows at once, and a later repair does not bring an older degrade of them back); an
+//! up or reset by hand ends every timeline's hold on the link.
+
+use std::collections::{BTreeSet, HashMap};
+
+use closbox_fabric::model::Change;
+use closbox_fabric::topology::LinkParams;
+use closbox_fabric::{Bandwidth, Bytes, Duration};
+
+/// One direction's values: the link's, and the egress buffer at its sending end.
+pub(super) type Values = (LinkParams, Bytes);
+
+/// By hand (not a scenario's timeline).
+const HAND: u64 = 0;
+
+/// One field's values set by timelines' degrades, the latest last; one per timeline.
+#[derive(Clone, Debug)]
+struct Stack<T>(Vec<(u64, T)>);
+
+impl<T> Default for Stack<T> {
+    fn default() -> Self {
+        Stack(Vec::new())
+    }
+}
+
+impl<T: Copy> Stack<T> {
+    fn set(&mut self, t: u64, v: T) {
+        self.release(t);
+        self.0.push((t, v));
+    }
+
+    fn release(&mut self, t: u64) {
+        self.0.retain(|&(u, _)| u != t);
+    }
+
+    /// `base` under the latest degrade of the field.
+    fn over(&self, base: T) -> T {
+        self.0.last().map_or(base, |&(_, v)| v)
+    }
+
+    fn timelines(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.iter().map(|&(t, _)| t)
+    }
+}
+
+/// Timelines' degrades of one direction of a link.
+#[derive(Clone, Debug, Default)]
+struct Degrades {
+    rate: Stack<Bandwidth>,
+    delay: Stack<Duration>,
+    loss: Stack<f64>,
+    loss_burst: Stack<f64>,
+    buffer: Stack<Bytes>,
+}
+
+impl Degrades {
+    fn release(&mut self, t: u64) {
+        self.rate.release(t);
+        self.delay.release(t);
+        self.loss.release(t);
+        self.loss_burst.release(t);
+        self.buffer.release(t);
+    }
+
+    fn timelines(&self, into: &mut BTreeSet<u64>) {
+        into.extend(self.rate.timelines());
+        into.extend(self.delay.timelines());
+        into.extend(self.loss.timelines());
+        into.extend(self.loss_burst.timelines());
+        into.extend(self.buffer.timelines());
+    }
+
+    fn over(&self, (link, buffer): Values) -> Values {
+        (
+            LinkParams {
+                rate: self.rate.over(link.rate),
+                delay: self.delay.over(link.delay),
+                loss: self.loss.over(link.loss),
+                loss_burst: self.loss_burst.over(link.loss_burst),
+            },
+            self.buffer.over(buffer),
+        )
+    }
+}
+
+/// The fields a set gives (`Change::SetLink`'s).
+#[derive(Clone, Copy, Debug)]
+struct Fields {
+    rate: Option<Bandwidth>,
+    delay: Option<Duration>,
+    loss: Option<f64>,
+    loss_burst: Option<f64>,
+    buffer: Option<Bytes>,
+}
+
+/// How to apply a change, once noted.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Outcome {
+    /// As it is.
+    AsIs,
+    /// Not at all: the link stays down, held by these timelines (0: by hand).
+    HeldDown(BTreeSet<u64>),
+    /// Instead, a direction at a time, these values: the link's own (`hand`: set by hand)
+    /// under the degrades still in place (of the timelines `degraded_by`).
+    Restore {
+        values: [Values; 2],
+        hand: bool,
+        degraded_by: BTreeSet<u64>,
+    },
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Layers {
+    /// Links down: the timelines holding each down.
+    down: HashMap<u32, BTreeSet<u64>>,
+    /// Links degraded by timelines: a direction each.
+    degrades: HashMap<u32, [Degrades; 2]>,
+    /// Links set by hand and not reset by hand since: each direction's own values.
+    by_hand: HashMap<u32, [Values; 2]>,
+}
+
+impl Layers {
+    /// Notes `change`, made by timeline `t` (0: by hand), and says how to apply it.
+    /// `original(link, end)` is the topology's values of the direction leaving `end`.
+    pub(super) fn take(
+        &mut self,
+        t: u64,
+        change: &Change,
+        original: impl Fn(u32, usize) -> Values,
+    ) -> Outcome {
+        match *change {
+            Change::LinkDown(l) => {
+                self.down.entry(l).or_default().insert(t);
+                Outcome::AsIs
+            }
+            Change::LinkUp(l) => {
+                let Some(holders) = self.down.get_mut(&l) else {
+                    return Outcome::AsIs;
+                };
+                if t == HAND {
+                    holders.clear();
+                } else {
+                    holders.remove(&t);
+                }
+                if holders.is_empty() {
+                    self.down.remove(&l);
+                    Outcome::AsIs
+                } else {
+                    Outcome::HeldDown(holders.clone())
+                }
+            }
+            Change::SetLink {
+                link,
+                dirs,
+                rate,
+                delay,
+                loss,
+                loss_burst,
+                buffer,
+            } => {
+                let f = Fields {
+                    rate,
+                    delay,
+                    loss,
+                    loss_burst,
+                    buffer,
+                };
+                for p in dirs.ports(link) {
+                    let end = (p.0 % 2) as usize;
+                    if t == HAND {
+                        self.set_by_hand(link, end, f, &original);
+                    } else {
+                        self.degrade(link, end, t, f);
+                    }
+                }
+                Outcome::AsIs
+            }
+            Change::ResetLink(l) if t == HAND => {
+                self.by_hand.remove(&l);
+                self.degrades.remove(&l);
+                Outcome::AsIs
+            }
+            Change::ResetLink(l) => {
+                let mut degraded_by = BTreeSet::new();
+                if let Some(d) = self.degrades.get_mut(&l) {
+                    for dir in d.iter_mut() {
+                        dir.release(t);
+                        dir.timelines(&mut degraded_by);
+                    }
+                    if degraded_by.is_empty() {
+                        self.degrades.remove(&l);
+                    }
+                }
+                let hand = self.by_hand.contains_key(&l);
+                if !hand && degraded_by.is_empty() {
+                    return Outcome::AsIs;
+                }
+                Outcome::Restore {
+                    values: [0, 1].map(|end| self.values(l, end, &original)),
+                    hand,
+                    degraded_by,
+                }
+            }
+            _ => Outcome::AsIs,
+        }
+    }
+
+    /// What link `l`'s direction leaving `end` is now: its own values under the degrades
+    /// in place.
+    fn values(&self, l: u32, end: usize, original: &impl Fn(u32, usize) -> Values) -> Values {
+        let own = self
+            .by_hand
+            .get(&l)
+            .map_or_else(|| original(l, end), |h| h[end]);
+        self.degrades.get(&l).map_or(own, |d| d[end].over(own))
+    }
+
+    fn set_by_hand(
+        &mut self,
+        l: u32,
+        end: usize,
+        f: Fields,
+        original: &impl Fn(u32, usize) -> Values,
+    ) {
+        let own = self
+            .by_hand
+            .entry(l)
+            .or_insert_with(|| [original(l, 0), original(l, 1)]);
+        let (link, buffer) = &mut own[end];
+        link.rate = f.rate.unwrap_or(link.rate);
+        link.delay = f.delay.unwrap_or(link.delay);
+        link.loss = f.loss.unwrap_or(link.loss);
+        link.loss_burst = f.loss_burst.unwrap_or(link.loss_burst);
+        *buffer = f.buffer.unwrap_or(*buffer);
+        // What the hand sets shows at once and stays when degrades are repaired.
+        if let Some(d) = self.degrades.get_mut(&l) {
+            let d = &mut d[end];
+            if f.rate.is_some() {
+                d.rate = Stack::default();
+            }
+            if f.delay.is_some() {
+                d.delay = Stack::default();
+            }
+            if f.loss.is_some() {
+                d.loss = Stack::default();
+            }
+            if f.loss_burst.is_some() {
+                d.loss_burst = Stack::default();
+            }
+            if f.buffer.is_some() {
+                d.buffer = Stack::default();
+            }
+        }
+    }
+
+    fn degrade(&mut self, l: u32, end: usize, t: u64, f: Fields) {
+        let d = &mut self.degrades.entry(l).or_default()[end];
+        if let Some(v) = f.rate {
+            d.rate.set(t, v);
+        }
+        if let Some(v) = f.delay {
+            d.delay.set(t, v);
+        }
+        if let Some(v) = f.loss {
+            d.loss.set(t, v);
+        }
+        if let Some(v) = f.loss_burst {
+            d.loss_burst.set(t, v);
+        }
+        if let Some(v) = f.buffer {
+            d.buffer.set(t, v);
+        }
+    }
+
+    /// The timelines holding link `l` down (0: by hand).
+    pub(super) fn down_by(&self, l: u32) -> Vec<u64> {
+        self.down
+            .get(&l)
+            .map_or_else(Vec::new, |h| h.iter().copied().collect())
+    }
+
+    /// The timelines whose degrades of link `l` are in place.
+    pub(super) fn degraded_by(&self, l: u32) -> Vec<u64> {
+        let mut by = BTreeSet::new();
+        for d in self.degrades.get(&l).into_iter().flatten() {
+            d.timelines(&mut by);
+        }
+        by.into_iter().collect()
+    }
+
+    /// Forgets every hold (a fabric reset).
+    pub(super) fn clear(&mut self) {
+        *self = Layers::default();
+    }
+
+    /// Nothing held.
+    #[cfg(test)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.down.is_empty() && self.degrades.is_empty() && self.by_hand.is_empty()
+    }
+}
+
+/// "timeline 2", "timelines 2, 3", "hand", "hand and timeline 2": who holds a link
+/// (0: by hand), in that order.
+pub fn holders(ids: impl IntoIterator<Item = u64>) -> String {
+    let mut hand = false;
+    let mut timelines = Vec::new();
+    for t in ids {
+        match t {
+            HAND => hand = true,
+            t => timelines.push(t.to_string()),
+        }
+    }
+    let scenarios = match timelines.len() {
+        0 => None,
+        1 => Some(format!("timeline {}", timelines[0])),
+        _ => Some(format!("timelines {}", timelines.join(", "))),
+    };
+    match (hand, scenarios) {
+        (true, None) => "hand".into(),
+        (true, Some(s)) => format!("hand and {s}"),
+        (false, Some(s)) => s,
+        (false, None) => "nobody".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use closbox_fabric::model::Directions;
+
+    fn original(_: u32, _: usize) -> Values {
+        (
+            LinkParams {
+                rate: Bandwidth::from_bps(1_000_000_000),
+                delay: Duration::from_nanos(1_000),
+                loss: 0.0,
+                loss_burst: 1.0,
+            },
+            Bytes::new(100_000),
+        )
+    }
+
+    fn set(rate: Option<u64>, loss: Option<f64>, dirs: Directions) -> Change {
+        Change::SetLink {
+            link: 3,
+            dirs,
+            rate: rate.map(Bandwidth::from_bps),
+            delay: None,
+            loss,
+            loss_burst: None,
+            buffer: None,
+        }
+    }
+
+    fn restored(o: Outcome) -> ([Values; 2], bool, Vec<u64>) {
+        match o {
+            Outcome::Restore {
+                values,
+                hand,
+                degraded_by,
+            } => (values, hand, degraded_by.into_iter().collect()),
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn a_link_is_down_while_anyone_holds_it() {
+        let mut l = Layers::default();
+        assert_eq!(l.take(1, &Change::LinkDown(3), original), Outcome::AsIs);
+        assert_eq!(l.take(2, &Change::LinkDown(3), original), Outcome::AsIs);
+        assert_eq!(
+            l.take(1, &Change::LinkUp(3), original),
+            Outcome::HeldDown([2].into())
+        );
+        // Again (a repair after the up): still timeline 2's.
+        assert_eq!(
+            l.take(1, &Change::LinkUp(3), original),
+            Outcome::HeldDown([2].into())
+        );
+        assert_eq!(l.take(2, &Change::LinkUp(3), original), Outcome::AsIs);
+        assert!(l.is_empty());
+        // Down by hand: a scenario's up does not bring it back; up by hand ends every hold.
+        l.take(HAND, &Change::LinkDown(3), original);
+        l.take(4, &Change::LinkDown(3), original);
+        assert_eq!(
+            l.take(4, &Change::LinkUp(3), original),
+            Outcome::HeldDown([HAND].into())
+        );
+        l.take(5, &Change::LinkDown(3), original);
+        assert_eq!(l.take(HAND, &Change::LinkUp(3), original), Outcome::AsIs);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn a_repair_ends_its_own_degrade_only() {
+        let mut l = Layers::default();
+        // Timeline 1 halves the rate, timeline 2 adds loss and then a lower rate.
+        l.take(1, &set(Some(500_000_000), None, Directions::Both), original);
+        l.take(2, &set(None, Some(0.1), Directions::Both), original);
+        l.take(
+            2,
+            &set(Some(100_000_000), None, Directions::FromA),
+            original,
+        );
+        // Timeline 2's repair: timeline 1's rate back, both ways; no loss.
+        let (v, hand, by) = restored(l.take(2, &Change::ResetLink(3), original));
+        assert!(!hand);
+        assert_eq!(by, [1]);
+        for (link, buffer) in v {
+            assert_eq!(link.rate.bps(), 500_000_000);
+            assert_eq!(link.loss, 0.0);
+            assert_eq!(buffer, Bytes::new(100_000));
+        }
+        // Timeline 1's: nothing left, a plain reset to the topology's.
+        assert_eq!(l.take(1, &Change::ResetLink(3), original), Outcome::AsIs);
+        assert!(l.is_empty());
+        // The latest degrade of a field shows, whichever repair comes first.
+        l.take(1, &set(Some(500_000_000), None, Directions::Both), original);
+        l.take(2, &set(Some(100_000_000), None, Directions::Both), original);
+        let (v, _, by) = restored(l.take(1, &Change::ResetLink(3), original));
+        assert_eq!(by, [2]);
+        assert_eq!(v[0].0.rate.bps(), 100_000_000);
+        // A reset by a timeline that degraded nothing leaves the others' in place.
+        let (v, _, by) = restored(l.take(7, &Change::ResetLink(3), original));
+        assert_eq!(by, [2]);
+        assert_eq!(v[1].0.rate.bps(), 100_000_000);
+    }
+
+    #[test]
+    fn the_hand_sets_the_links_own_values_and_wins_over_degrades() {
+        let mut l = Layers::default();
+        l.take(
+            1,
+            &set(Some(100_000_000), Some(0.2), Directions::Both),
+            original,
+        );
+        // By hand, one direction's rate: it shows there at once (the set applied as is)
+        // and stays when timeline 1 ends; the degrade's loss goes with it.
+        l.take(
+            HAND,
+            &set(Some(300_000_000), None, Directions::FromB),
+            original,
+        );
+        let (v, hand, by) = restored(l.take(1, &Change::ResetLink(3), original));
+        assert!(hand);
+        assert!(by.is_empty());
+        assert_eq!(v[0].0.rate.bps(), 1_000_000_000);
+        assert_eq!(v[1].0.rate.bps(), 300_000_000);
+        assert_eq!((v[0].0.loss, v[1].0.loss), (0.0, 0.0));
+        // A degrade over it, repaired: back to what the hand set.
+        l.take(2, &set(Some(10_000_000), None, Directions::Both), original);
+        let (v, hand, _) = restored(l.take(2, &Change::ResetLink(3), original));
+        assert!(hand);
+        assert_eq!(v[1].0.rate.bps(), 300_000_000);
+        // A reset by hand forgets the hand's values and every degrade.
+        l.take(2, &set(Some(10_000_000), None, Directions::Both), original);
+        assert_eq!(l.take(HAND, &Change::ResetLink(3), original), Outcome::AsIs);
+        assert!(l.is_empty());
+        assert_eq!(l.take(2, &Change::ResetLink(3), original), Outcome::AsIs);
+    }
+
+    #[test]
+    fn holders_are_named() {
+        assert_eq!(holders([2]), "timeline 2");
+        assert_eq!(holders([2, 3]), "timelines 2, 3");
+        assert_eq!(holders([0]), "hand");
+        assert_eq!(holders([0, 4]), "hand and timeline 4");
+    }
+}
