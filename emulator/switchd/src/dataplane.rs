@@ -2409,6 +2409,35 @@ mod tests {
         assert!(changed.iter().all(|l| l.down_by == [3]), "{changed:?}");
         dp.cancel(None);
         assert!(dp.status().changed_links.is_empty());
+        // Two partitions: both in place, then the first's heal leaves the second's.
+        let cut = |gpus: &[&str]| ChangeRequest::Partition {
+            groups: vec![gpus.iter().map(|g| g.to_string()).collect()],
+        };
+        let (halves, _) = dp
+            .schedule(&[(0, cut(&["gpu0", "gpu1"])), (10 * s, ChangeRequest::Heal)])
+            .unwrap();
+        let (lone, now) = dp
+            .schedule(&[(0, cut(&["gpu3"])), (10 * s, ChangeRequest::Heal)])
+            .unwrap();
+        assert_eq!(
+            now[0].what,
+            format!("partition gpu3 | the rest (with the partition by timeline {halves})")
+        );
+        assert_eq!(dp.status().partition.len(), 3);
+        let (_, repaired) = dp.cancel(Some(halves));
+        assert_eq!(
+            repaired[0].what,
+            format!(
+                "heal: partition removed (now: timeline {halves} cancelled) \
+                 (partition by timeline {lone} stays)"
+            )
+        );
+        assert_eq!(
+            dp.status().partition,
+            [vec!["gpu3"], vec!["gpu0", "gpu1", "gpu2"]]
+        );
+        dp.cancel(Some(lone));
+        assert!(dp.status().partition.is_empty());
         assert!(dp.layers.is_empty());
     }
 

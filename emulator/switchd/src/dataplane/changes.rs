@@ -501,6 +501,8 @@ impl<P: Ports> DataPlane<P> {
         // Links that stay down for others, links left degraded by others: how many, by whom.
         let (mut held, mut held_by) = (0, std::collections::BTreeSet::new());
         let (mut degraded, mut degraded_by) = (0, std::collections::BTreeSet::new());
+        // Other timelines' partitions in place beside this one's.
+        let mut partitions = None;
         for change in step.changes {
             let target = Target::of(&change);
             let outcome = match timeline {
@@ -536,13 +538,31 @@ impl<P: Ports> DataPlane<P> {
                         .into_iter()
                         .fold(false, |any, c| self.apply_change(now, c) | any)
                 }
+                (Outcome::Regroup { groups, others }, change) => {
+                    if !others.is_empty() {
+                        let n = others.len();
+                        let by = layers::holders(others);
+                        let (s, stay) = if n == 1 { ("", "stays") } else { ("s", "stay") };
+                        partitions = Some(match change {
+                            Change::Heal => format!(" (partition{s} by {by} {stay})"),
+                            _ => format!(" (with the partition{s} by {by})"),
+                        });
+                    }
+                    let regroup = groups.map_or(Change::Heal, Change::Partition);
+                    self.apply_change(now, regroup)
+                }
                 (Outcome::Restore { .. }, change) => unreachable!("a restore for {change:?}"),
             };
             // A timeline holds what it takes down or degrades whether or not the fabric
             // was already so, and lets go of it the same way.
             let held_as_such = matches!(
                 target,
-                Target::Down(_) | Target::Up(_) | Target::Set(_) | Target::Reset(_)
+                Target::Down(_)
+                    | Target::Up(_)
+                    | Target::Set(_)
+                    | Target::Reset(_)
+                    | Target::Partition
+                    | Target::Heal
             );
             if applied || held_as_such {
                 done += usize::from(applied);
@@ -578,6 +598,9 @@ impl<P: Ports> DataPlane<P> {
         if degraded > 0 {
             let by = layers::holders(degraded_by);
             what.push_str(&format!(" ({}still degraded by {by})", of_total(degraded)));
+        }
+        if let Some(p) = partitions {
+            what.push_str(&p);
         }
         self.log(now, StdDuration::ZERO, what)
     }

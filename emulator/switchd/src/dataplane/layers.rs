@@ -116,6 +116,12 @@ pub(super) enum Outcome {
         hand: bool,
         degraded_by: BTreeSet<u64>,
     },
+    /// Instead, this partition (a group per GPU; none: heal): every partition in place at
+    /// once, those of the timelines `others` besides the change's own.
+    Regroup {
+        groups: Option<Vec<u16>>,
+        others: BTreeSet<u64>,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -126,6 +132,8 @@ pub(super) struct Layers {
     degrades: HashMap<u32, [Degrades; 2]>,
     /// Links set by hand and not reset by hand since: each direction's own values.
     by_hand: HashMap<u32, [Values; 2]>,
+    /// Partitions in place: each timeline's groups, the latest last.
+    partitions: Vec<(u64, Vec<u16>)>,
 }
 
 impl Layers {
@@ -210,8 +218,49 @@ impl Layers {
                     degraded_by,
                 }
             }
+            Change::Partition(ref groups) => {
+                self.partitions.retain(|(u, _)| *u != t);
+                self.partitions.push((t, groups.clone()));
+                self.regroup(t)
+            }
+            Change::Heal if t == HAND => {
+                self.partitions.clear();
+                Outcome::AsIs
+            }
+            Change::Heal => {
+                self.partitions.retain(|(u, _)| *u != t);
+                self.regroup(t)
+            }
             _ => Outcome::AsIs,
         }
+    }
+
+    /// The partitions in place as one, for a change of timeline `t`'s: two GPUs are on one
+    /// side when every partition puts them on one side. One partition is itself.
+    fn regroup(&self, t: u64) -> Outcome {
+        let others = self
+            .partitions
+            .iter()
+            .map(|(u, _)| *u)
+            .filter(|&u| u != t)
+            .collect();
+        let groups = match self.partitions.as_slice() {
+            [] => None,
+            [(_, one)] => Some(one.clone()),
+            all => {
+                let gpus = all[0].1.len();
+                let mut sides: HashMap<Vec<u16>, u16> = HashMap::new();
+                let groups = (0..gpus)
+                    .map(|h| {
+                        let key: Vec<u16> = all.iter().map(|(_, g)| g[h]).collect();
+                        let next = sides.len() as u16;
+                        *sides.entry(key).or_insert(next)
+                    })
+                    .collect();
+                Some(groups)
+            }
+        };
+        Outcome::Regroup { groups, others }
     }
 
     /// What link `l`'s direction leaving `end` is now: its own values under the degrades
@@ -305,7 +354,10 @@ impl Layers {
     /// Nothing held.
     #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
-        self.down.is_empty() && self.degrades.is_empty() && self.by_hand.is_empty()
+        self.down.is_empty()
+            && self.degrades.is_empty()
+            && self.by_hand.is_empty()
+            && self.partitions.is_empty()
     }
 }
 
@@ -467,6 +519,32 @@ mod tests {
         assert_eq!(l.take(HAND, &Change::ResetLink(3), original), Outcome::AsIs);
         assert!(l.is_empty());
         assert_eq!(l.take(2, &Change::ResetLink(3), original), Outcome::AsIs);
+    }
+
+    #[test]
+    fn partitions_in_place_apply_together_and_heal_one_by_one() {
+        let mut l = Layers::default();
+        let regroup = |o: Outcome| match o {
+            Outcome::Regroup { groups, others } => (groups, others.into_iter().collect()),
+            o => panic!("{o:?}"),
+        };
+        // Timeline 1 cuts 4 GPUs in halves, timeline 2 cuts GPU 3 off.
+        let (g, others): (_, Vec<u64>) =
+            regroup(l.take(1, &Change::Partition(vec![0, 0, 1, 1]), original));
+        assert_eq!((g, others), (Some(vec![0, 0, 1, 1]), vec![]));
+        let (g, others) = regroup(l.take(2, &Change::Partition(vec![1, 1, 1, 0]), original));
+        assert_eq!((g, others), (Some(vec![0, 0, 1, 2]), vec![1]));
+        // Timeline 1 heals: timeline 2's stays; then it heals too.
+        let (g, others) = regroup(l.take(1, &Change::Heal, original));
+        assert_eq!((g, others), (Some(vec![1, 1, 1, 0]), vec![2]));
+        let (g, others) = regroup(l.take(2, &Change::Heal, original));
+        assert_eq!((g, others), (None, vec![]));
+        assert!(l.is_empty());
+        // A heal by hand ends every partition.
+        l.take(1, &Change::Partition(vec![0, 0, 1, 1]), original);
+        l.take(HAND, &Change::Partition(vec![0, 1, 1, 1]), original);
+        assert_eq!(l.take(HAND, &Change::Heal, original), Outcome::AsIs);
+        assert!(l.is_empty());
     }
 
     #[test]
