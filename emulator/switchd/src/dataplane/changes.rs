@@ -254,12 +254,14 @@ impl<P: Ports> DataPlane<P> {
         if timeline != 0 {
             // A scenario's loads are its to stop when it is cancelled, whenever they start.
             self.broken.entry(timeline).or_default();
+            self.layers.begin(timeline);
         }
         for step in now_steps {
             applied.push(self.apply(now, step, Some(timeline)));
         }
         if self.broken.get(&timeline).is_some_and(Broken::done) {
             self.broken.remove(&timeline);
+            self.layers.end_unless(|t| self.broken.contains_key(&t));
         }
         Ok(applied)
     }
@@ -315,6 +317,7 @@ impl<P: Ports> DataPlane<P> {
             Some(t) => self.broken.remove(&t).map(|b| (t, b)).into_iter().collect(),
             None => self.broken.drain().collect(),
         };
+        self.layers.end_unless(|t| self.broken.contains_key(&t));
         let running = self.running_loads();
         for (t, b) in ended {
             for id in b.loads.into_iter().filter(|id| running.contains(id)) {
@@ -442,6 +445,7 @@ impl<P: Ports> DataPlane<P> {
                 b.loads.retain(|id| !ended.iter().any(|(e, _)| e == id));
             }
             self.broken.retain(|_, b| !b.done());
+            self.layers.end_unless(|t| self.broken.contains_key(&t));
         }
         if !ended.is_empty() {
             let loads = self.model.loads();
@@ -466,6 +470,7 @@ impl<P: Ports> DataPlane<P> {
                 b.get_mut().pending -= 1;
                 if b.get().done() {
                     b.remove();
+                    self.layers.end_unless(|t| self.broken.contains_key(&t));
                 }
             }
         }

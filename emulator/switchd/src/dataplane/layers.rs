@@ -42,6 +42,24 @@ impl<T: Copy> Stack<T> {
         self.0.retain(|&(u, _)| u != t);
     }
 
+    /// Lets go of the values of the timelines `gone` says.
+    fn release_if(&mut self, gone: impl Fn(u64) -> bool) {
+        self.0.retain(|&(u, _)| !gone(u));
+    }
+
+    /// Keeps, of the values of ended timelines, the latest only: the others are under it
+    /// and go with it (whoever releases one releases all).
+    fn compact(&mut self, ended: impl Fn(u64) -> bool) {
+        let Some(top) = self.0.iter().rposition(|&(u, _)| ended(u)) else {
+            return;
+        };
+        let mut i = 0;
+        self.0.retain(|&(u, _)| {
+            i += 1;
+            i - 1 == top || !ended(u)
+        });
+    }
+
     /// `base` under the latest degrade of the field.
     fn over(&self, base: T) -> T {
         self.0.last().map_or(base, |&(_, v)| v)
@@ -63,12 +81,20 @@ struct Degrades {
 }
 
 impl Degrades {
-    fn release(&mut self, t: u64) {
-        self.rate.release(t);
-        self.delay.release(t);
-        self.loss.release(t);
-        self.loss_burst.release(t);
-        self.buffer.release(t);
+    fn release_if(&mut self, gone: impl Fn(u64) -> bool + Copy) {
+        self.rate.release_if(gone);
+        self.delay.release_if(gone);
+        self.loss.release_if(gone);
+        self.loss_burst.release_if(gone);
+        self.buffer.release_if(gone);
+    }
+
+    fn compact(&mut self, ended: impl Fn(u64) -> bool + Copy) {
+        self.rate.compact(ended);
+        self.delay.compact(ended);
+        self.loss.compact(ended);
+        self.loss_burst.compact(ended);
+        self.buffer.compact(ended);
     }
 
     fn timelines(&self, into: &mut BTreeSet<u64>) {
@@ -134,6 +160,10 @@ pub(super) struct Layers {
     by_hand: HashMap<u32, [Values; 2]>,
     /// Partitions in place: each timeline's groups, the latest last.
     partitions: Vec<(u64, Vec<u16>)>,
+    /// Timelines still running (steps pending or loads running). What an ended timeline
+    /// left broken for good is anyone's to repair: a later scenario's repair of the link
+    /// lets go of it too (nobody else would), and only the latest of those is kept.
+    live: BTreeSet<u64>,
 }
 
 impl Layers {
@@ -157,7 +187,8 @@ impl Layers {
                 if t == HAND {
                     holders.clear();
                 } else {
-                    holders.remove(&t);
+                    let live = &self.live;
+                    holders.retain(|&u| u != t && (u == HAND || live.contains(&u)));
                 }
                 if holders.is_empty() {
                     self.down.remove(&l);
@@ -199,9 +230,10 @@ impl Layers {
             }
             Change::ResetLink(l) => {
                 let mut degraded_by = BTreeSet::new();
+                let live = &self.live;
                 if let Some(d) = self.degrades.get_mut(&l) {
                     for dir in d.iter_mut() {
-                        dir.release(t);
+                        dir.release_if(|u| u == t || !live.contains(&u));
                         dir.timelines(&mut degraded_by);
                     }
                     if degraded_by.is_empty() {
@@ -228,7 +260,8 @@ impl Layers {
                 Outcome::AsIs
             }
             Change::Heal => {
-                self.partitions.retain(|(u, _)| *u != t);
+                let live = &self.live;
+                self.partitions.retain(|(u, _)| *u != t && live.contains(u));
                 self.regroup(t)
             }
             _ => Outcome::AsIs,
@@ -330,6 +363,51 @@ impl Layers {
         }
     }
 
+    /// Timeline `t` starts: until it `end`s, only its own repairs (or the hand) undo
+    /// what it holds.
+    pub(super) fn begin(&mut self, t: u64) {
+        if t != HAND {
+            self.live.insert(t);
+        }
+    }
+
+    /// The timelines that `running` no longer says run have ended (see `live`).
+    pub(super) fn end_unless(&mut self, running: impl Fn(u64) -> bool) {
+        let before = self.live.len();
+        self.live.retain(|&t| running(t));
+        if self.live.len() == before {
+            return;
+        }
+        let live = &self.live;
+        let ended = |u: u64| u != HAND && !live.contains(&u);
+        for d in self.degrades.values_mut().flatten() {
+            d.compact(ended);
+        }
+        for holders in self.down.values_mut() {
+            if let Some(&last) = holders.iter().rev().find(|&&u| ended(u)) {
+                holders.retain(|&u| u == last || !ended(u));
+            }
+        }
+        // Ended partitions as one (they apply together whoever made them).
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.partitions)
+            .into_iter()
+            .partition(|(u, _)| ended(*u));
+        self.partitions = kept;
+        if let Some(&(last, _)) = gone.last() {
+            let one = Layers {
+                partitions: gone,
+                ..Layers::default()
+            };
+            if let Outcome::Regroup {
+                groups: Some(groups),
+                ..
+            } = one.regroup(last)
+            {
+                self.partitions.insert(0, (last, groups));
+            }
+        }
+    }
+
     /// The timelines holding link `l` down (0: by hand).
     pub(super) fn down_by(&self, l: u32) -> Vec<u64> {
         self.down
@@ -351,7 +429,7 @@ impl Layers {
         *self = Layers::default();
     }
 
-    /// Nothing held.
+    /// Nothing held (timelines may still run).
     #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
         self.down.is_empty()
@@ -428,6 +506,7 @@ mod tests {
     #[test]
     fn a_link_is_down_while_anyone_holds_it() {
         let mut l = Layers::default();
+        (1..=5).for_each(|t| l.begin(t));
         assert_eq!(l.take(1, &Change::LinkDown(3), original), Outcome::AsIs);
         assert_eq!(l.take(2, &Change::LinkDown(3), original), Outcome::AsIs);
         assert_eq!(
@@ -456,6 +535,7 @@ mod tests {
     #[test]
     fn a_repair_ends_its_own_degrade_only() {
         let mut l = Layers::default();
+        (1..=7).for_each(|t| l.begin(t));
         // Timeline 1 halves the rate, timeline 2 adds loss and then a lower rate.
         l.take(1, &set(Some(500_000_000), None, Directions::Both), original);
         l.take(2, &set(None, Some(0.1), Directions::Both), original);
@@ -491,6 +571,7 @@ mod tests {
     #[test]
     fn the_hand_sets_the_links_own_values_and_wins_over_degrades() {
         let mut l = Layers::default();
+        (1..=2).for_each(|t| l.begin(t));
         l.take(
             1,
             &set(Some(100_000_000), Some(0.2), Directions::Both),
@@ -524,6 +605,7 @@ mod tests {
     #[test]
     fn partitions_in_place_apply_together_and_heal_one_by_one() {
         let mut l = Layers::default();
+        (1..=2).for_each(|t| l.begin(t));
         let regroup = |o: Outcome| match o {
             Outcome::Regroup { groups, others } => (groups, others.into_iter().collect()),
             o => panic!("{o:?}"),
@@ -545,6 +627,35 @@ mod tests {
         l.take(HAND, &Change::Partition(vec![0, 1, 1, 1]), original);
         assert_eq!(l.take(HAND, &Change::Heal, original), Outcome::AsIs);
         assert!(l.is_empty());
+    }
+
+    #[test]
+    fn what_an_ended_timeline_left_is_anyones_to_repair() {
+        let mut l = Layers::default();
+        (1..=4).for_each(|t| l.begin(t));
+        // Timelines 1 and 2 degrade the rate for good and end; 3 is still running.
+        l.take(1, &set(Some(100_000_000), None, Directions::Both), original);
+        l.take(3, &set(None, Some(0.1), Directions::Both), original);
+        l.take(2, &set(Some(200_000_000), None, Directions::Both), original);
+        l.take(1, &Change::LinkDown(3), original);
+        l.take(2, &Change::LinkDown(3), original);
+        l.take(1, &Change::Partition(vec![0, 1]), original);
+        l.take(2, &Change::Partition(vec![0, 0]), original);
+        l.end_unless(|t| t > 2);
+        // Only the latest ended value of a field is kept, one ended holder of a link.
+        assert_eq!(l.degrades[&3][0].rate.0.len(), 1);
+        assert_eq!(l.down_by(3), [2]);
+        assert_eq!(l.partitions, [(2, vec![0, 1])]);
+        // Timeline 4's repairs let go of them; timeline 3's degrade stays.
+        let (v, _, by) = restored(l.take(4, &Change::ResetLink(3), original));
+        assert_eq!(by, [3]);
+        assert_eq!(v[0].0.rate.bps(), 1_000_000_000);
+        assert_eq!(v[0].0.loss, 0.1);
+        assert_eq!(l.take(4, &Change::LinkUp(3), original), Outcome::AsIs);
+        let Outcome::Regroup { groups, .. } = l.take(4, &Change::Heal, original) else {
+            panic!()
+        };
+        assert_eq!(groups, None);
     }
 
     #[test]
