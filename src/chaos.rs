@@ -220,6 +220,7 @@ impl Timeline {
     pub fn start(&self) -> anyhow::Result<Started> {
         let req = Request::Schedule {
             items: self.scenario.items.clone(),
+            faults: self.scenario.faults.clone(),
         };
         match control::request(&self.fabric, &req)? {
             Reply::Scheduled { timeline, events } => {

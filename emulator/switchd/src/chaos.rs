@@ -361,6 +361,10 @@ pub const MAX_BURSTS: u32 = 1_000_000;
 pub struct Step {
     pub changes: Vec<Change>,
     pub what: String,
+    /// Which fault of its timeline the step belongs to: 0 for the timeline's own steps,
+    /// else one that repairs itself (a flap, a scenario's random fault), whose changes
+    /// undo only each other (`dataplane::layers`).
+    pub fault: u32,
 }
 
 impl Step {
@@ -369,6 +373,7 @@ impl Step {
         Step {
             changes: vec![change],
             what,
+            fault: 0,
         }
     }
 }
@@ -530,6 +535,7 @@ pub fn resolve(
         vec![Step {
             what: format!("{} {what}", links_label(topo, &links)),
             changes: links.into_iter().map(f).collect(),
+            fault: 0,
         }]
     };
     // Every link of a switch or of a GPU, as one step.
@@ -539,6 +545,7 @@ pub fn resolve(
         Ok::<_, String>(vec![Step {
             changes: links.into_iter().map(f).collect(),
             what,
+            fault: 0,
         }])
     };
     Ok(match req {

@@ -42,6 +42,11 @@ pub enum Request {
     /// at fabric ns after now, as one timeline.
     Schedule {
         items: Vec<(u64, ChangeRequest)>,
+        /// The fault each item belongs to (none: every item 0): items of one fault undo
+        /// only each other (a random fault's repair its own fault), 0 being the
+        /// timeline's own steps; below 2^31.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        faults: Vec<u32>,
     },
     /// Drops a timeline's pending changes (`null`: every timeline's and flap's); those
     /// that repair what the timeline broke are made at once.
@@ -242,8 +247,8 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                 .map_or_else(Reply::error, |events| Reply::Changed { events }),
                             Ok(Request::Events) => ask(ctl, wake, Ctl::Events)
                                 .map_or_else(Reply::error, |events| Reply::Events { events }),
-                            Ok(Request::Schedule { items }) => {
-                                ask(ctl, wake, |tx| Ctl::Schedule(items, tx))
+                            Ok(Request::Schedule { items, faults }) => {
+                                ask(ctl, wake, |tx| Ctl::Schedule(items, faults, tx))
                                     .and_then(|r| r.map_err(|e| e.to_string()))
                                     .map_or_else(Reply::error, |(timeline, events)| {
                                         Reply::Scheduled { timeline, events }

@@ -132,6 +132,7 @@ pub enum Ctl {
     /// then scheduled as one timeline; the reply has its id and what was applied now.
     Schedule(
         Vec<(u64, ChangeRequest)>,
+        Vec<u32>,
         Sender<Result<(u64, Vec<Event>), String>>,
     ),
     /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
@@ -784,6 +785,8 @@ pub struct DataPlane<P: Ports> {
     layers: layers::Layers,
     /// Id of the next load started.
     next_load: u32,
+    /// The last fault number given to a flap (`changes::AUTO_FAULT` and up).
+    next_fault: u32,
     captures: Vec<Capture>,
     next_capture: u64,
     recordings: Vec<Recording>,
@@ -859,6 +862,7 @@ impl<P: Ports> DataPlane<P> {
             timelines: 0,
             broken: Default::default(),
             layers: Default::default(),
+            next_fault: 0,
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
@@ -1417,8 +1421,8 @@ impl<P: Ports> DataPlane<P> {
                 Ctl::Change(req, reply) => {
                     let _ = reply.send(self.change(&req));
                 }
-                Ctl::Schedule(items, reply) => {
-                    let _ = reply.send(self.schedule(&items));
+                Ctl::Schedule(items, faults, reply) => {
+                    let _ = reply.send(self.schedule_faults(&items, &faults));
                 }
                 Ctl::Cancel(timeline, reply) => {
                     let _ = reply.send(self.cancel(timeline));
@@ -2071,6 +2075,69 @@ mod tests {
         assert!(load_drops > 0);
         let (other, _, _) = flap_run(12);
         assert_ne!(other, log, "another seed, other faults");
+    }
+
+    /// Random faults of one scenario that overlap: while a random spine failure lasts,
+    /// every link of that spine stays down, whatever the random link flaps over its links
+    /// do; and the fabric is whole at the end.
+    #[test]
+    fn random_faults_of_one_scenario_overlap_faithfully() {
+        let (mut dp, t) = plane(LS);
+        let scenario = crate::scenario::parse(
+            "seed = 3\n[[random]]\ndo = \"switch-flap\"\nswitches = \"spine\"\nmtbf = \"2ms\"\nmttr = \"1ms\"\nuntil = \"30ms\"\n\
+             [[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"500us\"\nmttr = \"200us\"\nuntil = \"30ms\"\n",
+            "s.toml",
+            &t,
+        )
+        .unwrap();
+        let (timeline, _) = dp
+            .schedule_faults(&scenario.items, &scenario.faults)
+            .unwrap();
+        let spine_links = |spine: &str| -> Vec<u32> {
+            (0..t.links.len() as u32)
+                .filter(|&l| chaos::link_name(&t, l).contains(spine))
+                .collect()
+        };
+        let (mut seen, mut checked, mut held) = (0, 0, 0);
+        let mut dead = std::collections::BTreeSet::new();
+        while dp.ports.elapsed < StdDuration::from_millis(40) {
+            dp.step();
+            for e in &dp.events[seen..] {
+                for spine in ["spine0", "spine1"] {
+                    if e.what.starts_with(&format!("switch {spine} down")) {
+                        dead.insert(spine);
+                    }
+                    if e.what.starts_with(&format!("switch {spine} up")) {
+                        dead.remove(spine);
+                    }
+                }
+                held += usize::from(
+                    e.what
+                        .ends_with(&format!("(held down by timeline {timeline})")),
+                );
+            }
+            seen = dp.events.len();
+            let down: Vec<u32> = dp
+                .status()
+                .changed_links
+                .iter()
+                .filter(|l| !l.up)
+                .map(|l| l.id)
+                .collect();
+            for spine in &dead {
+                for l in spine_links(spine) {
+                    assert!(down.contains(&l), "{spine} is down, its link {l} is up");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(
+            checked > 0 && held > 0,
+            "the faults overlapped: {checked}, {held}"
+        );
+        assert_eq!(dp.status().pending_changes, 0);
+        assert!(dp.status().changed_links.is_empty());
+        assert!(dp.layers.is_empty());
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub struct Scenario {
     pub items: Vec<(u64, ChangeRequest)>,
     /// When the last change is due (ns after start), a flap's last return included.
     pub end_ns: u64,
+    /// The fault each item belongs to (`chaos::Step::fault`): 0 for `[[event]]`s, one
+    /// number per random fault's stream (a link, switch or GPU of one `[[random]]`), so
+    /// that a random fault's repair undoes only that fault.
+    pub faults: Vec<u32>,
 }
 
 #[derive(Deserialize)]
@@ -289,11 +293,14 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
     for ev in &raw.event {
         event(&cx, topo, ev, &mut items)?;
     }
+    let mut faults = vec![0; items.len()];
     for (i, r) in raw.random.iter().enumerate() {
-        random(&cx, topo, r, seed, i as u64, &mut items)?;
+        random(&cx, topo, r, seed, i as u64, &mut items, &mut faults)?;
     }
     // Stable: events at the same time keep the file's order.
-    items.sort_by_key(|(t, _)| *t);
+    let mut both: Vec<_> = items.into_iter().zip(faults).collect();
+    both.sort_by_key(|((t, _), _)| *t);
+    let (items, faults): (Vec<_>, Vec<_>) = both.into_iter().unzip();
     // A flap's changes come after its start: `closbox chaos` follows the scenario, and
     // then cancels what is left of it, until the last of them.
     let end_ns = items
@@ -301,7 +308,11 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
         .map(|(t, req)| t.saturating_add(req.span_ns()))
         .max()
         .unwrap_or(0);
-    Ok(Scenario { items, end_ns })
+    Ok(Scenario {
+        items,
+        end_ns,
+        faults,
+    })
 }
 
 fn event(
@@ -531,6 +542,7 @@ fn random(
     seed: u64,
     nth: u64,
     items: &mut Vec<(u64, ChangeRequest)>,
+    faults: &mut Vec<u32>,
 ) -> Result<(), ConfigError> {
     let raw = r.get_ref();
     let action = raw.action.get_ref().as_str();
@@ -698,7 +710,9 @@ fn random(
         return Err(cx.err(&raw.until, format!("at most {MAX_SPAN} into a scenario")));
     }
     let seed = raw.seed.as_ref().map_or(seed, |s| *s.get_ref());
-    for (stream, fault, repair) in &targets {
+    // Each stream's own fault number (its faults never overlap one another).
+    let first = faults.iter().max().map_or(1, |m| m + 1);
+    for (number, (stream, fault, repair)) in (first..).zip(&targets) {
         let mut rng = Rng::new(seed, nth << 32 | stream);
         let mut t = start;
         loop {
@@ -710,6 +724,7 @@ fn random(
             items.push((t, fault.clone()));
             // The repair comes even past `until`: the fabric is left whole.
             items.push((t.saturating_add(down), repair.clone()));
+            faults.extend([number, number]);
             t = t.saturating_add(down);
             if items.len() > MAX_PENDING {
                 return Err(cx.err(
@@ -965,6 +980,30 @@ flaps = 2
         assert!((35..=110).contains(&downs), "{downs}");
         let ups = a.items.len() - downs;
         assert_eq!(ups, downs, "every failure is repaired");
+        // Each link's stream is a fault of its own: its downs and ups carry its number.
+        assert_eq!(a.faults.len(), a.items.len());
+        let mut of_link = BTreeMap::new();
+        for ((_, req), &fault) in a.items.iter().zip(&a.faults) {
+            let (ChangeRequest::LinkDown { a, b, .. } | ChangeRequest::LinkUp { a, b, .. }) = req
+            else {
+                panic!("{req:?}")
+            };
+            assert_eq!(
+                *of_link.entry((a.clone(), b.clone())).or_insert(fault),
+                fault
+            );
+        }
+        let numbers: std::collections::BTreeSet<_> = of_link.values().collect();
+        assert_eq!(numbers.len(), of_link.len(), "{of_link:?}");
+        assert!(!numbers.contains(&0));
+        // Events are the timeline's own.
+        let e = parse(
+            "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n",
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
+        assert_eq!(e.faults, [0]);
     }
 
     #[test]

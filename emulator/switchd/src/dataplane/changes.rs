@@ -102,6 +102,10 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
+/// Faults from here up are the data plane's own numbering of flaps; a scenario numbers
+/// its faults below.
+const AUTO_FAULT: u32 = 1 << 31;
+
 /// How a reset's event begins.
 const RESET: &str = "fabric reset: ";
 
@@ -114,7 +118,7 @@ impl<P: Ports> DataPlane<P> {
             ChangeRequest::Reset => return Ok(vec![self.reset()]),
             _ => {}
         }
-        self.schedule_at(&[(0, req.clone())], 0)
+        self.schedule_at(&[(0, req.clone())], &[], 0)
     }
 
     /// Schedules `items` (fabric ns after now, request) as a new timeline: all of them or,
@@ -123,9 +127,31 @@ impl<P: Ports> DataPlane<P> {
         &mut self,
         items: &[(u64, ChangeRequest)],
     ) -> Result<(u64, Vec<Event>), String> {
+        self.schedule_faults(items, &[])
+    }
+
+    /// `schedule`, with the fault each item belongs to (`chaos::Step::fault`; empty: all
+    /// the timeline's own, 0). A flap of fault 0 is given a fault of its own.
+    pub fn schedule_faults(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+        faults: &[u32],
+    ) -> Result<(u64, Vec<Event>), String> {
+        if !faults.is_empty() && faults.len() != items.len() {
+            return Err(format!(
+                "{} faults for {} items: one per item, or none",
+                faults.len(),
+                items.len()
+            ));
+        }
+        if let Some(f) = faults.iter().find(|&&f| f >= AUTO_FAULT) {
+            return Err(format!(
+                "fault {f}: a scenario's faults are below {AUTO_FAULT}"
+            ));
+        }
         // (A schedule refused takes no id: timelines are numbered as they run.)
         let id = self.timelines + 1;
-        let applied = self.schedule_at(items, id)?;
+        let applied = self.schedule_at(items, faults, id)?;
         self.timelines = id;
         Ok((id, applied))
     }
@@ -198,11 +224,25 @@ impl<P: Ports> DataPlane<P> {
     fn schedule_at(
         &mut self,
         items: &[(u64, ChangeRequest)],
+        faults: &[u32],
         timeline: u64,
     ) -> Result<Vec<Event>, String> {
         let mut next_load = self.next_load;
+        let mut next_fault = self.next_fault;
         let mut steps = Vec::new();
         for (i, (at, req)) in items.iter().enumerate() {
+            let fault = match faults.get(i) {
+                Some(&f) if f != 0 => f,
+                _ if matches!(
+                    req,
+                    ChangeRequest::LinkFlap { .. } | ChangeRequest::SwitchFlap { .. }
+                ) =>
+                {
+                    next_fault = next_fault.wrapping_add(1);
+                    AUTO_FAULT | (next_fault & (AUTO_FAULT - 1))
+                }
+                _ => 0,
+            };
             if matches!(req, ChangeRequest::LoadStop { .. }) {
                 return Err("a load stop cannot be scheduled: give the load a duration".into());
             }
@@ -216,7 +256,7 @@ impl<P: Ports> DataPlane<P> {
             steps.extend(
                 resolved
                     .into_iter()
-                    .map(|(after, step)| (at.saturating_add(after), step)),
+                    .map(|(after, step)| (at.saturating_add(after), chaos::Step { fault, ..step })),
             );
         }
         self.loads_within_budget(steps.iter().flat_map(|(_, step)| &step.changes))?;
@@ -235,6 +275,7 @@ impl<P: Ports> DataPlane<P> {
             ));
         }
         self.next_load = next_load;
+        self.next_fault = next_fault;
         let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
         // Pending first: what the steps applied now break is kept only for a timeline
@@ -309,7 +350,13 @@ impl<P: Ports> DataPlane<P> {
                     0 => format!("{} (now: cancelled)", step.what),
                     t => format!("{} (now: timeline {t} cancelled)", step.what),
                 };
-                repaired.push(self.apply(now, chaos::Step { changes, what }, Some(t)));
+                let fault = step.fault;
+                let step = chaos::Step {
+                    changes,
+                    what,
+                    fault,
+                };
+                repaired.push(self.apply(now, step, Some(t)));
             }
         }
         // Its loads still running stop (another job's traffic ends with the experiment).
@@ -389,7 +436,12 @@ impl<P: Ports> DataPlane<P> {
             format!("{RESET}{}", said.join(", "))
         };
         let now = self.fabric_now(self.ports.now());
-        self.apply(now, chaos::Step { changes, what }, Some(0))
+        let step = chaos::Step {
+            changes,
+            what,
+            fault: 0,
+        };
+        self.apply(now, step, Some(0))
     }
 
     /// The ids of the loads still sending.
@@ -513,7 +565,11 @@ impl<P: Ports> DataPlane<P> {
             let outcome = match timeline {
                 Some(t) => {
                     let model = &self.model;
-                    self.layers.take(t, &change, |l, end| {
+                    let holder = layers::Holder {
+                        timeline: t,
+                        fault: step.fault,
+                    };
+                    self.layers.take(holder, &change, |l, end| {
                         model.original_of(PortId(2 * l + end as u32))
                     })
                 }

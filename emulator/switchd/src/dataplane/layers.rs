@@ -19,12 +19,32 @@ use closbox_fabric::{Bandwidth, Bytes, Duration};
 /// One direction's values: the link's, and the egress buffer at its sending end.
 pub(super) type Values = (LinkParams, Bytes);
 
-/// By hand (not a scenario's timeline).
-const HAND: u64 = 0;
+/// Who holds a link as it is: a fault of a timeline. Changes of one holder undo each other
+/// (a down and its up, a set and its reset): fault 0 is a timeline's own steps, other
+/// faults are those that repair themselves (a flap, a scenario's random fault), so that
+/// two of one scenario overlapping on a link are undone one by one too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct Holder {
+    /// The scenario's timeline; 0: by hand.
+    pub(super) timeline: u64,
+    pub(super) fault: u32,
+}
 
-/// One field's values set by timelines' degrades, the latest last; one per timeline.
+impl From<u64> for Holder {
+    fn from(timeline: u64) -> Holder {
+        Holder { timeline, fault: 0 }
+    }
+}
+
+/// By hand (not a scenario's timeline, nor a flap).
+const HAND: Holder = Holder {
+    timeline: 0,
+    fault: 0,
+};
+
+/// One field's values set by degrades, the latest last; one per holder.
 #[derive(Clone, Debug)]
-struct Stack<T>(Vec<(u64, T)>);
+struct Stack<T>(Vec<(Holder, T)>);
 
 impl<T> Default for Stack<T> {
     fn default() -> Self {
@@ -33,23 +53,23 @@ impl<T> Default for Stack<T> {
 }
 
 impl<T: Copy> Stack<T> {
-    fn set(&mut self, t: u64, v: T) {
+    fn set(&mut self, t: Holder, v: T) {
         self.release(t);
         self.0.push((t, v));
     }
 
-    fn release(&mut self, t: u64) {
+    fn release(&mut self, t: Holder) {
         self.0.retain(|&(u, _)| u != t);
     }
 
-    /// Lets go of the values of the timelines `gone` says.
-    fn release_if(&mut self, gone: impl Fn(u64) -> bool) {
+    /// Lets go of the values of the holders `gone` says.
+    fn release_if(&mut self, gone: impl Fn(Holder) -> bool) {
         self.0.retain(|&(u, _)| !gone(u));
     }
 
     /// Keeps, of the values of ended timelines, the latest only: the others are under it
     /// and go with it (whoever releases one releases all).
-    fn compact(&mut self, ended: impl Fn(u64) -> bool) {
+    fn compact(&mut self, ended: impl Fn(Holder) -> bool) {
         let Some(top) = self.0.iter().rposition(|&(u, _)| ended(u)) else {
             return;
         };
@@ -66,7 +86,7 @@ impl<T: Copy> Stack<T> {
     }
 
     fn timelines(&self) -> impl Iterator<Item = u64> + '_ {
-        self.0.iter().map(|&(t, _)| t)
+        self.0.iter().map(|&(t, _)| t.timeline)
     }
 }
 
@@ -81,7 +101,7 @@ struct Degrades {
 }
 
 impl Degrades {
-    fn release_if(&mut self, gone: impl Fn(u64) -> bool + Copy) {
+    fn release_if(&mut self, gone: impl Fn(Holder) -> bool + Copy) {
         self.rate.release_if(gone);
         self.delay.release_if(gone);
         self.loss.release_if(gone);
@@ -89,7 +109,7 @@ impl Degrades {
         self.buffer.release_if(gone);
     }
 
-    fn compact(&mut self, ended: impl Fn(u64) -> bool + Copy) {
+    fn compact(&mut self, ended: impl Fn(Holder) -> bool + Copy) {
         self.rate.compact(ended);
         self.delay.compact(ended);
         self.loss.compact(ended);
@@ -152,14 +172,14 @@ pub(super) enum Outcome {
 
 #[derive(Debug, Default)]
 pub(super) struct Layers {
-    /// Links down: the timelines holding each down.
-    down: HashMap<u32, BTreeSet<u64>>,
+    /// Links down: who holds each down.
+    down: HashMap<u32, BTreeSet<Holder>>,
     /// Links degraded by timelines: a direction each.
     degrades: HashMap<u32, [Degrades; 2]>,
     /// Links set by hand and not reset by hand since: each direction's own values.
     by_hand: HashMap<u32, [Values; 2]>,
     /// Partitions in place: each timeline's groups, the latest last.
-    partitions: Vec<(u64, Vec<u16>)>,
+    partitions: Vec<(Holder, Vec<u16>)>,
     /// Timelines still running (steps pending or loads running). What an ended timeline
     /// left broken for good is anyone's to repair: a later scenario's repair of the link
     /// lets go of it too (nobody else would), and only the latest of those is kept.
@@ -167,14 +187,19 @@ pub(super) struct Layers {
 }
 
 impl Layers {
-    /// Notes `change`, made by timeline `t` (0: by hand), and says how to apply it.
-    /// `original(link, end)` is the topology's values of the direction leaving `end`.
+    /// Notes `change`, made by `t` (a timeline's fault; timeline 0: by hand), and says
+    /// how to apply it. `original(link, end)` is the topology's values of the direction
+    /// leaving `end`.
     pub(super) fn take(
         &mut self,
-        t: u64,
+        t: impl Into<Holder>,
         change: &Change,
         original: impl Fn(u32, usize) -> Values,
     ) -> Outcome {
+        let t = t.into();
+        let live = &self.live;
+        // What `t` lets go of when it repairs: its own, and what ended timelines left.
+        let gone = |u: Holder| u == t || (u.timeline != 0 && !live.contains(&u.timeline));
         match *change {
             Change::LinkDown(l) => {
                 self.down.entry(l).or_default().insert(t);
@@ -187,14 +212,13 @@ impl Layers {
                 if t == HAND {
                     holders.clear();
                 } else {
-                    let live = &self.live;
-                    holders.retain(|&u| u != t && (u == HAND || live.contains(&u)));
+                    holders.retain(|&u| !gone(u));
                 }
                 if holders.is_empty() {
                     self.down.remove(&l);
                     Outcome::AsIs
                 } else {
-                    Outcome::HeldDown(holders.clone())
+                    Outcome::HeldDown(holders.iter().map(|h| h.timeline).collect())
                 }
             }
             Change::SetLink {
@@ -230,10 +254,9 @@ impl Layers {
             }
             Change::ResetLink(l) => {
                 let mut degraded_by = BTreeSet::new();
-                let live = &self.live;
                 if let Some(d) = self.degrades.get_mut(&l) {
                     for dir in d.iter_mut() {
-                        dir.release_if(|u| u == t || !live.contains(&u));
+                        dir.release_if(gone);
                         dir.timelines(&mut degraded_by);
                     }
                     if degraded_by.is_empty() {
@@ -260,8 +283,7 @@ impl Layers {
                 Outcome::AsIs
             }
             Change::Heal => {
-                let live = &self.live;
-                self.partitions.retain(|(u, _)| *u != t && live.contains(u));
+                self.partitions.retain(|&(u, _)| !gone(u));
                 self.regroup(t)
             }
             _ => Outcome::AsIs,
@@ -270,12 +292,12 @@ impl Layers {
 
     /// The partitions in place as one, for a change of timeline `t`'s: two GPUs are on one
     /// side when every partition puts them on one side. One partition is itself.
-    fn regroup(&self, t: u64) -> Outcome {
+    fn regroup(&self, t: Holder) -> Outcome {
         let others = self
             .partitions
             .iter()
-            .map(|(u, _)| *u)
-            .filter(|&u| u != t)
+            .filter(|(u, _)| *u != t)
+            .map(|(u, _)| u.timeline)
             .collect();
         let groups = match self.partitions.as_slice() {
             [] => None,
@@ -344,7 +366,7 @@ impl Layers {
         }
     }
 
-    fn degrade(&mut self, l: u32, end: usize, t: u64, f: Fields) {
+    fn degrade(&mut self, l: u32, end: usize, t: Holder, f: Fields) {
         let d = &mut self.degrades.entry(l).or_default()[end];
         if let Some(v) = f.rate {
             d.rate.set(t, v);
@@ -366,7 +388,7 @@ impl Layers {
     /// Timeline `t` starts: until it `end`s, only its own repairs (or the hand) undo
     /// what it holds.
     pub(super) fn begin(&mut self, t: u64) {
-        if t != HAND {
+        if t != 0 {
             self.live.insert(t);
         }
     }
@@ -379,7 +401,7 @@ impl Layers {
             return;
         }
         let live = &self.live;
-        let ended = |u: u64| u != HAND && !live.contains(&u);
+        let ended = |u: Holder| u.timeline != 0 && !live.contains(&u.timeline);
         for d in self.degrades.values_mut().flatten() {
             d.compact(ended);
         }
@@ -410,9 +432,10 @@ impl Layers {
 
     /// The timelines holding link `l` down (0: by hand).
     pub(super) fn down_by(&self, l: u32) -> Vec<u64> {
-        self.down
-            .get(&l)
-            .map_or_else(Vec::new, |h| h.iter().copied().collect())
+        self.down.get(&l).map_or_else(Vec::new, |h| {
+            let by: BTreeSet<u64> = h.iter().map(|h| h.timeline).collect();
+            by.into_iter().collect()
+        })
     }
 
     /// The timelines whose degrades of link `l` are in place.
@@ -446,7 +469,7 @@ pub fn holders(ids: impl IntoIterator<Item = u64>) -> String {
     let mut timelines = Vec::new();
     for t in ids {
         match t {
-            HAND => hand = true,
+            0 => hand = true,
             t => timelines.push(t.to_string()),
         }
     }
@@ -525,7 +548,7 @@ mod tests {
         l.take(4, &Change::LinkDown(3), original);
         assert_eq!(
             l.take(4, &Change::LinkUp(3), original),
-            Outcome::HeldDown([HAND].into())
+            Outcome::HeldDown([0].into())
         );
         l.take(5, &Change::LinkDown(3), original);
         assert_eq!(l.take(HAND, &Change::LinkUp(3), original), Outcome::AsIs);
@@ -645,7 +668,7 @@ mod tests {
         // Only the latest ended value of a field is kept, one ended holder of a link.
         assert_eq!(l.degrades[&3][0].rate.0.len(), 1);
         assert_eq!(l.down_by(3), [2]);
-        assert_eq!(l.partitions, [(2, vec![0, 1])]);
+        assert_eq!(l.partitions, [(2.into(), vec![0, 1])]);
         // Timeline 4's repairs let go of them; timeline 3's degrade stays.
         let (v, _, by) = restored(l.take(4, &Change::ResetLink(3), original));
         assert_eq!(by, [3]);
@@ -656,6 +679,45 @@ mod tests {
             panic!()
         };
         assert_eq!(groups, None);
+    }
+
+    #[test]
+    fn faults_of_one_timeline_are_undone_one_by_one() {
+        let mut l = Layers::default();
+        l.begin(1);
+        let fault = |fault| Holder { timeline: 1, fault };
+        // A random switch fault and a random link fault of one scenario on one link.
+        l.take(fault(1), &Change::LinkDown(3), original);
+        l.take(fault(2), &Change::LinkDown(3), original);
+        assert_eq!(
+            l.take(fault(2), &Change::LinkUp(3), original),
+            Outcome::HeldDown([1].into())
+        );
+        assert_eq!(
+            l.take(fault(1), &Change::LinkUp(3), original),
+            Outcome::AsIs
+        );
+        // Two degrades: the first's repair leaves the second's loss.
+        l.take(
+            fault(1),
+            &set(Some(10_000_000), None, Directions::Both),
+            original,
+        );
+        l.take(fault(2), &set(None, Some(0.5), Directions::Both), original);
+        let (v, _, by) = restored(l.take(fault(1), &Change::ResetLink(3), original));
+        assert_eq!(by, [1]);
+        assert_eq!((v[0].0.rate.bps(), v[0].0.loss), (1_000_000_000, 0.5));
+        // A flap by hand (timeline 0, a fault of its own) does not undo a down by hand.
+        let flap = Holder {
+            timeline: 0,
+            fault: 1 << 31,
+        };
+        l.take(HAND, &Change::LinkDown(4), original);
+        l.take(flap, &Change::LinkDown(4), original);
+        assert_eq!(
+            l.take(flap, &Change::LinkUp(4), original),
+            Outcome::HeldDown([0].into())
+        );
     }
 
     #[test]
