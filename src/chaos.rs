@@ -83,6 +83,87 @@ fn running(fabric: &FabricName, id: u64) -> anyhow::Result<bool> {
     }
 }
 
+/// What a fabric's counters said at one moment: what a followed scenario reports the
+/// difference of at its end.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Counts {
+    delivered: u64,
+    drops: Vec<(String, u64)>,
+    marked: u64,
+    changed_links: usize,
+}
+
+fn counts(fabric: &FabricName) -> anyhow::Result<Counts> {
+    match control::request(fabric, &Request::Status)? {
+        Reply::Status(s) => Ok(Counts {
+            delivered: s.delivered,
+            drops: s.drops.clone(),
+            marked: s.ports.iter().map(|p| p.ecn_marked).sum(),
+            changed_links: s.changed_links.len(),
+        }),
+        Reply::Error { message } => bail!("{message}"),
+        other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
+/// What the fabric did between two counts, for people: "the fabric delivered 1,100
+/// packets and dropped 104 (8.6 %): link_down 98, no_route 6; ECN-marked 40".
+fn meanwhile(before: &Counts, after: &Counts) -> String {
+    use crate::plan::thousands;
+    let d = |a: u64, b: u64| b.saturating_sub(a);
+    let drops: Vec<(&str, u64)> = after
+        .drops
+        .iter()
+        .filter_map(|(reason, n)| {
+            let was = before
+                .drops
+                .iter()
+                .find(|(r, _)| r == reason)
+                .map_or(0, |d| d.1);
+            let n = d(was, *n);
+            (n > 0).then_some((reason.as_str(), n))
+        })
+        .collect();
+    let delivered = d(before.delivered, after.delivered);
+    let dropped: u64 = drops.iter().map(|d| d.1).sum();
+    let mut out = format!("the fabric delivered {} packets and ", thousands(delivered));
+    if dropped == 0 {
+        out += "dropped none";
+    } else {
+        let each: Vec<String> = drops
+            .iter()
+            .map(|(r, n)| format!("{r} {}", thousands(*n)))
+            .collect();
+        let share = 100.0 * dropped as f64 / (dropped + delivered) as f64;
+        out += &format!(
+            "dropped {} ({}): {}",
+            thousands(dropped),
+            percent(share),
+            each.join(", ")
+        );
+    }
+    let marked = d(before.marked, after.marked);
+    if marked > 0 {
+        out += &format!("; ECN-marked {}", thousands(marked));
+    }
+    match after.changed_links {
+        0 => {}
+        1 => out += "; 1 link is still changed (`closbox status`)",
+        n => out += &format!("; {n} links are still changed (`closbox status`)"),
+    }
+    out
+}
+
+/// "8.6 %", "0.004 %": a share with two significant digits or so.
+fn percent(p: f64) -> String {
+    match p {
+        p if p >= 10.0 => format!("{p:.0} %"),
+        p if p >= 1.0 => format!("{p:.1} %"),
+        p if p >= 0.1 => format!("{p:.2} %"),
+        p => format!("{p:.3} %"),
+    }
+}
+
 /// The events with a number above `after`.
 fn events_after(fabric: &FabricName, after: u64) -> anyhow::Result<Vec<Event>> {
     match control::request(fabric, &Request::Events)? {
@@ -338,7 +419,18 @@ pub fn scenario_cmd(
         .map(|e| e.seq)
         .max()
         .unwrap_or(0);
+    // (What the fabric does meanwhile, said at the end: a detached scenario has none.)
+    let counted = if detach {
+        None
+    } else {
+        Some(counts(&st.fabric)?)
+    };
     let started = timeline.start()?;
+    let report = || {
+        if let (Some(before), Ok(after)) = (&counted, counts(&st.fabric)) {
+            eprintln!("# chaos: meanwhile {}", meanwhile(before, &after));
+        }
+    };
     if detach {
         eprintln!(
             "# chaos: detached; `closbox events --follow` shows it, `closbox status` counts what is pending"
@@ -372,10 +464,12 @@ pub fn scenario_cmd(
                 "# chaos: timeline {} was cancelled before its end (`closbox cancel` or `closbox reset`)",
                 started.id
             );
+            report();
             return Ok(ExitCode::SUCCESS);
         }
         if stop.load(Ordering::Relaxed) {
             timeline.finish(&started, "interrupted");
+            report();
             return Ok(ExitCode::from(130));
         }
         // Past its last change, it lasts while loads it started run.
@@ -397,5 +491,41 @@ pub fn scenario_cmd(
         std::thread::sleep(StdDuration::from_millis(100));
     }
     timeline.finish(&started, "followed to its end");
+    report();
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meanwhile_says_what_changed() {
+        let before = Counts {
+            delivered: 990,
+            drops: vec![("link_down".into(), 5), ("loss".into(), 5)],
+            marked: 7,
+            changed_links: 0,
+        };
+        let after = Counts {
+            delivered: 3_300,
+            drops: vec![
+                ("link_down".into(), 105),
+                ("loss".into(), 5),
+                ("no_route".into(), 12),
+            ],
+            marked: 7,
+            changed_links: 2,
+        };
+        assert_eq!(
+            meanwhile(&before, &after),
+            "the fabric delivered 2,310 packets and dropped 112 (4.6 %): link_down 100, \
+             no_route 12; 2 links are still changed (`closbox status`)"
+        );
+        assert_eq!(
+            meanwhile(&before, &before),
+            "the fabric delivered 0 packets and dropped none"
+        );
+        assert_eq!(percent(0.0043), "0.004 %");
+    }
 }

@@ -608,6 +608,16 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert_eq!(text(&out).0.lines().count(), 5, "{:?}", text(&out));
     let out = closbox(&["chaos", good.to_str().unwrap(), "--fabric", "lt-scen"]);
     assert!(out.status.success(), "{:?}", text(&out));
+    // At its end, what the fabric did meanwhile.
+    assert!(
+        text(&out)
+            .1
+            .lines()
+            .last()
+            .is_some_and(|l| l.starts_with("# chaos: meanwhile the fabric delivered ")),
+        "{:?}",
+        text(&out)
+    );
     let what: Vec<String> = text(&out).0.lines().map(str::to_owned).collect();
     // The 5 changes and, as they happen, the 3 loads' ends.
     assert_eq!(what.len(), 8, "{what:?}");
