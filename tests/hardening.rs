@@ -816,10 +816,19 @@ fn random_request(rng: &mut closbox_fabric::rng::Rng) -> Vec<u8> {
     );
     match cmd {
         "schedule" => {
-            let items: Vec<Value> = (0..rng.below(6))
-                .map(|_| json!([number(rng), change(rng)]))
-                .collect();
+            let n = rng.below(6);
+            let items: Vec<Value> = (0..n).map(|_| json!([number(rng), change(rng)])).collect();
             o.insert("items".into(), json!(items));
+            // The fault of each item (sometimes the wrong count, or out of range).
+            if rng.below(3) == 0 {
+                let faults: Vec<Value> = (0..n + rng.below(2))
+                    .map(|_| match rng.below(4) {
+                        0 => number(rng),
+                        _ => json!(rng.below(3)),
+                    })
+                    .collect();
+                o.insert("faults".into(), json!(faults));
+            }
         }
         "cancel" => {
             o.insert("timeline".into(), number(rng));
