@@ -83,6 +83,18 @@ fn running(fabric: &FabricName, id: u64) -> anyhow::Result<bool> {
     }
 }
 
+/// An event as `events` prints it: a line, or a JSON line.
+fn print_event(e: &Event, json: bool) {
+    if json {
+        match serde_json::to_string(e) {
+            Ok(j) => println!("{j}"),
+            Err(err) => eprintln!("closbox: {err}"),
+        }
+    } else {
+        println!("{}", line(e));
+    }
+}
+
 /// What a fabric's counters said at one moment: what a followed scenario reports the
 /// difference of at its end.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -106,52 +118,91 @@ fn counts(fabric: &FabricName) -> anyhow::Result<Counts> {
     }
 }
 
-/// What the fabric did between two counts, for people: "the fabric delivered 1,100
-/// packets and dropped 104 (8.6 %): link_down 98, no_route 6; ECN-marked 40".
-fn meanwhile(before: &Counts, after: &Counts) -> String {
-    use crate::plan::thousands;
-    let d = |a: u64, b: u64| b.saturating_sub(a);
-    let drops: Vec<(&str, u64)> = after
-        .drops
-        .iter()
-        .filter_map(|(reason, n)| {
-            let was = before
+/// What the fabric did between two counts.
+#[derive(Clone, Debug, PartialEq)]
+struct Meanwhile {
+    delivered: u64,
+    /// Drops by reason, those above 0, in `status`'s order.
+    drops: Vec<(String, u64)>,
+    ecn_marked: u64,
+    /// Links left down or changed at the end.
+    changed_links: usize,
+}
+
+impl Meanwhile {
+    fn between(before: &Counts, after: &Counts) -> Meanwhile {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        let drops = after
+            .drops
+            .iter()
+            .filter_map(|(reason, n)| {
+                let was = before
+                    .drops
+                    .iter()
+                    .find(|(r, _)| r == reason)
+                    .map_or(0, |d| d.1);
+                let n = d(was, *n);
+                (n > 0).then(|| (reason.clone(), n))
+            })
+            .collect();
+        Meanwhile {
+            delivered: d(before.delivered, after.delivered),
+            drops,
+            ecn_marked: d(before.marked, after.marked),
+            changed_links: after.changed_links,
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let drops: serde_json::Map<String, serde_json::Value> = self
+            .drops
+            .iter()
+            .map(|(r, n)| (r.clone(), (*n).into()))
+            .collect();
+        serde_json::json!({
+            "delivered": self.delivered,
+            "dropped": self.drops.iter().map(|d| d.1).sum::<u64>(),
+            "drops": drops,
+            "ecn_marked": self.ecn_marked,
+            "changed_links": self.changed_links,
+        })
+    }
+
+    /// For people: "the fabric delivered 1,100 packets and dropped 104 (8.6 %): link_down
+    /// 98, no_route 6; ECN-marked 40".
+    fn text(&self) -> String {
+        use crate::plan::thousands;
+        let dropped: u64 = self.drops.iter().map(|d| d.1).sum();
+        let mut out = format!(
+            "the fabric delivered {} packets and ",
+            thousands(self.delivered)
+        );
+        if dropped == 0 {
+            out += "dropped none";
+        } else {
+            let each: Vec<String> = self
                 .drops
                 .iter()
-                .find(|(r, _)| r == reason)
-                .map_or(0, |d| d.1);
-            let n = d(was, *n);
-            (n > 0).then_some((reason.as_str(), n))
-        })
-        .collect();
-    let delivered = d(before.delivered, after.delivered);
-    let dropped: u64 = drops.iter().map(|d| d.1).sum();
-    let mut out = format!("the fabric delivered {} packets and ", thousands(delivered));
-    if dropped == 0 {
-        out += "dropped none";
-    } else {
-        let each: Vec<String> = drops
-            .iter()
-            .map(|(r, n)| format!("{r} {}", thousands(*n)))
-            .collect();
-        let share = 100.0 * dropped as f64 / (dropped + delivered) as f64;
-        out += &format!(
-            "dropped {} ({}): {}",
-            thousands(dropped),
-            percent(share),
-            each.join(", ")
-        );
+                .map(|(r, n)| format!("{r} {}", thousands(*n)))
+                .collect();
+            let share = 100.0 * dropped as f64 / (dropped + self.delivered) as f64;
+            out += &format!(
+                "dropped {} ({}): {}",
+                thousands(dropped),
+                percent(share),
+                each.join(", ")
+            );
+        }
+        if self.ecn_marked > 0 {
+            out += &format!("; ECN-marked {}", thousands(self.ecn_marked));
+        }
+        match self.changed_links {
+            0 => {}
+            1 => out += "; 1 link is still changed (`closbox status`)",
+            n => out += &format!("; {n} links are still changed (`closbox status`)"),
+        }
+        out
     }
-    let marked = d(before.marked, after.marked);
-    if marked > 0 {
-        out += &format!("; ECN-marked {}", thousands(marked));
-    }
-    match after.changed_links {
-        0 => {}
-        1 => out += "; 1 link is still changed (`closbox status`)",
-        n => out += &format!("; {n} links are still changed (`closbox status`)"),
-    }
-    out
 }
 
 /// "8.6 %", "0.004 %": a share with two significant digits or so.
@@ -268,6 +319,8 @@ pub struct Timeline {
     file: String,
     scenario: Scenario,
     time_scale: closbox_fabric::TimeScale,
+    /// Events as JSON lines on stdout (`closbox chaos --json`), not "# chaos:" lines.
+    json: bool,
 }
 
 /// A timeline the daemon is running.
@@ -289,7 +342,17 @@ impl Timeline {
             file: file.display().to_string(),
             scenario,
             time_scale: st.time_scale,
+            json: false,
         })
+    }
+
+    /// Prints an event of the timeline: a JSON line on stdout, or a "# chaos:" line.
+    fn say(&self, e: &Event) {
+        if self.json {
+            print_event(e, true);
+        } else {
+            eprintln!("# chaos: {}", line(e));
+        }
     }
 
     /// Fabric time from start to the last change.
@@ -319,7 +382,7 @@ impl Timeline {
                     self.file
                 );
                 for e in &events {
-                    eprintln!("# chaos: {}", line(e));
+                    self.say(e);
                 }
                 Ok(Started {
                     id: timeline,
@@ -361,7 +424,7 @@ impl Timeline {
                     }
                 );
                 for e in &repaired {
-                    eprintln!("# chaos: {}", line(e));
+                    self.say(e);
                 }
             }
             Ok(_) => {}
@@ -390,6 +453,7 @@ pub fn scenario_cmd(
     dry_run: bool,
     topology: Option<&Path>,
     detach: bool,
+    json: bool,
 ) -> anyhow::Result<ExitCode> {
     if dry_run {
         let topo = match topology {
@@ -412,7 +476,8 @@ pub fn scenario_cmd(
     }
     closbox_switchd::require_root("closbox chaos")?;
     let st = live::resolve(fabric)?;
-    let timeline = Timeline::load(&st, file)?;
+    let mut timeline = Timeline::load(&st, file)?;
+    timeline.json = json;
     let stop = closbox_switchd::stop_on_signals()?;
     let before = events_after(&st.fabric, 0)?
         .iter()
@@ -426,15 +491,29 @@ pub fn scenario_cmd(
         Some(counts(&st.fabric)?)
     };
     let started = timeline.start()?;
-    let report = || {
-        if let (Some(before), Ok(after)) = (&counted, counts(&st.fabric)) {
-            eprintln!("# chaos: meanwhile {}", meanwhile(before, &after));
+    // How it ended and what the fabric did meanwhile: a last line, a JSON object with
+    // --json.
+    let report = |end: &str| {
+        let meanwhile = match (&counted, counts(&st.fabric)) {
+            (Some(before), Ok(after)) => Some(Meanwhile::between(before, &after)),
+            _ => None,
+        };
+        if let Some(m) = &meanwhile {
+            eprintln!("# chaos: meanwhile {}", m.text());
+        }
+        if json {
+            let mut o = serde_json::json!({ "timeline": started.id, "end": end });
+            if let Some(m) = &meanwhile {
+                o["meanwhile"] = m.json();
+            }
+            println!("{o}");
         }
     };
     if detach {
         eprintln!(
             "# chaos: detached; `closbox events --follow` shows it, `closbox status` counts what is pending"
         );
+        report("detached");
         return Ok(ExitCode::SUCCESS);
     }
     // Follow until the last change is due (plus a moment to see it) and its loads have
@@ -454,7 +533,7 @@ pub fn scenario_cmd(
             return Ok(ExitCode::FAILURE);
         };
         for e in &new {
-            println!("{}", line(e));
+            print_event(e, json);
             last = last.max(e.seq);
             cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
@@ -464,12 +543,12 @@ pub fn scenario_cmd(
                 "# chaos: timeline {} was cancelled before its end (`closbox cancel` or `closbox reset`)",
                 started.id
             );
-            report();
+            report("cancelled");
             return Ok(ExitCode::SUCCESS);
         }
         if stop.load(Ordering::Relaxed) {
             timeline.finish(&started, "interrupted");
-            report();
+            report("interrupted");
             return Ok(ExitCode::from(130));
         }
         // Past its last change, it lasts while loads it started run.
@@ -477,7 +556,7 @@ pub fn scenario_cmd(
             if !running(&st.fabric, started.id)? {
                 // What it logged as it ended (a load's end).
                 for e in events_after(&st.fabric, last)? {
-                    println!("{}", line(&e));
+                    print_event(&e, json);
                 }
                 break;
             }
@@ -491,7 +570,7 @@ pub fn scenario_cmd(
         std::thread::sleep(StdDuration::from_millis(100));
     }
     timeline.finish(&started, "followed to its end");
-    report();
+    report("followed");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -518,14 +597,24 @@ mod tests {
             changed_links: 2,
         };
         assert_eq!(
-            meanwhile(&before, &after),
+            Meanwhile::between(&before, &after).text(),
             "the fabric delivered 2,310 packets and dropped 112 (4.6 %): link_down 100, \
              no_route 12; 2 links are still changed (`closbox status`)"
         );
         assert_eq!(
-            meanwhile(&before, &before),
+            Meanwhile::between(&before, &before).text(),
             "the fabric delivered 0 packets and dropped none"
         );
         assert_eq!(percent(0.0043), "0.004 %");
+        assert_eq!(
+            Meanwhile::between(&before, &after).json(),
+            serde_json::json!({
+                "delivered": 2310,
+                "dropped": 112,
+                "drops": {"link_down": 100, "no_route": 12},
+                "ecn_marked": 0,
+                "changed_links": 2,
+            })
+        );
     }
 }

@@ -458,6 +458,11 @@ enum Command {
         /// Return once the timeline is scheduled.
         #[arg(long, conflicts_with = "dry_run")]
         detach: bool,
+        /// Events as JSON lines on stdout (as `events --json`), then one object: the
+        /// timeline, how it ended (followed, cancelled, interrupted, detached) and what the
+        /// fabric did meanwhile.
+        #[arg(long, conflicts_with = "dry_run")]
+        json: bool,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
@@ -1184,8 +1189,16 @@ fn main() -> ExitCode {
             dry_run,
             topology,
             detach,
+            json,
             fabric,
-        } => chaos::scenario_cmd(fabric.as_ref(), &file, dry_run, topology.as_deref(), detach),
+        } => chaos::scenario_cmd(
+            fabric.as_ref(),
+            &file,
+            dry_run,
+            topology.as_deref(),
+            detach,
+            json,
+        ),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
         Command::Reset { fabric } => chaos::change(fabric.get(), ChangeRequest::Reset),

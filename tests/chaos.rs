@@ -761,6 +761,34 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         started.elapsed() < Duration::from_secs(20),
         "it did not wait 60 s"
     );
+    // --json: the timeline's events as JSON lines, then how it ended and what the fabric
+    // did meanwhile.
+    let short = dir.join("short.toml");
+    std::fs::write(
+        &short,
+        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"10ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+    )
+    .unwrap();
+    let out = closbox(&[
+        "chaos",
+        short.to_str().unwrap(),
+        "--json",
+        "--fabric",
+        "lt-scen",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let lines: Vec<serde_json::Value> = text(&out)
+        .0
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert_eq!(lines[0]["what"], "link leaf0-spine0 #0 down", "{lines:?}");
+    assert_eq!(lines[1]["what"], "link leaf0-spine0 #0 up", "{lines:?}");
+    assert_eq!(lines[2]["end"], "followed", "{lines:?}");
+    assert!(lines[2]["meanwhile"]["delivered"].is_u64(), "{lines:?}");
+    assert_eq!(lines[2]["meanwhile"]["changed_links"], 0, "{lines:?}");
     // Two scenarios degrade one link: cancelling the first ends its degrade only.
     let degrade = |file: &str, field: &str| {
         let path = dir.join(file);
