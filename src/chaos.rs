@@ -522,6 +522,10 @@ pub fn scenario_cmd(
         started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
     // (What it applied at once, `start` printed.)
     let mut last = before.max(started.seen);
+    let ours = |e: &Event| {
+        e.timeline == Some(started.id)
+            || closbox_switchd::dataplane::ends_early(&e.what, started.id)
+    };
     let mut said = false;
     let mut cancelled = false;
     loop {
@@ -532,11 +536,12 @@ pub fn scenario_cmd(
             );
             return Ok(ExitCode::FAILURE);
         };
-        for e in &new {
+        // Its own events (other scenarios and changes by hand: `closbox events`).
+        for e in new.iter().filter(|e| ours(e)) {
             print_event(e, json);
-            last = last.max(e.seq);
             cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
+        last = new.iter().map(|e| e.seq).max().unwrap_or(last);
         // Ended from elsewhere (`closbox cancel`, `closbox reset`), which its log says.
         if cancelled && !running(&st.fabric, started.id)? {
             eprintln!(
@@ -555,8 +560,8 @@ pub fn scenario_cmd(
         if StdInstant::now() >= end {
             if !running(&st.fabric, started.id)? {
                 // What it logged as it ended (a load's end).
-                for e in events_after(&st.fabric, last)? {
-                    print_event(&e, json);
+                for e in events_after(&st.fabric, last)?.iter().filter(|e| ours(e)) {
+                    print_event(e, json);
                 }
                 break;
             }

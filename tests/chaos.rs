@@ -770,6 +770,22 @@ fn scenario_files_are_checked_then_run_on_schedule() {
          [[event]]\nat = \"10ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
     )
     .unwrap();
+    // Another scenario's events while it runs are not its own: not printed.
+    let other = dir.join("other.toml");
+    std::fs::write(
+        &other,
+        "[[event]]\nat = \"100ms\"\ndo = \"link-down\"\na = \"leaf1\"\nb = \"spine1\"\n\
+         [[event]]\nat = \"110ms\"\ndo = \"link-up\"\na = \"leaf1\"\nb = \"spine1\"\n",
+    )
+    .unwrap();
+    let out = closbox(&[
+        "chaos",
+        other.to_str().unwrap(),
+        "--detach",
+        "--fabric",
+        "lt-scen",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
     let out = closbox(&[
         "chaos",
         short.to_str().unwrap(),
@@ -778,6 +794,23 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "lt-scen",
     ]);
     assert!(out.status.success(), "{:?}", text(&out));
+    let events: Vec<serde_json::Value> =
+        serde_json::from_slice(&closbox(&["events", "--json", "--fabric", "lt-scen"]).stdout)
+            .unwrap();
+    let theirs = events
+        .iter()
+        .find(|e| e["what"] == "link leaf1-spine1 #0 up")
+        .expect("the other scenario ran meanwhile");
+    let ours = events
+        .iter()
+        .rfind(|e| e["what"] == "link leaf0-spine0 #0 up")
+        .unwrap();
+    // (The follower waits 300 ms past its last change, at real time here.)
+    assert!(
+        theirs["fabric_ns"].as_u64().unwrap() < ours["fabric_ns"].as_u64().unwrap() + 300_000_000,
+        "while it followed: {events:?}"
+    );
+    assert_ne!(theirs["timeline"], ours["timeline"], "{events:?}");
     let lines: Vec<serde_json::Value> = text(&out)
         .0
         .lines()

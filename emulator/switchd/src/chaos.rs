@@ -159,6 +159,10 @@ pub struct Event {
     /// Number of the event since the fabric came up (from 1).
     #[serde(default)]
     pub seq: u64,
+    /// The scenario's timeline it belongs to (a change, repair or cancel of it, the end of
+    /// a load it started); none for changes by hand and a fabric reset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<u64>,
 }
 
 /// The vertex called `name`.

@@ -787,6 +787,8 @@ pub struct DataPlane<P: Ports> {
     next_load: u32,
     /// The last fault number given to a flap (`changes::AUTO_FAULT` and up).
     next_fault: u32,
+    /// The running loads a scenario started: its timeline, which their end is logged for.
+    load_timelines: std::collections::HashMap<u32, u64>,
     captures: Vec<Capture>,
     next_capture: u64,
     recordings: Vec<Recording>,
@@ -863,6 +865,7 @@ impl<P: Ports> DataPlane<P> {
             broken: Default::default(),
             layers: Default::default(),
             next_fault: 0,
+            load_timelines: Default::default(),
             next_load: 1,
             captures: Vec::new(),
             next_capture: 0,
@@ -2576,6 +2579,13 @@ mod tests {
         );
         let (dropped, repaired) = dp.cancel(Some(t));
         assert_eq!(dropped, 6);
+        // Each is the timeline's event, as is the line saying it was cancelled.
+        assert!(
+            repaired.iter().all(|e| e.timeline == Some(t)),
+            "{repaired:?}"
+        );
+        let last = dp.events.len() - repaired.len() - 1;
+        assert_eq!(dp.events[last].timeline, Some(t), "{:?}", dp.events[last]);
         let what: Vec<&str> = repaired.iter().map(|e| e.what.as_str()).collect();
         assert_eq!(
             what,
@@ -2609,8 +2619,11 @@ mod tests {
         );
         assert_eq!(dp.status().changed_links.len(), 1);
         dp.change(&up("spine1")).unwrap();
-        // A timeline run to its end keeps nothing: its changes applied, its load ended.
-        dp.schedule(&[(0, load(100_000)), (1, down("spine1")), (2, up("spine1"))])
+        // A timeline run to its end keeps nothing: its changes applied, its load ended
+        // (logged as the timeline's; changes by hand are nobody's).
+        assert_eq!(dp.events.last().map(|e| e.timeline), Some(None));
+        let (t, _) = dp
+            .schedule(&[(0, load(100_000)), (1, down("spine1")), (2, up("spine1"))])
             .unwrap();
         assert_eq!(dp.status().timelines.len(), 1);
         while dp.ports.elapsed < StdDuration::from_millis(1) {
@@ -2619,6 +2632,9 @@ mod tests {
         assert_eq!(dp.status().pending_changes, 0);
         assert!(dp.broken.is_empty());
         assert!(dp.status().changed_links.is_empty());
+        let done = dp.events.iter().find(|e| e.what.starts_with("load 2 done"));
+        assert_eq!(done.map(|e| e.timeline), Some(Some(t)), "{:?}", dp.events);
+        assert!(dp.load_timelines.is_empty());
     }
 
     /// The real-time valve: out of the FIFO class after running `RT_MAX_RUN` without

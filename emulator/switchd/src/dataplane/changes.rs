@@ -332,7 +332,7 @@ impl<P: Ports> DataPlane<P> {
                 0 => format!("flaps cancelled with {steps}"),
                 t => format!("timeline {t} cancelled with {steps}"),
             };
-            self.log(now, StdDuration::ZERO, what);
+            self.log(now, StdDuration::ZERO, what, Some(t));
         }
         let mut repaired = Vec::new();
         for k in &keys {
@@ -369,7 +369,8 @@ impl<P: Ports> DataPlane<P> {
         for (t, b) in ended {
             for id in b.loads.into_iter().filter(|id| running.contains(id)) {
                 let what = format!("load {id} stopped (now: timeline {t} cancelled)");
-                repaired.push(self.apply(now, chaos::Step::one(Change::StopLoad(id), what), None));
+                let stop = chaos::Step::one(Change::StopLoad(id), what);
+                repaired.push(self.apply(now, stop, Some(t)));
             }
         }
         (keys.len(), repaired)
@@ -430,6 +431,7 @@ impl<P: Ports> DataPlane<P> {
             )),
         }
         self.layers.clear();
+        self.load_timelines.clear();
         let what = if said.is_empty() {
             format!("{RESET}nothing to undo")
         } else {
@@ -508,7 +510,8 @@ impl<P: Ports> DataPlane<P> {
                     .map_or(0, |l| l.counters.sent_bytes);
                 let ago = self.time_scale.to_wall(now.saturating_since(at));
                 let sent = closbox_fabric::units::approx_bytes(sent);
-                self.log(at, ago, format!("load {id} done: {sent} sent"));
+                let timeline = self.load_timelines.remove(&id);
+                self.log(at, ago, format!("load {id} done: {sent} sent"), timeline);
             }
         }
         while let Some(entry) = self.scheduled.first_entry() {
@@ -562,6 +565,9 @@ impl<P: Ports> DataPlane<P> {
         let mut partitions = None;
         for change in step.changes {
             let target = Target::of(&change);
+            if let Change::StopLoad(id) = change {
+                self.load_timelines.remove(&id);
+            }
             let outcome = match timeline {
                 Some(t) => {
                     let model = &self.model;
@@ -625,6 +631,10 @@ impl<P: Ports> DataPlane<P> {
                     | Target::Partition
                     | Target::Heal
             );
+            if let (true, Target::Load(id), Some(t @ 1..)) = (applied, target, timeline) {
+                // Its end is logged as the timeline's.
+                self.load_timelines.insert(id, t);
+            }
             if applied || held_as_such {
                 done += usize::from(applied);
                 // (Loads started by hand, timeline 0, are not a flap's to stop.)
@@ -663,7 +673,7 @@ impl<P: Ports> DataPlane<P> {
         if let Some(p) = partitions {
             what.push_str(&p);
         }
-        self.log(now, StdDuration::ZERO, what)
+        self.log(now, StdDuration::ZERO, what, timeline)
     }
 
     /// Applies one change to the model (and the GPUs' pacing it concerns); false if it
@@ -692,8 +702,9 @@ impl<P: Ports> DataPlane<P> {
         done
     }
 
-    /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago.
-    fn log(&mut self, at: Instant, ago: StdDuration, what: String) -> Event {
+    /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago,
+    /// for `timeline` (0 or none: by hand, or the fabric's own).
+    fn log(&mut self, at: Instant, ago: StdDuration, what: String, timeline: Option<u64>) -> Event {
         let event = Event {
             fabric_ns: at.as_nanos(),
             wall_ms: std::time::SystemTime::now()
@@ -702,6 +713,7 @@ impl<P: Ports> DataPlane<P> {
                 .map_or(0, |d| d.as_millis() as u64),
             what,
             seq: self.events_total + 1,
+            timeline: timeline.filter(|&t| t != 0),
         };
         tracing::info!("fabric {}: {}", self.name, event.what);
         self.events_total += 1;
