@@ -558,11 +558,7 @@ impl<P: Ports> DataPlane<P> {
         let total = step.changes.len();
         let mut done = 0;
         let mut to_hand = false;
-        // Links that stay down for others, links left degraded by others: how many, by whom.
-        let (mut held, mut held_by) = (0, std::collections::BTreeSet::new());
-        let (mut degraded, mut degraded_by) = (0, std::collections::BTreeSet::new());
-        // Other timelines' partitions in place beside this one's.
-        let mut partitions = None;
+        let mut notes = Notes::default();
         for change in step.changes {
             let target = Target::of(&change);
             if let Change::StopLoad(id) = change {
@@ -584,8 +580,8 @@ impl<P: Ports> DataPlane<P> {
             let applied = match (outcome, change) {
                 (Outcome::AsIs, change) => self.apply_change(now, change),
                 (Outcome::HeldDown(by), _) => {
-                    held += 1;
-                    held_by.extend(by);
+                    notes.held += 1;
+                    notes.held_by.extend(by);
                     false
                 }
                 (
@@ -598,23 +594,16 @@ impl<P: Ports> DataPlane<P> {
                 ) => {
                     to_hand |= hand;
                     if !by.is_empty() {
-                        degraded += 1;
-                        degraded_by.extend(by);
+                        notes.degraded += 1;
+                        notes.degraded_by.extend(by);
                     }
                     restore(l, values)
                         .into_iter()
                         .fold(false, |any, c| self.apply_change(now, c) | any)
                 }
                 (Outcome::Regroup { groups, others }, change) => {
-                    if !others.is_empty() {
-                        let n = others.len();
-                        let by = layers::holders(others);
-                        let (s, stay) = if n == 1 { ("", "stays") } else { ("s", "stay") };
-                        partitions = Some(match change {
-                            Change::Heal => format!(" (partition{s} by {by} {stay})"),
-                            _ => format!(" (with the partition{s} by {by})"),
-                        });
-                    }
+                    notes.healing = matches!(change, Change::Heal);
+                    notes.partitions_by = others;
                     let regroup = groups.map_or(Change::Heal, Change::Partition);
                     self.apply_change(now, regroup)
                 }
@@ -650,29 +639,7 @@ impl<P: Ports> DataPlane<P> {
         } else {
             step.what
         };
-        let of_total = |n: usize| {
-            if total == 1 {
-                String::new()
-            } else {
-                format!("{n} of {total} ")
-            }
-        };
-        match total - done - held {
-            0 => {}
-            n if n == total => what.push_str(" (already so)"),
-            n => what.push_str(&format!(" ({n} of {total} already so)")),
-        }
-        if held > 0 {
-            let by = layers::holders(held_by);
-            what.push_str(&format!(" ({}held down by {by})", of_total(held)));
-        }
-        if degraded > 0 {
-            let by = layers::holders(degraded_by);
-            what.push_str(&format!(" ({}still degraded by {by})", of_total(degraded)));
-        }
-        if let Some(p) = partitions {
-            what.push_str(&p);
-        }
+        what += &notes.said(total, done);
         self.log(now, StdDuration::ZERO, what, timeline)
     }
 
@@ -723,6 +690,54 @@ impl<P: Ports> DataPlane<P> {
             self.events.drain(..extra);
         }
         event
+    }
+}
+
+/// Why a step's changes did less than it says, for its event's line.
+#[derive(Default)]
+struct Notes {
+    /// Links left down for others: how many, by whom.
+    held: usize,
+    held_by: std::collections::BTreeSet<u64>,
+    /// Links left degraded by others.
+    degraded: usize,
+    degraded_by: std::collections::BTreeSet<u64>,
+    /// Others' partitions in place beside the step's (`healing`: its heal).
+    partitions_by: std::collections::BTreeSet<u64>,
+    healing: bool,
+}
+
+impl Notes {
+    /// " (1 of 2 already so) (1 of 2 held down by timeline 3)": what follows the step's
+    /// line, `done` of its `total` changes having changed the fabric.
+    fn said(self, total: usize, done: usize) -> String {
+        let of_total = |n: usize| match total {
+            1 => String::new(),
+            _ => format!("{n} of {total} "),
+        };
+        let mut out = match total - done - self.held {
+            0 => String::new(),
+            n if n == total => " (already so)".into(),
+            n => format!(" ({n} of {total} already so)"),
+        };
+        if self.held > 0 {
+            let by = layers::holders(self.held_by);
+            out += &format!(" ({}held down by {by})", of_total(self.held));
+        }
+        if self.degraded > 0 {
+            let by = layers::holders(self.degraded_by);
+            out += &format!(" ({}still degraded by {by})", of_total(self.degraded));
+        }
+        if !self.partitions_by.is_empty() {
+            let n = self.partitions_by.len();
+            let by = layers::holders(self.partitions_by);
+            let (s, stay) = if n == 1 { ("", "stays") } else { ("s", "stay") };
+            out += &match self.healing {
+                true => format!(" (partition{s} by {by} {stay})"),
+                false => format!(" (with the partition{s} by {by})"),
+            };
+        }
+        out
     }
 }
 
