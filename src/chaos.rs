@@ -9,6 +9,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use anyhow::{bail, Context};
 use closbox_fabric::Topology;
+use closbox_switchd::chaos::{ChaosEnd, ChaosRun, Counts, Meanwhile};
 use closbox_switchd::control::{self, ChangeRequest, Event, Reply, Request};
 use closbox_switchd::scenario::{self, Scenario};
 use closbox_switchd::state::{FabricName, State};
@@ -95,114 +96,47 @@ fn print_event(e: &Event, json: bool) {
     }
 }
 
-/// What a fabric's counters said at one moment: what a followed scenario reports the
-/// difference of at its end.
-#[derive(Clone, Debug, Default, PartialEq)]
-struct Counts {
-    delivered: u64,
-    drops: Vec<(String, u64)>,
-    marked: u64,
-    changed_links: usize,
-}
-
 fn counts(fabric: &FabricName) -> anyhow::Result<Counts> {
     match control::request(fabric, &Request::Status)? {
-        Reply::Status(s) => Ok(Counts {
-            delivered: s.delivered,
-            drops: s.drops.clone(),
-            marked: s.ports.iter().map(|p| p.ecn_marked).sum(),
-            changed_links: s.changed_links.len(),
-        }),
+        Reply::Status(s) => Ok(Counts::of(&s)),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),
     }
 }
 
-/// What the fabric did between two counts.
-#[derive(Clone, Debug, PartialEq)]
-struct Meanwhile {
-    delivered: u64,
-    /// Drops by reason, those above 0, in `status`'s order.
-    drops: Vec<(String, u64)>,
-    ecn_marked: u64,
-    /// Links left down or changed at the end.
-    changed_links: usize,
-}
-
-impl Meanwhile {
-    fn between(before: &Counts, after: &Counts) -> Meanwhile {
-        let d = |a: u64, b: u64| b.saturating_sub(a);
-        let drops = after
+/// What the fabric did while a scenario ran, for people: "the fabric delivered 1,100
+/// packets and dropped 104 (8.6 %): link_down 98, no_route 6; ECN-marked 40".
+fn meanwhile_text(m: &Meanwhile) -> String {
+    use crate::plan::thousands;
+    let mut out = format!(
+        "the fabric delivered {} packets and ",
+        thousands(m.delivered)
+    );
+    if m.dropped == 0 {
+        out += "dropped none";
+    } else {
+        let each: Vec<String> = m
             .drops
             .iter()
-            .filter_map(|(reason, n)| {
-                let was = before
-                    .drops
-                    .iter()
-                    .find(|(r, _)| r == reason)
-                    .map_or(0, |d| d.1);
-                let n = d(was, *n);
-                (n > 0).then(|| (reason.clone(), n))
-            })
+            .map(|(r, n)| format!("{r} {}", thousands(*n)))
             .collect();
-        Meanwhile {
-            delivered: d(before.delivered, after.delivered),
-            drops,
-            ecn_marked: d(before.marked, after.marked),
-            changed_links: after.changed_links,
-        }
-    }
-
-    fn json(&self) -> serde_json::Value {
-        let drops: serde_json::Map<String, serde_json::Value> = self
-            .drops
-            .iter()
-            .map(|(r, n)| (r.clone(), (*n).into()))
-            .collect();
-        serde_json::json!({
-            "delivered": self.delivered,
-            "dropped": self.drops.iter().map(|d| d.1).sum::<u64>(),
-            "drops": drops,
-            "ecn_marked": self.ecn_marked,
-            "changed_links": self.changed_links,
-        })
-    }
-
-    /// For people: "the fabric delivered 1,100 packets and dropped 104 (8.6 %): link_down
-    /// 98, no_route 6; ECN-marked 40".
-    fn text(&self) -> String {
-        use crate::plan::thousands;
-        let dropped: u64 = self.drops.iter().map(|d| d.1).sum();
-        let mut out = format!(
-            "the fabric delivered {} packets and ",
-            thousands(self.delivered)
+        let share = 100.0 * m.dropped as f64 / (m.dropped + m.delivered) as f64;
+        out += &format!(
+            "dropped {} ({}): {}",
+            thousands(m.dropped),
+            percent(share),
+            each.join(", ")
         );
-        if dropped == 0 {
-            out += "dropped none";
-        } else {
-            let each: Vec<String> = self
-                .drops
-                .iter()
-                .map(|(r, n)| format!("{r} {}", thousands(*n)))
-                .collect();
-            let share = 100.0 * dropped as f64 / (dropped + self.delivered) as f64;
-            out += &format!(
-                "dropped {} ({}): {}",
-                thousands(dropped),
-                percent(share),
-                each.join(", ")
-            );
-        }
-        if self.ecn_marked > 0 {
-            out += &format!("; ECN-marked {}", thousands(self.ecn_marked));
-        }
-        match self.changed_links {
-            0 => {}
-            1 => out += "; 1 link is still changed (`closbox status`)",
-            n => out += &format!("; {n} links are still changed (`closbox status`)"),
-        }
-        out
     }
+    if m.ecn_marked > 0 {
+        out += &format!("; ECN-marked {}", thousands(m.ecn_marked));
+    }
+    match m.changed_links {
+        0 => {}
+        1 => out += "; 1 link is still changed (`closbox status`)",
+        n => out += &format!("; {n} links are still changed (`closbox status`)"),
+    }
+    out
 }
 
 /// "8.6 %", "0.004 %": a share with two significant digits or so.
@@ -493,27 +427,31 @@ pub fn scenario_cmd(
     let started = timeline.start()?;
     // How it ended and what the fabric did meanwhile: a last line, a JSON object with
     // --json.
-    let report = |end: &str| {
+    let report = |end: ChaosEnd| {
         let meanwhile = match (&counted, counts(&st.fabric)) {
             (Some(before), Ok(after)) => Some(Meanwhile::between(before, &after)),
             _ => None,
         };
         if let Some(m) = &meanwhile {
-            eprintln!("# chaos: meanwhile {}", m.text());
+            eprintln!("# chaos: meanwhile {}", meanwhile_text(m));
         }
         if json {
-            let mut o = serde_json::json!({ "timeline": started.id, "end": end });
-            if let Some(m) = &meanwhile {
-                o["meanwhile"] = m.json();
+            let end = ChaosRun {
+                timeline: started.id,
+                end,
+                meanwhile,
+            };
+            match serde_json::to_string(&end) {
+                Ok(j) => println!("{j}"),
+                Err(e) => eprintln!("closbox: {e}"),
             }
-            println!("{o}");
         }
     };
     if detach {
         eprintln!(
             "# chaos: detached; `closbox events --follow` shows it, `closbox status` counts what is pending"
         );
-        report("detached");
+        report(ChaosEnd::Detached);
         return Ok(ExitCode::SUCCESS);
     }
     // Follow until the last change is due (plus a moment to see it) and its loads have
@@ -548,12 +486,12 @@ pub fn scenario_cmd(
                 "# chaos: timeline {} was cancelled before its end (`closbox cancel` or `closbox reset`)",
                 started.id
             );
-            report("cancelled");
+            report(ChaosEnd::Cancelled);
             return Ok(ExitCode::SUCCESS);
         }
         if stop.load(Ordering::Relaxed) {
             timeline.finish(&started, "interrupted");
-            report("interrupted");
+            report(ChaosEnd::Interrupted);
             return Ok(ExitCode::from(130));
         }
         // Past its last change, it lasts while loads it started run.
@@ -575,7 +513,7 @@ pub fn scenario_cmd(
         std::thread::sleep(StdDuration::from_millis(100));
     }
     timeline.finish(&started, "followed to its end");
-    report("followed");
+    report(ChaosEnd::Followed);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -588,7 +526,7 @@ mod tests {
         let before = Counts {
             delivered: 990,
             drops: vec![("link_down".into(), 5), ("loss".into(), 5)],
-            marked: 7,
+            ecn_marked: 7,
             changed_links: 0,
         };
         let after = Counts {
@@ -598,27 +536,37 @@ mod tests {
                 ("loss".into(), 5),
                 ("no_route".into(), 12),
             ],
-            marked: 7,
+            ecn_marked: 7,
             changed_links: 2,
         };
+        let m = Meanwhile::between(&before, &after);
         assert_eq!(
-            Meanwhile::between(&before, &after).text(),
+            meanwhile_text(&m),
             "the fabric delivered 2,310 packets and dropped 112 (4.6 %): link_down 100, \
              no_route 12; 2 links are still changed (`closbox status`)"
         );
         assert_eq!(
-            Meanwhile::between(&before, &before).text(),
+            meanwhile_text(&Meanwhile::between(&before, &before)),
             "the fabric delivered 0 packets and dropped none"
         );
         assert_eq!(percent(0.0043), "0.004 %");
+        let run = ChaosRun {
+            timeline: 3,
+            end: ChaosEnd::Followed,
+            meanwhile: Some(m),
+        };
         assert_eq!(
-            Meanwhile::between(&before, &after).json(),
+            serde_json::to_value(&run).unwrap(),
             serde_json::json!({
-                "delivered": 2310,
-                "dropped": 112,
-                "drops": {"link_down": 100, "no_route": 12},
-                "ecn_marked": 0,
-                "changed_links": 2,
+                "timeline": 3,
+                "end": "followed",
+                "meanwhile": {
+                    "delivered": 2310,
+                    "dropped": 112,
+                    "drops": [["link_down", 100], ["no_route", 12]],
+                    "ecn_marked": 0,
+                    "changed_links": 2,
+                },
             })
         );
     }

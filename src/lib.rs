@@ -27,10 +27,23 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use anyhow::{bail, Context};
-pub use closbox_switchd::chaos::{ChangeRequest, Event};
+pub use closbox_switchd::chaos::{ChangeRequest, ChaosEnd, Event, Meanwhile};
 use closbox_switchd::control::{self, Reply, Request};
 pub use closbox_switchd::dataplane::Status;
 use closbox_switchd::state::FabricName;
+
+/// A scenario run by [`Fabric::chaos`]: its events, how it ended, what the fabric did
+/// meanwhile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Chaos {
+    /// Its own events, oldest first (not other scenarios' or changes by hand).
+    pub events: Vec<Event>,
+    pub timeline: u64,
+    pub end: ChaosEnd,
+    /// Packets delivered, drops by reason, ECN marks, links left changed (all the
+    /// fabric's traffic over the scenario's span).
+    pub meanwhile: Option<Meanwhile>,
+}
 
 /// A live fabric, taken down when dropped (errors then are printed, not raised: call
 /// [`Fabric::down`] to see them).
@@ -257,6 +270,45 @@ impl Fabric {
             Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
         }
+    }
+
+    /// Runs a scenario file on the fabric (`closbox chaos FILE`) and waits for its end:
+    /// its last change made and the loads it started ended, or until `cancel`/`reset`
+    /// from elsewhere ends it. A bad file is an error naming its line.
+    pub fn chaos(&self, scenario: impl AsRef<Path>) -> anyhow::Result<Chaos> {
+        let file = scenario.as_ref();
+        let out = self
+            .closbox(&[
+                OsStr::new("chaos"),
+                file.as_os_str(),
+                OsStr::new("--json"),
+                OsStr::new("--fabric"),
+                OsStr::new(self.name()),
+            ])
+            .output()
+            .context("running closbox chaos")?;
+        if !out.status.success() {
+            bail!(
+                "closbox chaos {}: {}",
+                file.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut lines: Vec<&str> = text.lines().collect();
+        let last = lines.pop().context("closbox chaos printed nothing")?;
+        let run: closbox_switchd::chaos::ChaosRun = serde_json::from_str(last)
+            .with_context(|| format!("closbox chaos ended with {last:?}"))?;
+        let events = lines
+            .into_iter()
+            .map(|l| serde_json::from_str(l).with_context(|| format!("an event: {l:?}")))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Chaos {
+            events,
+            timeline: run.timeline,
+            end: run.end,
+            meanwhile: run.meanwhile,
+        })
     }
 
     /// Takes every link between `a` and `b` down.

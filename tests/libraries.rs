@@ -97,6 +97,31 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     let what: Vec<&str> = events.iter().map(|e| e.what.as_str()).collect();
     assert_eq!(what, ["link leaf0-spine0 #0 down"], "{events:?}");
     assert_eq!(events[0].seq, 1);
+    // A scenario run to its end: its own events; the link taken down by hand stays down.
+    let dir = common::test_dir("lfix");
+    let scenario = dir.join("flap.toml");
+    std::fs::write(
+        &scenario,
+        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"5ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+    )
+    .unwrap();
+    let run = f.chaos(&scenario).unwrap();
+    let what: Vec<&str> = run.events.iter().map(|e| e.what.as_str()).collect();
+    assert_eq!(
+        what,
+        [
+            "link leaf0-spine0 #0 down (already so)",
+            "link leaf0-spine0 #0 up (held down by hand)"
+        ],
+        "{run:?}"
+    );
+    assert!(run.events.iter().all(|e| e.timeline == Some(run.timeline)));
+    assert_eq!(run.end, closbox::ChaosEnd::Followed);
+    assert_eq!(run.meanwhile.map(|m| m.changed_links), Some(1));
+    std::fs::write(&scenario, "[[event]]\nat = \"0ms\"\ndo = \"link-dow\"\n").unwrap();
+    let err = f.chaos(&scenario).unwrap_err();
+    assert!(format!("{err:#}").contains("flap.toml:3:"), "{err:#}");
     drop(f);
     assert!(
         common::leftovers("lfix").is_empty(),
@@ -519,7 +544,7 @@ fn pytest_plugin_sample_suite_passes() {
         .args(["-m", "pytest", "pkg/tests", "-q", "-p", "no:cacheprovider"])
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
-    assert!(out.contains("6 passed") && !out.contains("failed"), "{out}");
+    assert!(out.contains("7 passed") && !out.contains("failed"), "{out}");
     assert!(
         common::leftovers("pyt").is_empty(),
         "{:?}",

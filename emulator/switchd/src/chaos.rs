@@ -165,6 +165,90 @@ pub struct Event {
     pub timeline: Option<u64>,
 }
 
+/// A fabric's counters at one moment, of which a scenario's `Meanwhile` is the
+/// difference.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Counts {
+    pub delivered: u64,
+    pub drops: Vec<(String, u64)>,
+    pub ecn_marked: u64,
+    pub changed_links: usize,
+}
+
+impl Counts {
+    pub fn of(s: &crate::dataplane::Status) -> Counts {
+        Counts {
+            delivered: s.delivered,
+            drops: s.drops.clone(),
+            ecn_marked: s.ports.iter().map(|p| p.ecn_marked).sum(),
+            changed_links: s.changed_links.len(),
+        }
+    }
+}
+
+/// What the fabric did while a scenario ran (all its traffic): `closbox chaos` ends with
+/// it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Meanwhile {
+    pub delivered: u64,
+    pub dropped: u64,
+    /// Drops by reason, those above 0, in `status`'s order.
+    pub drops: Vec<(String, u64)>,
+    pub ecn_marked: u64,
+    /// Links left down or changed at the end.
+    pub changed_links: usize,
+}
+
+impl Meanwhile {
+    pub fn between(before: &Counts, after: &Counts) -> Meanwhile {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        let drops: Vec<(String, u64)> = after
+            .drops
+            .iter()
+            .filter_map(|(reason, n)| {
+                let was = before
+                    .drops
+                    .iter()
+                    .find(|(r, _)| r == reason)
+                    .map_or(0, |d| d.1);
+                let n = d(was, *n);
+                (n > 0).then(|| (reason.clone(), n))
+            })
+            .collect();
+        Meanwhile {
+            delivered: d(before.delivered, after.delivered),
+            dropped: drops.iter().map(|d| d.1).sum(),
+            drops,
+            ecn_marked: d(before.ecn_marked, after.ecn_marked),
+            changed_links: after.changed_links,
+        }
+    }
+}
+
+/// How a followed scenario ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ChaosEnd {
+    /// Its last change made and its loads ended.
+    Followed,
+    /// `closbox cancel` or `closbox reset` ended it.
+    Cancelled,
+    /// Ctrl-C (the rest cancelled).
+    Interrupted,
+    /// Left running (`--detach`).
+    Detached,
+}
+
+/// `closbox chaos --json`'s last line: the timeline, how it ended, what the fabric did
+/// meanwhile (none when detached).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChaosRun {
+    pub timeline: u64,
+    pub end: ChaosEnd,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meanwhile: Option<Meanwhile>,
+}
+
 /// The vertex called `name`.
 fn vertex(topo: &Topology, name: &str) -> Result<Vertex, String> {
     if let Some(i) = topo.hosts.iter().position(|h| h.name == name) {

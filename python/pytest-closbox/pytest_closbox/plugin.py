@@ -129,6 +129,19 @@ class Fabric:
         topology's values. What runs in the GPUs is left alone."""
         self._closbox(["reset", "--fabric", self.name], check=True)
 
+    def chaos(self, scenario: os.PathLike | str, timeout: Optional[float] = None) -> dict:
+        """Runs a scenario file on the fabric (`closbox chaos FILE --json`) and waits for
+        its end. Returns {"events": [its own events], "timeline": N, "end": "followed" |
+        "cancelled" | "interrupted", "meanwhile": {"delivered", "dropped", "drops":
+        [[reason, n], ...], "ecn_marked", "changed_links"}}: what the fabric did while it
+        ran. Raises ClosboxError for a bad file (naming its line) or a failed run."""
+        r = self._closbox(["chaos", str(scenario), "--json", "--fabric", self.name],
+                          check=True, timeout=timeout)
+        lines = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
+        if not lines:
+            raise ClosboxError(f"closbox chaos {scenario}: no output; {r.stderr.strip()}")
+        return {"events": lines[:-1], **lines[-1]}
+
     def closbox(self, *args: str, check: bool = True,
                 timeout: Optional[float] = None) -> subprocess.CompletedProcess:
         """Any other closbox command on this fabric, as on the command line without

@@ -78,6 +78,21 @@ def test_a_failed_uplink_is_reported_and_routed_around(closbox_fabric):
     assert fabric.events()[-1]["what"] == "fabric reset: 1 link up"
 
 
+def test_a_scenario_runs_to_its_end_and_says_what_the_fabric_did(closbox_fabric, tmp_path):
+    fabric = closbox_fabric(toml=SMALL)
+    scenario = tmp_path / "spine.toml"
+    scenario.write_text('[[event]]\nat = "0ms"\ndo = "switch-down"\nname = "spine0"\n'
+                        '[[event]]\nat = "20ms"\ndo = "switch-up"\nname = "spine0"\n')
+    run = fabric.chaos(scenario)
+    assert run["end"] == "followed", run
+    assert [e["what"].split(" (")[0] for e in run["events"]] == ["switch spine0 down", "switch spine0 up"], run
+    assert all(e["timeline"] == run["timeline"] for e in run["events"]), run
+    assert run["meanwhile"]["changed_links"] == 0, run
+    scenario.write_text('[[event]]\nat = "0ms"\ndo = "switch-down"\nname = "spine9"\n')
+    with pytest.raises(ClosboxError, match="spine9"):
+        fabric.chaos(scenario)
+
+
 def test_cross_traffic_and_a_partition_show_in_the_counters_and_events(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
     # 500 Mbit/s of synthetic load from leaf0 to leaf1 for 20 ms of fabric time.
