@@ -58,6 +58,9 @@ pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Res
             let which = timeline.map_or("every timeline".to_owned(), |t| format!("timeline {t}"));
             if changes == 0 && repaired.is_empty() {
                 println!("{which}: nothing pending or running (`closbox status` lists what is)");
+                if let Some(t) = timeline {
+                    left_behind(&st.fabric, t)?;
+                }
             } else {
                 println!(
                     "{which}: {} dropped{}",
@@ -73,6 +76,40 @@ pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Res
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),
     }
+}
+
+/// Says what an ended timeline `t` left broken for good, and what undoes it.
+fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<()> {
+    let Reply::Status(s) = control::request(fabric, &Request::Status)? else {
+        return Ok(());
+    };
+    let down = s
+        .changed_links
+        .iter()
+        .filter(|l| l.down_by.contains(&t))
+        .count();
+    let degraded = s
+        .changed_links
+        .iter()
+        .filter(|l| l.degraded_by.contains(&t))
+        .count();
+    let mut held = Vec::new();
+    if down > 0 {
+        held.push(format!("{} down", crate::bench::plural(down, "link")));
+    }
+    if degraded > 0 {
+        held.push(format!(
+            "{} degraded",
+            crate::bench::plural(degraded, "link")
+        ));
+    }
+    if !held.is_empty() {
+        println!(
+            "timeline {t} ended and left {}: a later scenario's repair of them, `closbox link up|reset` or `closbox reset` undoes it",
+            held.join(" and ")
+        );
+    }
+    Ok(())
 }
 
 /// Whether timeline `id` has changes pending or loads running.

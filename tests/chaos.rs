@@ -881,6 +881,33 @@ fn scenario_files_are_checked_then_run_on_schedule() {
             .success()
     );
     assert_eq!(f.status()["changed_links"], serde_json::json!([]));
+    // A scenario that breaks a link for good and ends: `cancel` says what it left.
+    let for_good = dir.join("for-good.toml");
+    std::fs::write(
+        &for_good,
+        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine1\"\n",
+    )
+    .unwrap();
+    let out = closbox(&[
+        "chaos",
+        for_good.to_str().unwrap(),
+        "--json",
+        "--fabric",
+        "lt-scen",
+    ]);
+    let end: serde_json::Value =
+        serde_json::from_str(text(&out).0.lines().last().unwrap()).unwrap();
+    assert_eq!(end["meanwhile"]["changed_links"], 1, "{end}");
+    let id = end["timeline"].as_u64().unwrap();
+    let out = closbox(&["cancel", &id.to_string(), "--fabric", "lt-scen"]);
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("timeline {id} ended and left 1 link down")),
+        "{:?}",
+        text(&out)
+    );
+    assert!(closbox(&["reset", "--fabric", "lt-scen"]).status.success());
     f.down();
 }
 
