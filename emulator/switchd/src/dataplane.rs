@@ -2080,6 +2080,107 @@ mod tests {
         assert_ne!(other, log, "another seed, other faults");
     }
 
+    /// Random changes by hand and by scenarios (downs, ups, sets, resets, flaps, switch
+    /// failures, partitions, cancels) on a small fabric, time passing between them: after
+    /// each, a link is down exactly while someone holds it down, and every link is at its
+    /// own values under the degrades in place; a reset leaves nothing held.
+    #[test]
+    fn holds_follow_the_fabric_under_random_changes() {
+        use closbox_fabric::routing::PortId;
+        const LINKS: [(&str, &str); 5] = [
+            ("leaf0", "spine0"),
+            ("leaf0", "spine1"),
+            ("leaf1", "spine0"),
+            ("leaf1", "spine1"),
+            ("gpu0", "leaf0"),
+        ];
+        let mut checked = 0;
+        for seed in 0..12 {
+            let (mut dp, t) = plane(LS);
+            let mut rng = closbox_fabric::rng::Rng::new(seed, 7);
+            let ms = |rng: &mut closbox_fabric::rng::Rng| (1 + rng.below(3) as u64) * 1_000_000;
+            let random = |rng: &mut closbox_fabric::rng::Rng| {
+                let (a, b) = LINKS[rng.below(LINKS.len() as u32) as usize];
+                let from = (a == "leaf0" && rng.below(3) == 0).then(|| "leaf0".to_owned());
+                let (a, b) = (a.to_owned(), b.to_owned());
+                let spine = format!("spine{}", rng.below(2));
+                match rng.below(9) {
+                    0 => ChangeRequest::LinkDown { a, b, index: None },
+                    1 => ChangeRequest::LinkUp { a, b, index: None },
+                    2 => ChangeRequest::LinkSet {
+                        a,
+                        b,
+                        index: None,
+                        rate_bps: (rng.below(2) == 0)
+                            .then(|| 1_000_000 * (1 + rng.below(900) as u64)),
+                        delay_ns: (rng.below(2) == 0).then(|| 1_000 * rng.below(50) as u64),
+                        loss: Some(rng.below(10) as f64 / 100.0),
+                        loss_burst: None,
+                        buffer_bytes: None,
+                        from,
+                    },
+                    3 => ChangeRequest::LinkReset { a, b, index: None },
+                    4 => ChangeRequest::SwitchDown { name: spine },
+                    5 => ChangeRequest::SwitchUp { name: spine },
+                    6 => ChangeRequest::LinkFlap {
+                        a,
+                        b,
+                        index: None,
+                        down_ns: ms(rng),
+                        up_ns: ms(rng),
+                        count: 1 + rng.below(3),
+                    },
+                    7 => ChangeRequest::Partition {
+                        groups: vec![vec![format!("gpu{}", rng.below(4))]],
+                    },
+                    _ => ChangeRequest::Heal,
+                }
+            };
+            for _ in 0..200 {
+                match rng.below(6) {
+                    0 | 1 => {
+                        let req = random(&mut rng);
+                        let _ = dp.change(&req);
+                    }
+                    2 | 3 => {
+                        let items: Vec<(u64, ChangeRequest)> = (0..1 + rng.below(3))
+                            .map(|_| (rng.below(4) as u64 * 1_000_000, random(&mut rng)))
+                            .collect();
+                        let faults: Vec<u32> = items.iter().map(|_| rng.below(3)).collect();
+                        let _ = dp.schedule_faults(&items, &faults);
+                    }
+                    4 => {
+                        let t = rng.below(dp.timelines as u32 + 1) as u64;
+                        dp.cancel((rng.below(5) != 0).then_some(t));
+                    }
+                    _ => {}
+                }
+                let until = dp.ports.elapsed + StdDuration::from_micros(rng.below(3_000) as u64);
+                while dp.ports.elapsed < until {
+                    dp.step();
+                }
+                for l in 0..t.links.len() as u32 {
+                    let up = dp.model.changed_links().iter().all(|c| c.link != l || c.up);
+                    assert_eq!(up, !dp.layers.held_down(l), "seed {seed}: link {l}");
+                    for end in 0..2 {
+                        let model = &dp.model;
+                        let want = dp
+                            .layers
+                            .expected(l, end, |l, e| model.original_of(PortId(2 * l + e as u32)));
+                        let port = PortId(2 * l + end as u32);
+                        assert_eq!(dp.model.link_of(port), want.0, "seed {seed}: link {l}");
+                        checked += 1;
+                    }
+                }
+            }
+            dp.change(&ChangeRequest::Reset).unwrap();
+            assert!(dp.status().changed_links.is_empty(), "seed {seed}");
+            assert!(dp.status().partition.is_empty(), "seed {seed}");
+            assert!(dp.layers.is_empty(), "seed {seed}");
+        }
+        assert!(checked > 10_000);
+    }
+
     /// Random faults of one scenario that overlap: while a random spine failure lasts,
     /// every link of that spine stays down, whatever the random link flaps over its links
     /// do; and the fabric is whole at the end.

@@ -452,6 +452,24 @@ impl Layers {
         *self = Layers::default();
     }
 
+    /// What link `l`'s direction leaving `end` should be now: its own values under the
+    /// degrades in place (the model must agree).
+    #[cfg(test)]
+    pub(super) fn expected(
+        &self,
+        l: u32,
+        end: usize,
+        original: impl Fn(u32, usize) -> Values,
+    ) -> Values {
+        self.values(l, end, &original)
+    }
+
+    /// Whether anyone holds link `l` down.
+    #[cfg(test)]
+    pub(super) fn held_down(&self, l: u32) -> bool {
+        self.down.contains_key(&l)
+    }
+
     /// Nothing held (timelines may still run).
     #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
