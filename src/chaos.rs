@@ -57,10 +57,10 @@ pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Res
         Reply::Cancelled { changes, repaired } => {
             let which = timeline.map_or("every timeline".to_owned(), |t| format!("timeline {t}"));
             if changes == 0 && repaired.is_empty() {
-                println!("{which}: nothing pending or running (`closbox status` lists what is)");
                 if let Some(t) = timeline {
-                    left_behind(&st.fabric, t)?;
+                    return left_behind(&st.fabric, t);
                 }
+                println!("{which}: nothing pending or running (`closbox status` lists what is)");
             } else {
                 println!(
                     "{which}: {} dropped{}",
@@ -78,11 +78,26 @@ pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Res
     }
 }
 
-/// Says what an ended timeline `t` left broken for good, and what undoes it.
-fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<()> {
+/// Timeline `t` had nothing to cancel: says so, and what it left broken for good and
+/// what undoes it, or that there is no such timeline (a usage error, exit 2).
+fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<ExitCode> {
     let Reply::Status(s) = control::request(fabric, &Request::Status)? else {
-        return Ok(());
+        bail!("the daemon did not answer a status request");
     };
+    if t > s.timelines_started {
+        return Err(crate::usage(match s.timelines_started {
+            0 => format!("no timeline {t}: no scenario was started on fabric {fabric}"),
+            n => format!(
+                "no timeline {t}: {} started on fabric {fabric} (`closbox status` lists those running)",
+                if n == 1 { "timeline 1 was".to_owned() } else { format!("timelines 1 to {n} were") }
+            ),
+        }));
+    }
+    let which = match t {
+        0 => "the flaps".to_owned(),
+        t => format!("timeline {t}"),
+    };
+    println!("{which}: nothing pending or running (`closbox status` lists what is)");
     let down = s
         .changed_links
         .iter()
@@ -109,7 +124,7 @@ fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<()> {
             held.join(" and ")
         );
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Whether timeline `id` has changes pending or loads running.

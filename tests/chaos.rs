@@ -908,6 +908,16 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         text(&out)
     );
     assert!(closbox(&["reset", "--fabric", "lt-scen"]).status.success());
+    // A timeline that never was: a usage error naming those that were.
+    let out = closbox(&["cancel", "999", "--fabric", "lt-scen"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains(&format!(
+            "no timeline 999: timelines 1 to {id} were started"
+        )),
+        "{:?}",
+        text(&out)
+    );
     f.down();
 }
 

@@ -392,6 +392,9 @@ pub struct Status {
     /// what `closbox cancel` would end.
     #[serde(default)]
     pub timelines: Vec<TimelineStatus>,
+    /// Scenarios' timelines started since the fabric came up (numbered 1 to this).
+    #[serde(default)]
+    pub timelines_started: u64,
     /// "none" (lossy), "pfc" or "credit".
     #[serde(default)]
     pub flow_control: String,
@@ -1589,6 +1592,7 @@ impl<P: Ports> DataPlane<P> {
                 t.sort_by_key(|t| t.id);
                 t
             },
+            timelines_started: self.timelines,
             flow_control: self.model.flow_control().name().to_owned(),
             deadlocked,
             deadlock_after_s: deadlock_after.map_or(0.0, |d| d.as_nanos() as f64 / 1e9),
