@@ -227,7 +227,7 @@ pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::
                 if json {
                     println!("{}", serde_json::to_string(e)?);
                 } else {
-                    println!("{}", line(e));
+                    println!("{}", tagged_line(e));
                 }
                 last = last.max(e.seq);
             }
@@ -243,13 +243,28 @@ pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::
                 println!("fabric {}: no changes since it came up", st.fabric);
             } else {
                 for e in &events {
-                    println!("{}", line(e));
+                    println!("{}", tagged_line(e));
                 }
             }
             Ok(ExitCode::SUCCESS)
         }
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),
+    }
+}
+
+/// `line`, with the scenario's timeline an event belongs to (`closbox events` lists every
+/// scenario's and the changes by hand together): "… UTC)  [timeline 2] link … down".
+fn tagged_line(e: &Event) -> String {
+    match e.timeline {
+        Some(t) => {
+            let tagged = Event {
+                what: format!("[timeline {t}] {}", e.what),
+                ..e.clone()
+            };
+            line(&tagged)
+        }
+        None => line(e),
     }
 }
 
@@ -572,6 +587,25 @@ pub fn scenario_cmd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_of_scenarios_are_tagged_with_their_timeline() {
+        let mut e = Event {
+            fabric_ns: 1_500_000_000,
+            wall_ms: 3_600_000 + 61_001,
+            what: "link leaf0-spine0 #0 down".into(),
+            seq: 4,
+            timeline: None,
+        };
+        let by_hand = "fabric time 1.500000 s  (wall 01:01:01.001 UTC)  link leaf0-spine0 #0 down";
+        assert_eq!(tagged_line(&e), by_hand);
+        e.timeline = Some(2);
+        assert_eq!(
+            tagged_line(&e),
+            "fabric time 1.500000 s  (wall 01:01:01.001 UTC)  [timeline 2] link leaf0-spine0 #0 down"
+        );
+        assert_eq!(line(&e), by_hand);
+    }
 
     #[test]
     fn meanwhile_says_what_changed() {

@@ -811,6 +811,15 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "while it followed: {events:?}"
     );
     assert_ne!(theirs["timeline"], ours["timeline"], "{events:?}");
+    let listed = closbox(&["events", "--fabric", "lt-scen"]);
+    assert!(
+        text(&listed).0.contains(&format!(
+            "[timeline {}] link leaf1-spine1 #0 up",
+            theirs["timeline"]
+        )),
+        "{:?}",
+        text(&listed)
+    );
     let lines: Vec<serde_json::Value> = text(&out)
         .0
         .lines()
