@@ -724,8 +724,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let pending = dir.join("pending.toml");
     std::fs::write(
         &pending,
-        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
-         [[event]]\nat = \"60s\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+        common::down_then_up("leaf0", "spine0", "0ms", "60s"),
     )
     .unwrap();
     let follow = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
@@ -766,16 +765,14 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let short = dir.join("short.toml");
     std::fs::write(
         &short,
-        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
-         [[event]]\nat = \"10ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+        common::down_then_up("leaf0", "spine0", "0ms", "10ms"),
     )
     .unwrap();
     // Another scenario's events while it runs are not its own: not printed.
     let other = dir.join("other.toml");
     std::fs::write(
         &other,
-        "[[event]]\nat = \"100ms\"\ndo = \"link-down\"\na = \"leaf1\"\nb = \"spine1\"\n\
-         [[event]]\nat = \"110ms\"\ndo = \"link-up\"\na = \"leaf1\"\nb = \"spine1\"\n",
+        common::down_then_up("leaf1", "spine1", "100ms", "110ms"),
     )
     .unwrap();
     let out = closbox(&[

@@ -102,8 +102,7 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     let scenario = dir.join("flap.toml");
     std::fs::write(
         &scenario,
-        "[[event]]\nat = \"0ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
-         [[event]]\nat = \"5ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n",
+        common::down_then_up("leaf0", "spine0", "0ms", "5ms"),
     )
     .unwrap();
     let run = f.chaos(&scenario).unwrap();

@@ -347,3 +347,12 @@ pub fn shipped_body(config: &str, fabric: &str) -> String {
     let (_, rest) = text.split_once("[topology]").expect("a [topology] table");
     format!("{fabric}\n[topology]{rest}")
 }
+
+/// A scenario file's text: the links between `a` and `b` down at fabric time `down`, up
+/// at `up` ("10ms").
+pub fn down_then_up(a: &str, b: &str, down: &str, up: &str) -> String {
+    format!(
+        "[[event]]\nat = \"{down}\"\ndo = \"link-down\"\na = \"{a}\"\nb = \"{b}\"\n\
+         [[event]]\nat = \"{up}\"\ndo = \"link-up\"\na = \"{a}\"\nb = \"{b}\"\n"
+    )
+}
