@@ -10,6 +10,12 @@ import torch
 import torch.distributed as dist
 
 
+def say(line: str) -> None:
+    """One write(2) per line: workers that share a pipe (torchrun's two per GPU) would
+    otherwise interleave, since an unbuffered print writes its text and its newline apart."""
+    os.write(1, (line + "\n").encode())
+
+
 def main() -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -20,13 +26,13 @@ def main() -> int:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         want = world * (world + 1) / 2
         if not torch.all(t == want):
-            print(f"rank {rank}: all_reduce of {n} floats gave {t[0].item()}, want {want}")
+            say(f"rank {rank}: all_reduce of {n} floats gave {t[0].item()}, want {want}")
             ok = False
     b = torch.arange(8, dtype=torch.float32) if rank == 0 else torch.zeros(8)
     dist.broadcast(b, src=0)
     ok &= bool(torch.all(b == torch.arange(8, dtype=torch.float32)))
     dist.barrier()
-    print(f"rank {rank}/{world} on {os.uname().nodename}: {'ok' if ok else 'WRONG'}")
+    say(f"rank {rank}/{world} on {os.uname().nodename}: {'ok' if ok else 'WRONG'}")
     dist.destroy_process_group()
     return 0 if ok else 1
 
