@@ -2219,10 +2219,9 @@ mod tests {
                         dead.remove(spine);
                     }
                 }
-                held += usize::from(
-                    e.what
-                        .ends_with(&format!("(held down by timeline {timeline})")),
-                );
+                held += usize::from(e.what.ends_with(&format!(
+                    "(held down by another fault of timeline {timeline})"
+                )));
             }
             seen = dp.events.len();
             let down: Vec<u32> = dp

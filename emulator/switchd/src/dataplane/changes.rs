@@ -639,7 +639,7 @@ impl<P: Ports> DataPlane<P> {
         } else {
             step.what
         };
-        what += &notes.said(total, done);
+        what += &notes.said(total, done, timeline);
         self.log(now, StdDuration::ZERO, what, timeline)
     }
 
@@ -709,11 +709,24 @@ struct Notes {
 
 impl Notes {
     /// " (1 of 2 already so) (1 of 2 held down by timeline 3)": what follows the step's
-    /// line, `done` of its `total` changes having changed the fabric.
-    fn said(self, total: usize, done: usize) -> String {
+    /// line, `done` of its `total` changes having changed the fabric, for `timeline`
+    /// (whose other faults are said as such).
+    fn said(self, total: usize, done: usize, timeline: Option<u64>) -> String {
         let of_total = |n: usize| match total {
             1 => String::new(),
             _ => format!("{n} of {total} "),
+        };
+        let own = timeline.filter(|&t| t != 0);
+        let by = |mut ids: std::collections::BTreeSet<u64>| {
+            let ours = own.is_some_and(|t| ids.remove(&t));
+            let mut who = Vec::new();
+            if !ids.is_empty() {
+                who.push(layers::holders(ids));
+            }
+            if let (true, Some(t)) = (ours, own) {
+                who.push(format!("another fault of timeline {t}"));
+            }
+            who.join(" and ")
         };
         let mut out = match total - done - self.held {
             0 => String::new(),
@@ -721,16 +734,16 @@ impl Notes {
             n => format!(" ({n} of {total} already so)"),
         };
         if self.held > 0 {
-            let by = layers::holders(self.held_by);
+            let by = by(self.held_by);
             out += &format!(" ({}held down by {by})", of_total(self.held));
         }
         if self.degraded > 0 {
-            let by = layers::holders(self.degraded_by);
+            let by = by(self.degraded_by);
             out += &format!(" ({}still degraded by {by})", of_total(self.degraded));
         }
         if !self.partitions_by.is_empty() {
             let n = self.partitions_by.len();
-            let by = layers::holders(self.partitions_by);
+            let by = by(self.partitions_by);
             let (s, stay) = if n == 1 { ("", "stays") } else { ("s", "stay") };
             out += &match self.healing {
                 true => format!(" (partition{s} by {by} {stay})"),
