@@ -93,11 +93,12 @@ fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<ExitCode> {
             ),
         }));
     }
-    let which = match t {
-        0 => "the flaps".to_owned(),
-        t => format!("timeline {t}"),
-    };
-    println!("{which}: nothing pending or running (`closbox status` lists what is)");
+    if t == 0 {
+        // (What is held by timeline 0 is held by hand, not by the flaps.)
+        println!("the flaps: nothing pending (`closbox status` lists what is)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("timeline {t}: nothing pending or running (`closbox status` lists what is)");
     let down = s
         .changed_links
         .iter()
