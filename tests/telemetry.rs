@@ -510,6 +510,44 @@ fn metrics_pass_promtool_and_equal_status() {
         );
         assert!(scrape(addr, None).contains("closbox_packets_delivered_total"));
     }
+    // Connections opened and left idle (a browser opens some ahead) do not hold up a
+    // scrape: it is answered while they are still open (served one at a time, each idle
+    // one was cut off at its deadline first, and a scrape waited 2 s for each).
+    {
+        use std::io::{Read, Write};
+        let idle: Vec<_> = (0..3)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        assert!(scrape(addr, None).contains("closbox_packets_delivered_total"));
+        for mut c in idle {
+            c.set_nonblocking(true).unwrap();
+            let mut b = [0u8; 16];
+            match c.read(&mut b) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                other => {
+                    panic!("an idle connection was closed before a scrape was served: {other:?}")
+                }
+            }
+        }
+        // HEAD is GET without the body; other methods are refused, naming those allowed.
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        write!(c, "HEAD /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut r = String::new();
+        c.read_to_string(&mut r).unwrap();
+        assert!(
+            r.starts_with("HTTP/1.1 200 OK") && r.contains("Content-Length: "),
+            "{r}"
+        );
+        assert!(r.ends_with("\r\n\r\n"), "HEAD answered with a body: {r}");
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        write!(c, "DELETE /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut r = String::new();
+        c.read_to_string(&mut r).unwrap();
+        assert!(
+            r.starts_with("HTTP/1.1 405") && r.contains("Allow: GET, HEAD"),
+            "{r}"
+        );
+    }
     f.down();
 }
 

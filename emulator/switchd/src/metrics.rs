@@ -2,11 +2,14 @@
 //! answers with the fabric's counters in the OpenMetrics text format, encoded by
 //! `prometheus-client` from a status snapshot (the same numbers as `status --json`).
 //!
-//! One thread, one connection at a time, each bounded by a deadline (a client trickling
-//! its request a byte at a time is cut off): a scrape every few seconds is the whole load.
+//! A thread per connection, at most `MAX_CONNECTIONS` at once, each bounded by a deadline
+//! (a client trickling its request a byte at a time is cut off): connections a browser
+//! opens ahead and leaves idle, or a stuck client, do not hold up a scrape. Beyond the
+//! bound a connection is answered 503 at once.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,18 +36,45 @@ pub fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 
 /// Serves `/metrics` from `listener` until the data plane stops.
 pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
-    let ctl = Mutex::new(ctl);
+    let ctl = Arc::new(Mutex::new(ctl));
+    let open = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
-            for conn in listener.incoming().flatten() {
-                if let Err(e) = answer(conn, &ctl, &wake) {
-                    tracing::debug!("metrics: {e:#}");
+            for mut conn in listener.incoming().flatten() {
+                if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+                    open.fetch_sub(1, Ordering::AcqRel);
+                    let _ = conn.set_write_timeout(Some(REQUEST_DEADLINE));
+                    let _ = respond(
+                        &mut conn,
+                        "503 Service Unavailable",
+                        "text/plain",
+                        "too many connections\n",
+                        false,
+                    );
+                    continue;
+                }
+                let (ctl, wake, done) = (ctl.clone(), wake.clone(), open.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("metrics-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = answer(conn, &ctl, &wake) {
+                            tracing::debug!("metrics: {e:#}");
+                        }
+                        done.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if let Err(e) = spawned {
+                    // The connection went with the closure: closed unanswered.
+                    tracing::warn!("metrics: cannot start a thread for a connection: {e}");
+                    open.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         })?;
     Ok(())
 }
+
+/// Connections served at once; a scrape every few seconds is the real load.
+const MAX_CONNECTIONS: usize = 16;
 
 /// The time a client has to send its request head, and a response to be written: the
 /// one thread serves one connection at a time, so a client that sends slowly (a byte now
@@ -74,8 +104,11 @@ fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyh
         let l = l.to_ascii_lowercase();
         l.starts_with("accept:") && l.contains("application/openmetrics-text")
     });
-    let (status, kind, body) = match (method, path.split('?').next().unwrap_or("")) {
-        ("GET", "/metrics") => match snapshot(ctl, wake) {
+    // HEAD is GET without the body (RFC 9110 9.3.2).
+    let head_only = method == "HEAD";
+    let get = method == "GET" || head_only;
+    let (status, kind, body) = match (get, path.split('?').next().unwrap_or("")) {
+        (true, "/metrics") => match snapshot(ctl, wake) {
             Some(s) if openmetrics => (
                 "200 OK",
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
@@ -92,7 +125,7 @@ fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyh
                 "the data plane did not answer\n".to_owned(),
             ),
         },
-        ("GET", _) => (
+        (true, _) => (
             "404 Not Found",
             "text/plain",
             "only /metrics here\n".to_owned(),
@@ -100,14 +133,31 @@ fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyh
         _ => (
             "405 Method Not Allowed",
             "text/plain",
-            "GET /metrics\n".to_owned(),
+            "GET or HEAD /metrics\n".to_owned(),
         ),
     };
-    write!(
-        conn,
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+    respond(&mut conn, status, kind, &body, head_only)
+}
+
+fn respond(
+    conn: &mut TcpStream,
+    status: &str,
+    kind: &str,
+    body: &str,
+    head_only: bool,
+) -> anyhow::Result<()> {
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n",
         body.len()
-    )?;
+    );
+    if status.starts_with("405") {
+        out += "Allow: GET, HEAD\r\n";
+    }
+    out += "\r\n";
+    if !head_only {
+        out += body;
+    }
+    conn.write_all(out.as_bytes())?;
     Ok(())
 }
 
