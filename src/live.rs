@@ -641,7 +641,23 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             Ok(c) => c,
             Err(e) => {
                 stop_all(&mut ranks);
-                return Err(spawn_error(e, &args[0]));
+                let mut err = spawn_error(e, &args[0]);
+                // `closbox run FABRIC CMD`, as `status FABRIC` is written.
+                if args[0] == st.fabric.to_string() || args[0].ends_with(".toml") {
+                    let rest: Vec<&str> = args[1..]
+                        .iter()
+                        .map(String::as_str)
+                        .skip_while(|a| *a == "--")
+                        .collect();
+                    if let Some(c) = err.downcast_mut::<crate::CannotRun>() {
+                        c.message += &format!(
+                            "; `closbox run` takes its fabric with -f: `closbox run -f {} -- {}`",
+                            args[0],
+                            rest.join(" ")
+                        );
+                    }
+                }
+                return Err(err);
             }
         };
         for (pipe, is_err) in [

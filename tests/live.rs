@@ -102,6 +102,16 @@ fn lifecycle_exec_run_and_errors() {
     assert!(text(&out).1.contains("cannot run /etc/hostname"));
     let out = closbox(&["run", "--fabric", "lt-life", "no-such-command-xyz"]);
     assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
+    // The fabric written where `status` takes it: the error says how `run` takes it.
+    let out = closbox(&["run", "lt-life", "--", "true"]);
+    assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .1
+            .contains("`closbox run` takes its fabric with -f: `closbox run -f lt-life -- true`"),
+        "{:?}",
+        text(&out)
+    );
     let out = closbox(&["exec", "--fabric", "lt-nope", "gpu0", "--", "true"]);
     assert!(
         text(&out).1.contains("fabric lt-nope is not up"),
