@@ -261,7 +261,7 @@ fn vertex(topo: &Topology, name: &str) -> Result<Vertex, String> {
 }
 
 /// `name`'s vertex index in the model (GPUs, then switches).
-fn vertex_index(topo: &Topology, name: &str) -> Result<u32, String> {
+pub(crate) fn vertex_index(topo: &Topology, name: &str) -> Result<u32, String> {
     Ok(match vertex(topo, name)? {
         Vertex::Host(h) => h.0,
         Vertex::Switch(s) => topo.hosts.len() as u32 + s.0,

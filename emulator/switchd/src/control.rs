@@ -44,7 +44,8 @@ pub enum Request {
         items: Vec<(u64, ChangeRequest)>,
         /// The fault each item belongs to (none: every item 0): items of one fault undo
         /// only each other (a random fault's repair its own fault), 0 being the
-        /// timeline's own steps; below 2^31.
+        /// timeline's own steps (those of a switch or GPU a fault of that switch or GPU);
+        /// below 2^30.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         faults: Vec<u32>,
     },

@@ -2247,6 +2247,53 @@ mod tests {
         assert!(dp.layers.is_empty());
     }
 
+    /// A scenario's own steps (`[[event]]`s) that overlap: a link down, then its spine,
+    /// then the link up: the link stays down until the spine is back (the link's up undoes
+    /// the link's down only). And a spine's up does not bring up a link its leaf's failure
+    /// holds down.
+    #[test]
+    fn a_scenarios_own_steps_overlap_faithfully() {
+        let (mut dp, t) = plane(LS);
+        let scenario = crate::scenario::parse(
+            "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+             [[event]]\nat = \"2ms\"\ndo = \"switch-down\"\nname = \"spine0\"\n\
+             [[event]]\nat = \"3ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n\
+             [[event]]\nat = \"4ms\"\ndo = \"switch-down\"\nname = \"leaf0\"\n\
+             [[event]]\nat = \"5ms\"\ndo = \"switch-up\"\nname = \"spine0\"\n\
+             [[event]]\nat = \"6ms\"\ndo = \"switch-up\"\nname = \"leaf0\"\n",
+            "s.toml",
+            &t,
+        )
+        .unwrap();
+        let (timeline, _) = dp
+            .schedule_faults(&scenario.items, &scenario.faults)
+            .unwrap();
+        let link = (0..t.links.len() as u32)
+            .find(|&l| chaos::link_name(&t, l) == "leaf0-spine0 #0")
+            .unwrap();
+        let down = |dp: &mut DataPlane<MemPorts>| {
+            dp.status()
+                .changed_links
+                .iter()
+                .any(|l| l.id == link && !l.up)
+        };
+        let mut at = |dp: &mut DataPlane<MemPorts>, us: u64| {
+            while dp.ports.elapsed < StdDuration::from_micros(us) {
+                dp.step();
+            }
+            down(dp)
+        };
+        assert!(at(&mut dp, 1_500), "the link's own down");
+        assert!(at(&mut dp, 3_500), "the link came up under its dead spine");
+        let held =
+            format!("link leaf0-spine0 #0 up (held down by another fault of timeline {timeline})");
+        assert!(dp.events.iter().any(|e| e.what == held), "{:#?}", dp.events);
+        assert!(at(&mut dp, 5_500), "the link came up under its dead leaf");
+        assert!(!at(&mut dp, 6_500), "both ends back: the link is up");
+        assert!(dp.status().changed_links.is_empty());
+        assert!(dp.layers.is_empty());
+    }
+
     #[test]
     fn a_switch_going_down_is_one_event_that_says_what_was_down_already() {
         let (mut dp, _t) = plane(LS);

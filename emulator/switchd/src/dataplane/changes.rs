@@ -102,9 +102,32 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
+/// The fault a timeline's own step `req` belongs to (see `OWN_FAULT`).
+fn own_fault(topo: &closbox_fabric::Topology, req: &ChangeRequest) -> u32 {
+    match req {
+        ChangeRequest::SwitchDown { name }
+        | ChangeRequest::SwitchUp { name }
+        | ChangeRequest::GpuDown { name }
+        | ChangeRequest::GpuUp { name } => chaos::vertex_index(topo, name)
+            .ok()
+            .and_then(|v| v.checked_add(1))
+            .filter(|&v| v < OWN_FAULT)
+            .map_or(0, |v| OWN_FAULT | v),
+        _ => 0,
+    }
+}
+
 /// Faults from here up are the data plane's own numbering of flaps; a scenario numbers
-/// its faults below.
+/// its faults below `OWN_FAULT`.
 const AUTO_FAULT: u32 = 1 << 31;
+
+/// A timeline's own steps (fault 0) that take a switch or a GPU down or up are a fault of
+/// that switch or GPU, numbered from here: `OWN_FAULT | 1 + its vertex`. A scenario that
+/// takes a link down, then its spine, then the link up leaves the link down until the
+/// spine is back (the link's own up undoes the link's own down only); with one fault for
+/// all its steps the link came up under the dead spine. Its links' own steps stay fault 0
+/// (a `link-down` of every parallel link pairs with a `link-up` of one).
+const OWN_FAULT: u32 = 1 << 30;
 
 /// How a reset's event begins.
 const RESET: &str = "fabric reset: ";
@@ -144,9 +167,9 @@ impl<P: Ports> DataPlane<P> {
                 items.len()
             ));
         }
-        if let Some(f) = faults.iter().find(|&&f| f >= AUTO_FAULT) {
+        if let Some(f) = faults.iter().find(|&&f| f >= OWN_FAULT) {
             return Err(format!(
-                "fault {f}: a scenario's faults are below {AUTO_FAULT}"
+                "fault {f}: a scenario's faults are below {OWN_FAULT}"
             ));
         }
         // (A schedule refused takes no id: timelines are numbered as they run.)
@@ -241,6 +264,7 @@ impl<P: Ports> DataPlane<P> {
                     next_fault = next_fault.wrapping_add(1);
                     AUTO_FAULT | (next_fault & (AUTO_FAULT - 1))
                 }
+                _ if timeline != 0 => own_fault(&self.topo, req),
                 _ => 0,
             };
             if matches!(req, ChangeRequest::LoadStop { .. }) {
