@@ -2277,7 +2277,7 @@ mod tests {
                 .iter()
                 .any(|l| l.id == link && !l.up)
         };
-        let mut at = |dp: &mut DataPlane<MemPorts>, us: u64| {
+        let at = |dp: &mut DataPlane<MemPorts>, us: u64| {
             while dp.ports.elapsed < StdDuration::from_micros(us) {
                 dp.step();
             }
