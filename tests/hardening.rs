@@ -710,7 +710,34 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
         .map(|p| p["port"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["gpu1->sw0", "sw0->gpu1"]);
+    // A daemon stopped by a signal (or a debugger): a change waits for its reply, then
+    // says why none came and how to resume it (it said "Resource temporarily
+    // unavailable (os error 11)").
+    let pid = f.daemon_pid() as i32;
+    assert_eq!(kill(pid, "STOP"), 0);
+    let out = closbox(&["link", "down", "sw0", "gpu0", "-f", "lt-ctl"]);
+    assert_eq!(kill(pid, "CONT"), 0);
+    let err = text(&out).1;
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!(
+            "(pid {pid}) did not answer within 15 s: it is stopped"
+        )) && err.contains(&format!("`kill -CONT {pid}` resumes it")),
+        "{err}"
+    );
+    assert!(closbox(&["status", "lt-ctl"]).status.success());
     f.down();
+}
+
+/// `kill -SIG pid` (the tests deny `unsafe`): its exit code.
+fn kill(pid: i32, sig: &str) -> i32 {
+    std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap()
+        .code()
+        .unwrap()
 }
 
 /// A random control request (seeded): every command, with names that exist and names that

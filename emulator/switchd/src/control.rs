@@ -520,6 +520,39 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
     Reply::Status(Box::new(s))
 }
 
+/// How long a client waits for the daemon's reply.
+const REPLY_DEADLINE: Duration = Duration::from_secs(15);
+
+/// A reply that did not come: past the deadline, what the daemon's process is doing
+/// (stopped by a signal or a debugger, gone), else the error as it is.
+fn unanswered(fabric: &FabricName, e: std::io::Error) -> anyhow::Error {
+    use std::io::ErrorKind;
+    if !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+        return e.into();
+    }
+    let secs = REPLY_DEADLINE.as_secs();
+    let Ok(Some(st)) = State::load(fabric) else {
+        return anyhow::anyhow!("the daemon of fabric {fabric} did not answer within {secs} s");
+    };
+    let pid = st.daemon_pid;
+    let why = match crate::state::process_state(pid) {
+        _ if !st.daemon_alive() => {
+            format!("it is gone; `closbox down {fabric}` cleans up after it")
+        }
+        Some('T' | 't') => format!(
+            "it is stopped (a SIGSTOP, Ctrl-Z or a debugger): `kill -CONT {pid}` resumes it"
+        ),
+        Some('D') => "it is waiting in the kernel (uninterruptible sleep)".to_owned(),
+        _ => format!(
+            "it is running but busy; its log: {}",
+            fabric.log_path().display()
+        ),
+    };
+    anyhow::anyhow!(
+        "the daemon of fabric {fabric} (pid {pid}) did not answer within {secs} s: {why}"
+    )
+}
+
 /// Sends one request to a fabric's daemon.
 pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
     let path = fabric.control_path();
@@ -529,10 +562,12 @@ pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
             path.display()
         )
     })?;
-    conn.set_read_timeout(Some(Duration::from_secs(15)))?;
+    conn.set_read_timeout(Some(REPLY_DEADLINE))?;
     write_line(&mut conn, req)?;
     let mut line = String::new();
-    BufReader::new((&conn).take(64 << 20)).read_line(&mut line)?;
+    BufReader::new((&conn).take(64 << 20))
+        .read_line(&mut line)
+        .map_err(|e| unanswered(fabric, e))?;
     if line.is_empty() {
         bail!("the daemon of fabric {fabric} closed the connection");
     }
@@ -554,10 +589,13 @@ pub fn open_stream(
         )
     })?;
     write_line(&mut conn, req)?;
-    conn.set_read_timeout(Some(Duration::from_secs(15)))?;
+    conn.set_read_timeout(Some(REPLY_DEADLINE))?;
     let mut reader = BufReader::new(conn);
     let mut line = String::new();
-    (&mut reader).take(1 << 20).read_line(&mut line)?;
+    (&mut reader)
+        .take(1 << 20)
+        .read_line(&mut line)
+        .map_err(|e| unanswered(fabric, e))?;
     if line.is_empty() {
         bail!("the daemon of fabric {fabric} closed the connection");
     }

@@ -378,6 +378,12 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
+/// A process's state letter (field 3 of /proc/PID/stat: R, S, D, T, t, Z …).
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..].chars().next()
+}
+
 /// Fabrics with a state file (directories with invalid names are not closbox's: skipped).
 pub fn fabrics() -> Vec<FabricName> {
     let mut names: Vec<FabricName> = fs::read_dir(fabrics_dir())
