@@ -127,6 +127,13 @@ pub fn up(
         None => {}
     }
     closbox_switchd::require_root("closbox up")?;
+    // (The detached daemon, started with --log-to, would say it again into its log.)
+    if topo.fabric.time_scale_auto && log_to.is_none() {
+        eprintln!(
+            "closbox: fabric {}: time_scale \"auto\": measuring what this box carries through the fabric's own data path (1–4 s)",
+            topo.fabric.name
+        );
+    }
     if detach {
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
         return up_detached(file, &name, metrics, time_scale, sched);
