@@ -1246,6 +1246,11 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
+    // The launchers report a program they cannot start in their own ways (Open MPI: a
+    // banner and exit 132): said here as `run` and shells say it.
+    if let Some(program) = a.cmd.first() {
+        runnable(program)?;
+    }
     if let Some(p) = &pins {
         // The launcher starts the first rank itself; it and its rank run on that CPU.
         closbox_switchd::sys::pin_to_cpu(p[0]).context("pinning the launcher")?;
@@ -1269,6 +1274,27 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         })),
         chaos: None,
     })
+}
+
+/// Whether `program` (a path, or a name looked up on PATH) can be started: 127 "command
+/// not found", 126 "cannot run" as shells say them, else nothing.
+fn runnable(program: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = if program.contains('/') {
+        Some(std::path::PathBuf::from(program))
+    } else {
+        which(program)
+    };
+    let cannot = |code, message| anyhow::Error::new(crate::CannotRun { code, message });
+    let Some(path) = path.filter(|p| p.exists()) else {
+        return Err(cannot(127, format!("command not found: {program}")));
+    };
+    match fs::metadata(&path) {
+        Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => Ok(()),
+        Ok(m) if m.is_dir() => Err(cannot(126, format!("cannot run {program}: a directory"))),
+        Ok(_) => Err(cannot(126, format!("cannot run {program}: not executable"))),
+        Err(e) => Err(cannot(126, format!("cannot run {program}: {e}"))),
+    }
 }
 
 /// The path of `program` on PATH.

@@ -1088,6 +1088,13 @@ fn mpi_all_reduce_runs_unmodified() {
         &["/usr/bin/python3", "-c", "import sys; sys.exit(3)"],
     );
     assert!(!out.status.success(), "{:?}", text(&out));
+    // A program that is not there, or not a program: said as `run` says it (Open MPI's
+    // launcher printed a banner and exited 132, closbox blaming rank 0).
+    let out = mpirun("all", &["/no/such/program"]);
+    assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
+    assert!(text(&out).1.contains("command not found: /no/such/program"));
+    let out = mpirun("all", &["/tmp"]);
+    assert_eq!(out.status.code(), Some(126), "{:?}", text(&out));
     let out = closbox(&["mpirun", "--fabric", "lt-mpi", "--dry-run", "--", "./a.out"]);
     let (o, _) = text(&out);
     assert!(
