@@ -795,7 +795,7 @@ fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Res
     } else {
         ops
     };
-    let ops = closbox_agents::bench::parse_ops(&ops)?;
+    let ops = closbox_agents::bench::parse_ops(&ops).map_err(|e| usage(e.to_string()))?;
     if let Some(p) = &o.plot {
         bench::check_plot_path(p)?;
     }

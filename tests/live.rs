@@ -992,10 +992,11 @@ fn bench_and_train_through_the_fabric() {
     }
     let out = closbox(&["bench", "nosuchop", "--fabric", "lt-bench"]);
     assert!(
-        text(&out).1.contains("unknown operation \"nosuchop\""),
+        text(&out).1.contains("unknown operation \"nosuchop\"; one of: allreduce,"),
         "{:?}",
         text(&out)
     );
+    assert_eq!(out.status.code(), Some(2), "bad usage, as clap's own errors");
     f.down();
 }
 

@@ -99,7 +99,12 @@ pub fn parse_ops<S: AsRef<str>>(names: &[S]) -> anyhow::Result<Vec<Op>> {
     names
         .iter()
         .flat_map(|o| o.as_ref().split(','))
-        .map(|o| Op::from_name(o.trim()).ok_or_else(|| anyhow::anyhow!("unknown operation {o:?}")))
+        .map(|o| {
+            Op::from_name(o.trim()).ok_or_else(|| {
+                let all: Vec<&str> = Op::ALL.iter().map(|o| o.name()).collect();
+                anyhow::anyhow!("unknown operation {o:?}; one of: {}", all.join(", "))
+            })
+        })
         .collect()
 }
 
