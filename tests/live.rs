@@ -992,11 +992,17 @@ fn bench_and_train_through_the_fabric() {
     }
     let out = closbox(&["bench", "nosuchop", "--fabric", "lt-bench"]);
     assert!(
-        text(&out).1.contains("unknown operation \"nosuchop\"; one of: allreduce,"),
+        text(&out)
+            .1
+            .contains("unknown operation \"nosuchop\"; one of: allreduce,"),
         "{:?}",
         text(&out)
     );
-    assert_eq!(out.status.code(), Some(2), "bad usage, as clap's own errors");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "bad usage, as clap's own errors"
+    );
     f.down();
 }
 
