@@ -17,12 +17,15 @@ use crate::live;
 /// Copies a daemon's stream (capture, recording) to `out` (named `dest` in errors) until
 /// the daemon ends it, then flushes `out`; once `stop` is set (a signal), asks the daemon
 /// to end it by shutting down our side.
+///
+/// Returns whether it ended because `stop` asked (else the daemon ended it: its count or
+/// duration reached, or the fabric going down).
 pub fn copy_stream(
     stream: &mut std::io::BufReader<std::os::unix::net::UnixStream>,
     out: &mut dyn Write,
     dest: &str,
     stop: &std::sync::atomic::AtomicBool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<bool> {
     let daemon = "reading from the daemon";
     stream
         .get_ref()
@@ -53,7 +56,36 @@ pub fn copy_stream(
             Err(e) => return Err(e).context(daemon),
         }
     }
-    out.flush().with_context(|| format!("writing {dest}"))
+    out.flush().with_context(|| format!("writing {dest}"))?;
+    Ok(asked)
+}
+
+/// " (fabric F went down)" when a stream with no end of its own ended and the fabric's
+/// daemon is gone, for the line that says what was written.
+pub fn went_down(
+    fabric: &closbox_switchd::state::FabricName,
+    asked: bool,
+    bounded: bool,
+) -> String {
+    use closbox_switchd::state::{Phase, State};
+    if asked || bounded {
+        return String::new();
+    }
+    // The daemon ends its streams first, then says it is stopping: a moment to say so.
+    let going = || {
+        State::load(fabric)
+            .ok()
+            .flatten()
+            .is_none_or(|st| st.phase == Phase::Stopping || !st.daemon_alive())
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while !going() {
+        if std::time::Instant::now() > deadline {
+            return String::new();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    format!(" (fabric {fabric} went down)")
 }
 
 /// Which ports to capture.
@@ -206,8 +238,13 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         a.file.display().to_string()
     };
-    copy_stream(&mut stream, &mut out, &dest, &stop)?;
+    let asked = copy_stream(&mut stream, &mut out, &dest, &stop)?;
     drop(out);
+    let down = went_down(
+        &st.fabric,
+        asked,
+        a.count.is_some() || a.duration_ns.is_some(),
+    );
     // Summarized from the file written, if it is one (reading back a FIFO or a device
     // would wait for a writer or never end).
     let size =
@@ -217,7 +254,7 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
         let bytes = std::fs::read(a.file)?;
         let (packets, dropped) = closbox_switchd::pcapng::summarize(&bytes);
         eprintln!(
-            "closbox: {} packet{} written to {}{}",
+            "closbox: {} packet{} written to {}{down}{}",
             packets,
             if packets == 1 { "" } else { "s" },
             a.file.display(),
@@ -229,6 +266,8 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
                 String::new()
             }
         );
+    } else if !down.is_empty() {
+        eprintln!("closbox: {dest} ended{down}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -88,7 +88,12 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
-    crate::capture::copy_stream(&mut stream, &mut out, &a.file.display().to_string(), &stop)?;
+    let asked =
+        crate::capture::copy_stream(&mut stream, &mut out, &a.file.display().to_string(), &stop)?;
+    let down = crate::capture::went_down(&st.fabric, asked, a.duration.is_some());
+    if !down.is_empty() {
+        eprintln!("closbox: recording into {} ended{down}", a.file.display());
+    }
     Ok(ExitCode::SUCCESS)
 }
 

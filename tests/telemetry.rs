@@ -312,7 +312,28 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     assert!(e.contains("link-type IPV4"), "{e}");
     assert_eq!(o.lines().count(), 5, "{o}");
     assert!(o.contains("198.18.0.1.520"), "{o}");
+    // A recording the fabric's `down` ends says so (it ended as if asked to).
+    let until_down = scratch_dir().join("until-down.csv");
+    let _ = std::fs::remove_file(&until_down);
+    let mut rec = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["record", "--fabric", "lt-cap", "-o"])
+        .arg(&until_down)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Recording once its first samples are in the file.
+    for _ in 0..500 {
+        if std::fs::read_to_string(&until_down).is_ok_and(|t| t.lines().count() > 2) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     f.down();
+    let status = rec.wait().unwrap();
+    let mut err = String::new();
+    rec.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("ended (fabric lt-cap went down)"), "{err}");
 }
 
 /// `GET /metrics` with a plain client: the body.
