@@ -551,19 +551,20 @@ fn metrics_pass_promtool_and_equal_status() {
             }
         }
         // HEAD is GET without the body; other methods are refused, naming those allowed.
-        let mut c = std::net::TcpStream::connect(addr).unwrap();
-        write!(c, "HEAD /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-        let mut r = String::new();
-        c.read_to_string(&mut r).unwrap();
+        let ask = |method: &str| {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            write!(c, "{method} /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+            let mut r = String::new();
+            c.read_to_string(&mut r).unwrap();
+            r
+        };
+        let r = ask("HEAD");
         assert!(
             r.starts_with("HTTP/1.1 200 OK") && r.contains("Content-Length: "),
             "{r}"
         );
         assert!(r.ends_with("\r\n\r\n"), "HEAD answered with a body: {r}");
-        let mut c = std::net::TcpStream::connect(addr).unwrap();
-        write!(c, "DELETE /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-        let mut r = String::new();
-        c.read_to_string(&mut r).unwrap();
+        let r = ask("DELETE");
         assert!(
             r.starts_with("HTTP/1.1 405") && r.contains("Allow: GET, HEAD"),
             "{r}"

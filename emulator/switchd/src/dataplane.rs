@@ -2185,22 +2185,26 @@ mod tests {
         assert!(checked > 10_000);
     }
 
+    /// Schedules scenario `text` (checked against `t`) on `dp`: its timeline.
+    fn run_scenario(dp: &mut DataPlane<MemPorts>, t: &Topology, text: &str) -> u64 {
+        let scenario = crate::scenario::parse(text, "s.toml", t).unwrap();
+        dp.schedule_faults(&scenario.items, &scenario.faults)
+            .unwrap()
+            .0
+    }
+
     /// Random faults of one scenario that overlap: while a random spine failure lasts,
     /// every link of that spine stays down, whatever the random link flaps over its links
     /// do; and the fabric is whole at the end.
     #[test]
     fn random_faults_of_one_scenario_overlap_faithfully() {
         let (mut dp, t) = plane(LS);
-        let scenario = crate::scenario::parse(
+        let timeline = run_scenario(
+            &mut dp,
+            &t,
             "seed = 3\n[[random]]\ndo = \"switch-flap\"\nswitches = \"spine\"\nmtbf = \"2ms\"\nmttr = \"1ms\"\nuntil = \"30ms\"\n\
              [[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"500us\"\nmttr = \"200us\"\nuntil = \"30ms\"\n",
-            "s.toml",
-            &t,
-        )
-        .unwrap();
-        let (timeline, _) = dp
-            .schedule_faults(&scenario.items, &scenario.faults)
-            .unwrap();
+        );
         let spine_links = |spine: &str| -> Vec<u32> {
             (0..t.links.len() as u32)
                 .filter(|&l| chaos::link_name(&t, l).contains(spine))
@@ -2254,20 +2258,16 @@ mod tests {
     #[test]
     fn a_scenarios_own_steps_overlap_faithfully() {
         let (mut dp, t) = plane(LS);
-        let scenario = crate::scenario::parse(
+        let timeline = run_scenario(
+            &mut dp,
+            &t,
             "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
              [[event]]\nat = \"2ms\"\ndo = \"switch-down\"\nname = \"spine0\"\n\
              [[event]]\nat = \"3ms\"\ndo = \"link-up\"\na = \"leaf0\"\nb = \"spine0\"\n\
              [[event]]\nat = \"4ms\"\ndo = \"switch-down\"\nname = \"leaf0\"\n\
              [[event]]\nat = \"5ms\"\ndo = \"switch-up\"\nname = \"spine0\"\n\
              [[event]]\nat = \"6ms\"\ndo = \"switch-up\"\nname = \"leaf0\"\n",
-            "s.toml",
-            &t,
-        )
-        .unwrap();
-        let (timeline, _) = dp
-            .schedule_faults(&scenario.items, &scenario.faults)
-            .unwrap();
+        );
         let link = (0..t.links.len() as u32)
             .find(|&l| chaos::link_name(&t, l) == "leaf0-spine0 #0")
             .unwrap();
