@@ -868,9 +868,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
             }
         }
         let title = format!(
-            "busbw on fabric {}, {} ranks: {}",
+            "busbw on fabric {}, {}: {}",
             st.fabric,
-            sel.len(),
+            plural(sel.len(), "rank"),
             names.join(", ")
         );
         // The GPUs' NIC line rate: what one GPU can put into the scale-out fabric.
@@ -1016,6 +1016,12 @@ impl Sweep {
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let (st, sel, timeline) = a.target.open("closbox train")?;
+    if sel.len() < 2 {
+        return Err(crate::usage(format!(
+            "--gpus selects {}: data-parallel training needs 2 GPUs or more (one GPU has no gradients to exchange)",
+            plural(sel.len(), "GPU")
+        )));
+    }
     let (topo, ranks) = topology_of(&st, &sel)?;
     enough_memory(
         closbox_agents::train::memory_floor(a.model_bytes, a.bucket_bytes),
@@ -1103,9 +1109,9 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "# closbox train: fabric {}, {} ranks, {} of gradients in {} of {}, {:.2} ms compute per step (fabric time)",
+        "# closbox train: fabric {}, {}, {} of gradients in {} of {}, {:.2} ms compute per step (fabric time)",
         st.fabric,
-        reports[0].ranks,
+        plural(reports[0].ranks, "rank"),
         render::human(a.model_bytes),
         plural(reports[0].buckets, "bucket"),
         render::human(a.bucket_bytes),

@@ -50,7 +50,9 @@ pub fn table_header(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "# closbox bench: fabric {fabric}, {ranks} ranks, {channels} channels, time_scale {time_scale} (times are fabric time)"
+        "# closbox bench: fabric {fabric}, {}, {} channels, time_scale {time_scale} (times are fabric time)",
+        crate::bench::plural(ranks, "rank"),
+        channels
     );
     let _ = writeln!(
         s,
