@@ -1003,6 +1003,14 @@ fn bench_and_train_through_the_fabric() {
         Some(2),
         "bad usage, as clap's own errors"
     );
+    // One GPU has nothing to exchange: no "0.0 % scaling efficiency" from it.
+    let out = closbox(&["train", "--fabric", "lt-bench", "--gpus", "1"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("needs 2 GPUs or more"),
+        "{:?}",
+        text(&out)
+    );
     f.down();
 }
 
