@@ -2286,9 +2286,17 @@ mod tests {
         assert!(at(&mut dp, 1_500), "the link's own down");
         assert!(at(&mut dp, 3_500), "the link came up under its dead spine");
         let held =
-            format!("link leaf0-spine0 #0 up (held down by another fault of timeline {timeline})");
+            format!("link leaf0-spine0 #0 up (held down by switch spine0 of timeline {timeline})");
         assert!(dp.events.iter().any(|e| e.what == held), "{:#?}", dp.events);
         assert!(at(&mut dp, 5_500), "the link came up under its dead leaf");
+        let held = format!("(1 of 2 held down by switch leaf0 of timeline {timeline})");
+        assert!(
+            dp.events
+                .iter()
+                .any(|e| e.what.starts_with("switch spine0 up") && e.what.ends_with(&held)),
+            "{:#?}",
+            dp.events
+        );
         assert!(!at(&mut dp, 6_500), "both ends back: the link is up");
         assert!(dp.status().changed_links.is_empty());
         assert!(dp.layers.is_empty());

@@ -102,6 +102,22 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
+/// "switch spine0" or "GPU gpu3": what a fault numbered by `own_fault` took down.
+fn own_fault_name(topo: &closbox_fabric::Topology, fault: u32) -> Option<String> {
+    if !(OWN_FAULT..AUTO_FAULT).contains(&fault) {
+        return None;
+    }
+    let v = (fault - OWN_FAULT).checked_sub(1)? as usize;
+    let hosts = topo.hosts.len();
+    match topo.hosts.get(v) {
+        Some(h) => Some(format!("GPU {}", h.name)),
+        None => topo
+            .switches
+            .get(v - hosts)
+            .map(|s| format!("switch {}", s.name)),
+    }
+}
+
 /// The fault a timeline's own step `req` belongs to (see `OWN_FAULT`).
 fn own_fault(topo: &closbox_fabric::Topology, req: &ChangeRequest) -> u32 {
     match req {
@@ -603,9 +619,20 @@ impl<P: Ports> DataPlane<P> {
             };
             let applied = match (outcome, change) {
                 (Outcome::AsIs, change) => self.apply_change(now, change),
-                (Outcome::HeldDown(by), _) => {
+                (Outcome::HeldDown(by), change) => {
                     notes.held += 1;
                     notes.held_by.extend(by);
+                    // Of the step's own timeline, the switches and GPUs whose failures hold it.
+                    if let (Change::LinkUp(l), Some(t)) = (change, timeline) {
+                        for h in self.layers.down_holders(l).filter(|h| h.timeline == t) {
+                            match own_fault_name(&self.topo, h.fault) {
+                                Some(name) => {
+                                    notes.held_by_own.insert(name);
+                                }
+                                None => notes.held_by_other_fault = true,
+                            }
+                        }
+                    }
                     false
                 }
                 (
@@ -723,6 +750,10 @@ struct Notes {
     /// Links left down for others: how many, by whom.
     held: usize,
     held_by: std::collections::BTreeSet<u64>,
+    /// Of those of the step's own timeline: the switches and GPUs it took down ("switch
+    /// spine0"), and whether faults of its own that name nothing hold some too.
+    held_by_own: std::collections::BTreeSet<String>,
+    held_by_other_fault: bool,
     /// Links left degraded by others.
     degraded: usize,
     degraded_by: std::collections::BTreeSet<u64>,
@@ -758,8 +789,25 @@ impl Notes {
             n => format!(" ({n} of {total} already so)"),
         };
         if self.held > 0 {
-            let by = by(self.held_by);
-            out += &format!(" ({}held down by {by})", of_total(self.held));
+            let mut ids = self.held_by;
+            let mut who = Vec::new();
+            if let Some(t) = own.filter(|t| ids.remove(t)) {
+                let named: Vec<String> = self.held_by_own.into_iter().collect();
+                if !named.is_empty() {
+                    who.push(format!("{} of timeline {t}", named.join(" and ")));
+                }
+                if self.held_by_other_fault || named.is_empty() {
+                    who.push(format!("another fault of timeline {t}"));
+                }
+            }
+            if !ids.is_empty() {
+                who.insert(0, by(ids));
+            }
+            out += &format!(
+                " ({}held down by {})",
+                of_total(self.held),
+                who.join(" and ")
+            );
         }
         if self.degraded > 0 {
             let by = by(self.degraded_by);

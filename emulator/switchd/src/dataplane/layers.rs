@@ -470,6 +470,11 @@ impl Layers {
         self.down.contains_key(&l)
     }
 
+    /// Who holds link `l` down.
+    pub(super) fn down_holders(&self, l: u32) -> impl Iterator<Item = Holder> + '_ {
+        self.down.get(&l).into_iter().flatten().copied()
+    }
+
     /// Nothing held (timelines may still run).
     #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
