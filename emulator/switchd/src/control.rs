@@ -442,12 +442,36 @@ fn reply(conn: &mut UnixStream, r: &Reply) -> std::io::Result<()> {
 /// token on its own, which on a socket was a system call per token (a status of 1,024
 /// GPUs took ~0.45 s, mostly sends of a few bytes and the client's reads of them).
 fn write_line<T: Serialize>(conn: &mut UnixStream, body: &T) -> std::io::Result<()> {
+    conn.write_all(&encode(body)?)
+}
+
+fn encode<T: Serialize>(body: &T) -> std::io::Result<Vec<u8>> {
     let mut line = serde_json::to_vec(&Versioned {
         v: API_VERSION,
         body,
     })?;
     line.push(b'\n');
-    conn.write_all(&line)
+    Ok(line)
+}
+
+/// How long `req` is on the wire, and whether the daemon takes it (`MAX_REQUEST`).
+pub fn request_fits(req: &Request) -> (usize, bool) {
+    let len = encode(req).map_or(usize::MAX, |l| l.len());
+    (len, len as u64 <= MAX_REQUEST)
+}
+
+/// A request line the daemon takes, or an error that says why not (the daemon would
+/// close the connection half-way, and the client see a broken pipe).
+fn request_line(req: &Request) -> anyhow::Result<Vec<u8>> {
+    let line = encode(req)?;
+    if line.len() as u64 > MAX_REQUEST {
+        bail!(
+            "a request of {} is longer than the {} the daemon takes",
+            closbox_fabric::units::approx_bytes(line.len() as u64),
+            closbox_fabric::units::approx_bytes(MAX_REQUEST)
+        );
+    }
+    Ok(line)
 }
 
 fn read_request(conn: &mut UnixStream) -> anyhow::Result<Request> {
@@ -555,6 +579,7 @@ fn unanswered(fabric: &FabricName, e: std::io::Error) -> anyhow::Error {
 
 /// Sends one request to a fabric's daemon.
 pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
+    let sent = request_line(req)?;
     let path = fabric.control_path();
     let mut conn = UnixStream::connect(&path).with_context(|| {
         format!(
@@ -563,7 +588,7 @@ pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
         )
     })?;
     conn.set_read_timeout(Some(REPLY_DEADLINE))?;
-    write_line(&mut conn, req)?;
+    conn.write_all(&sent)?;
     let mut line = String::new();
     BufReader::new((&conn).take(64 << 20))
         .read_line(&mut line)
@@ -581,6 +606,7 @@ pub fn open_stream(
     fabric: &FabricName,
     req: &Request,
 ) -> anyhow::Result<(Reply, BufReader<UnixStream>)> {
+    let sent = request_line(req)?;
     let path = fabric.control_path();
     let mut conn = UnixStream::connect(&path).with_context(|| {
         format!(
@@ -588,7 +614,7 @@ pub fn open_stream(
             path.display()
         )
     })?;
-    write_line(&mut conn, req)?;
+    conn.write_all(&sent)?;
     conn.set_read_timeout(Some(REPLY_DEADLINE))?;
     let mut reader = BufReader::new(conn);
     let mut line = String::new();

@@ -308,6 +308,26 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
         .map(|(t, req)| t.saturating_add(req.span_ns()))
         .max()
         .unwrap_or(0);
+    // The timeline goes to the daemon as one request, which it bounds.
+    use crate::control::{request_fits, Request, MAX_REQUEST};
+    let schedule = Request::Schedule { items, faults };
+    let (len, fits) = request_fits(&schedule);
+    let Request::Schedule { items, faults } = schedule else {
+        unreachable!("built above")
+    };
+    if !fits {
+        use closbox_fabric::units::approx_bytes;
+        return Err(ConfigError {
+            file: file.to_owned(),
+            position: None,
+            message: format!(
+                "its {} changes take {} to send, more than the {} the daemon takes in one request: fewer changes (raise mtbf, shorten until, fewer links), or two scenarios",
+                items.len(),
+                approx_bytes(len as u64),
+                approx_bytes(MAX_REQUEST)
+            ),
+        });
+    }
     Ok(Scenario {
         items,
         end_ns,
@@ -871,6 +891,24 @@ mod tests {
 
     fn err(text: &str) -> String {
         parse(text, "s.toml", &topo()).unwrap_err().to_string()
+    }
+
+    /// A timeline within the change bound whose request the daemon would not take is
+    /// refused with the file, not a broken pipe half-way through sending it.
+    #[test]
+    fn a_scenario_the_daemon_would_not_take_in_one_request_is_refused() {
+        let e = err("[[event]]\nat = \"0s\"\nevery = \"1us\"\ncount = 99000\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n");
+        assert!(
+            e.starts_with("s.toml: its 99000 changes take ") && e.contains("more than the 4 MiB"),
+            "{e}"
+        );
+        // Half of it fits.
+        parse(
+            "[[event]]\nat = \"0s\"\nevery = \"1us\"\ncount = 40000\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n",
+            "s.toml",
+            &topo(),
+        )
+        .unwrap();
     }
 
     #[test]
