@@ -240,19 +240,22 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     };
     let asked = copy_stream(&mut stream, &mut out, &dest, &stop)?;
     drop(out);
-    let down = went_down(
-        &st.fabric,
-        asked,
-        a.count.is_some() || a.duration_ns.is_some(),
-    );
     // Summarized from the file written, if it is one (reading back a FIFO or a device
     // would wait for a writer or never end).
     let size =
         std::fs::metadata(a.file)
             .map_or(u64::MAX, |m| if m.is_file() { m.len() } else { u64::MAX });
-    if !to_stdout && size <= 256 << 20 {
-        let bytes = std::fs::read(a.file)?;
-        let (packets, dropped) = closbox_switchd::pcapng::summarize(&bytes);
+    let summary = (!to_stdout && size <= 256 << 20)
+        .then(|| std::fs::read(a.file).map(|b| closbox_switchd::pcapng::summarize(&b)))
+        .transpose()?;
+    // Ended by its own bound, or (short of its count) by the fabric going down.
+    let counted = match (a.count, summary) {
+        (Some(c), Some((packets, dropped))) => packets + dropped >= c,
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    let down = went_down(&st.fabric, asked, counted || a.duration_ns.is_some());
+    if let Some((packets, dropped)) = summary {
         eprintln!(
             "closbox: {} packet{} written to {}{down}{}",
             packets,
