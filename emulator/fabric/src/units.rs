@@ -337,14 +337,30 @@ impl Bytes {
 }
 
 impl fmt::Display for Bytes {
+    /// Exact, in the unit that says it shortest: binary ("512KiB", "1GiB"), or from a
+    /// megabyte up decimal ("1TB", "1MB"; a terabyte was "976562500KiB"), else bytes.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
-        for (div, unit) in [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
-            if b >= div && b % div == 0 {
-                return write!(f, "{}{unit}", b / div);
-            }
+        let binary = [
+            (1u64 << 40, "TiB"),
+            (1 << 30, "GiB"),
+            (1 << 20, "MiB"),
+            (1 << 10, "KiB"),
+        ];
+        let decimal = [
+            (1_000_000_000_000, "TB"),
+            (1_000_000_000, "GB"),
+            (1_000_000, "MB"),
+        ];
+        let best = binary
+            .into_iter()
+            .chain(decimal)
+            .filter(|&(div, _)| b >= div && b % div == 0)
+            .min_by_key(|&(div, _)| b / div);
+        match best {
+            Some((div, unit)) => write!(f, "{}{unit}", b / div),
+            None => write!(f, "{b}B"),
         }
-        write!(f, "{b}B")
     }
 }
 
@@ -625,7 +641,20 @@ mod tests {
 
     #[test]
     fn displays_round_trip() {
-        for s in ["400Gbit/s", "100Mbit/s", "1us", "2ms", "32MiB", "1500B"] {
+        for s in [
+            "400Gbit/s",
+            "100Mbit/s",
+            "1us",
+            "2ms",
+            "32MiB",
+            "1500B",
+            "9000B",
+            "512KiB",
+            "1TB",
+            "3MB",
+            "1TiB",
+            "1000001B",
+        ] {
             let shown = match s {
                 s if s.ends_with("bit/s") => s.parse::<Bandwidth>().unwrap().to_string(),
                 s if s.ends_with('B') => s.parse::<Bytes>().unwrap().to_string(),
