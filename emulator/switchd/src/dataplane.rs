@@ -790,6 +790,9 @@ pub struct DataPlane<P: Ports> {
     next_load: u32,
     /// The last fault number given to a flap (`changes::AUTO_FAULT` and up).
     next_fault: u32,
+    /// What the faults of running timelines take down ("switch spine0"), said where one
+    /// holds a link another of its timeline's steps would bring up.
+    fault_labels: std::collections::HashMap<(u64, u32), String>,
     /// The running loads a scenario started: its timeline, which their end is logged for.
     load_timelines: std::collections::HashMap<u32, u64>,
     captures: Vec<Capture>,
@@ -868,6 +871,7 @@ impl<P: Ports> DataPlane<P> {
             broken: Default::default(),
             layers: Default::default(),
             next_fault: 0,
+            fault_labels: std::collections::HashMap::new(),
             load_timelines: Default::default(),
             next_load: 1,
             captures: Vec::new(),
@@ -2223,9 +2227,23 @@ mod tests {
                         dead.remove(spine);
                     }
                 }
-                held += usize::from(e.what.ends_with(&format!(
-                    "(held down by another fault of timeline {timeline})"
-                )));
+                // A link flap's return under a dead spine names the spine; a spine's
+                // return with one of its links failed names a link failure.
+                if let Some(rest) = e.what.strip_suffix(&format!(" of timeline {timeline})")) {
+                    match rest.split_once(" up (held down by switch ") {
+                        Some((link, by)) => {
+                            assert!(dead.contains(by), "{}: {by} is not down", e.what);
+                            assert!(link.contains(by), "{}", e.what);
+                        }
+                        None => assert!(
+                            e.what.starts_with("switch ")
+                                && rest.ends_with(" held down by a link failure"),
+                            "{}",
+                            e.what
+                        ),
+                    }
+                    held += 1;
+                }
             }
             seen = dp.events.len();
             let down: Vec<u32> = dp

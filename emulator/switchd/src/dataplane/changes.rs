@@ -102,20 +102,21 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
-/// "switch spine0" or "GPU gpu3": what a fault numbered by `own_fault` took down.
-fn own_fault_name(topo: &closbox_fabric::Topology, fault: u32) -> Option<String> {
-    if !(OWN_FAULT..AUTO_FAULT).contains(&fault) {
-        return None;
-    }
-    let v = (fault - OWN_FAULT).checked_sub(1)? as usize;
-    let hosts = topo.hosts.len();
-    match topo.hosts.get(v) {
-        Some(h) => Some(format!("GPU {}", h.name)),
-        None => topo
-            .switches
-            .get(v - hosts)
-            .map(|s| format!("switch {}", s.name)),
-    }
+/// What a fault whose step is `req` takes down, for the log: "switch spine0", "GPU gpu3",
+/// "a link failure", "a link flap".
+fn fault_label(req: &ChangeRequest) -> Option<String> {
+    Some(match req {
+        ChangeRequest::SwitchDown { name } | ChangeRequest::SwitchUp { name } => {
+            format!("switch {name}")
+        }
+        ChangeRequest::GpuDown { name } | ChangeRequest::GpuUp { name } => format!("GPU {name}"),
+        ChangeRequest::SwitchFlap { name, gpu, .. } => {
+            format!("{} {name}'s flap", if *gpu { "GPU" } else { "switch" })
+        }
+        ChangeRequest::LinkDown { .. } | ChangeRequest::LinkUp { .. } => "a link failure".into(),
+        ChangeRequest::LinkFlap { .. } => "a link flap".into(),
+        _ => return None,
+    })
 }
 
 /// The fault a timeline's own step `req` belongs to (see `OWN_FAULT`).
@@ -269,6 +270,7 @@ impl<P: Ports> DataPlane<P> {
         let mut next_load = self.next_load;
         let mut next_fault = self.next_fault;
         let mut steps = Vec::new();
+        let mut labels = Vec::new();
         for (i, (at, req)) in items.iter().enumerate() {
             let fault = match faults.get(i) {
                 Some(&f) if f != 0 => f,
@@ -298,6 +300,11 @@ impl<P: Ports> DataPlane<P> {
                     .into_iter()
                     .map(|(after, step)| (at.saturating_add(after), chaos::Step { fault, ..step })),
             );
+            if timeline != 0 && fault != 0 {
+                if let Some(label) = fault_label(req) {
+                    labels.push(((timeline, fault), label));
+                }
+            }
         }
         self.loads_within_budget(steps.iter().flat_map(|(_, step)| &step.changes))?;
         // The bound is on the model's changes (a switch's step holds one per link), so that
@@ -316,6 +323,7 @@ impl<P: Ports> DataPlane<P> {
         }
         self.next_load = next_load;
         self.next_fault = next_fault;
+        self.fault_labels.extend(labels);
         let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
         // Pending first: what the steps applied now break is kept only for a timeline
@@ -342,7 +350,7 @@ impl<P: Ports> DataPlane<P> {
         }
         if self.broken.get(&timeline).is_some_and(Broken::done) {
             self.broken.remove(&timeline);
-            self.layers.end_unless(|t| self.broken.contains_key(&t));
+            self.timelines_ended();
         }
         Ok(applied)
     }
@@ -404,7 +412,7 @@ impl<P: Ports> DataPlane<P> {
             Some(t) => self.broken.remove(&t).map(|b| (t, b)).into_iter().collect(),
             None => self.broken.drain().collect(),
         };
-        self.layers.end_unless(|t| self.broken.contains_key(&t));
+        self.timelines_ended();
         let running = self.running_loads();
         for (t, b) in ended {
             for id in b.loads.into_iter().filter(|id| running.contains(id)) {
@@ -471,6 +479,7 @@ impl<P: Ports> DataPlane<P> {
             )),
         }
         self.layers.clear();
+        self.fault_labels.clear();
         self.load_timelines.clear();
         let what = if said.is_empty() {
             format!("{RESET}nothing to undo")
@@ -484,6 +493,14 @@ impl<P: Ports> DataPlane<P> {
             fault: 0,
         };
         self.apply(now, step, Some(0))
+    }
+
+    /// Timelines that ended (nothing pending, no loads) let go: their holds become
+    /// anyone's (`Layers::end_unless`), their faults' labels go.
+    fn timelines_ended(&mut self) {
+        let broken = &self.broken;
+        self.layers.end_unless(|t| broken.contains_key(&t));
+        self.fault_labels.retain(|(t, _), _| broken.contains_key(t));
     }
 
     /// The ids of the loads still sending.
@@ -539,7 +556,7 @@ impl<P: Ports> DataPlane<P> {
                 b.loads.retain(|id| !ended.iter().any(|(e, _)| e == id));
             }
             self.broken.retain(|_, b| !b.done());
-            self.layers.end_unless(|t| self.broken.contains_key(&t));
+            self.timelines_ended();
         }
         if !ended.is_empty() {
             let loads = self.model.loads();
@@ -565,7 +582,7 @@ impl<P: Ports> DataPlane<P> {
                 b.get_mut().pending -= 1;
                 if b.get().done() {
                     b.remove();
-                    self.layers.end_unless(|t| self.broken.contains_key(&t));
+                    self.timelines_ended();
                 }
             }
         }
@@ -625,9 +642,9 @@ impl<P: Ports> DataPlane<P> {
                     // Of the step's own timeline, the switches and GPUs whose failures hold it.
                     if let (Change::LinkUp(l), Some(t)) = (change, timeline) {
                         for h in self.layers.down_holders(l).filter(|h| h.timeline == t) {
-                            match own_fault_name(&self.topo, h.fault) {
+                            match self.fault_labels.get(&(t, h.fault)) {
                                 Some(name) => {
-                                    notes.held_by_own.insert(name);
+                                    notes.held_by_own.insert(name.clone());
                                 }
                                 None => notes.held_by_other_fault = true,
                             }
