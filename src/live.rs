@@ -1279,22 +1279,20 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
 /// Whether `program` (a path, or a name looked up on PATH) can be started: 127 "command
 /// not found", 126 "cannot run" as shells say them, else nothing.
 fn runnable(program: &str) -> anyhow::Result<()> {
+    use std::io::{Error, ErrorKind};
     use std::os::unix::fs::PermissionsExt;
     let path = if program.contains('/') {
         Some(std::path::PathBuf::from(program))
     } else {
         which(program)
     };
-    let cannot = |code, message| anyhow::Error::new(crate::CannotRun { code, message });
-    let Some(path) = path.filter(|p| p.exists()) else {
-        return Err(cannot(127, format!("command not found: {program}")));
-    };
-    match fs::metadata(&path) {
-        Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => Ok(()),
-        Ok(m) if m.is_dir() => Err(cannot(126, format!("cannot run {program}: a directory"))),
-        Ok(_) => Err(cannot(126, format!("cannot run {program}: not executable"))),
-        Err(e) => Err(cannot(126, format!("cannot run {program}: {e}"))),
-    }
+    let path = path.ok_or_else(|| Error::from(ErrorKind::NotFound));
+    let checked = path.and_then(fs::metadata).and_then(|m| match m {
+        m if m.is_file() && m.permissions().mode() & 0o111 != 0 => Ok(()),
+        m if m.is_dir() => Err(Error::other("a directory")),
+        _ => Err(Error::other("not executable")),
+    });
+    checked.map_err(|e| spawn_error(e, program))
 }
 
 /// The path of `program` on PATH.
