@@ -75,8 +75,11 @@ enum Command {
         /// fabric up).
         #[arg(value_parser = fabric_ref)]
         fabric: Option<FabricName>,
+        /// The same, as other commands take it.
+        #[arg(long = "fabric", short = 'f', value_name = "FABRIC", value_parser = fabric_ref, conflicts_with = "fabric")]
+        fabric_flag: Option<FabricName>,
         /// Every fabric that is up.
-        #[arg(long, conflicts_with = "fabric")]
+        #[arg(long, conflicts_with_all = ["fabric", "fabric_flag"])]
         all: bool,
     },
     /// Fabrics up, daemon health, packets, drops, lateness. Exit 3 if a fabric is unhealthy.
@@ -84,6 +87,9 @@ enum Command {
         /// Fabric name, or the topology file it was brought up from (default: all).
         #[arg(value_parser = fabric_ref)]
         fabric: Option<FabricName>,
+        /// The same, as other commands take it.
+        #[arg(long = "fabric", short = 'f', value_name = "FABRIC", value_parser = fabric_ref, conflicts_with = "fabric")]
+        fabric_flag: Option<FabricName>,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -847,8 +853,8 @@ fn parse_radix(s: &str) -> Result<u64, String> {
     Ok(k)
 }
 
-/// A fabric as `status` and `down` take it, positional, or with `-f` as every command
-/// takes it: for commands with no other positional argument.
+/// A fabric positional, or with `-f` as every command takes it: for commands with no
+/// other positional argument whose default is the only fabric up.
 #[derive(Debug, clap::Args)]
 struct FabricChoice {
     /// Fabric: a name or its topology file (default: the only fabric up).
@@ -992,14 +998,17 @@ fn main() -> ExitCode {
             },
         )
         .map(|()| ExitCode::SUCCESS),
-        Command::Down { fabric, all } => {
-            live::down(fabric.as_ref(), all).map(|()| ExitCode::SUCCESS)
-        }
+        Command::Down {
+            fabric,
+            fabric_flag,
+            all,
+        } => live::down(fabric.or(fabric_flag).as_ref(), all).map(|()| ExitCode::SUCCESS),
         Command::Status {
             fabric,
+            fabric_flag,
             json,
             ports,
-        } => status::status(fabric.as_ref(), json, ports.as_deref()),
+        } => status::status(fabric.or(fabric_flag).as_ref(), json, ports.as_deref()),
         Command::Link(cmd) => {
             // The link(s) a command names, as the request's three fields.
             let named = |l: &LinkArgs| (l.a.clone(), l.b.clone(), l.index);

@@ -79,6 +79,8 @@ fn train_and_run_options_are_checked_before_anything_runs() {
         (vec!["exec", "gpu0"], "<CMD>"),
         // One fabric, named once: as an argument or with -f.
         (vec!["top", "ab", "-f", "cd"], "cannot be used with"),
+        (vec!["status", "ab", "-f", "cd"], "cannot be used with"),
+        (vec!["down", "-f", "ab", "--all"], "cannot be used with"),
         (vec!["events", "Bad_Name"], "fabric name \"Bad_Name\""),
         (
             vec!["link", "set", "leaf0", "spine0", "--loss", "5%"],
@@ -116,5 +118,35 @@ fn train_and_run_options_are_checked_before_anything_runs() {
         ),
     ] {
         usage_error(&args, needle);
+    }
+}
+
+/// Every command that acts on one fabric takes it with `-f` (a script written for one
+/// command works for the next): none of these is a usage error, each says the fabric is
+/// not up.
+#[test]
+fn every_fabric_command_takes_f() {
+    const NAME: &str = "cb-nosuch";
+    for args in [
+        vec!["status", "-f", NAME],
+        vec!["down", "-f", NAME],
+        vec!["events", "-f", NAME],
+        vec!["flows", "-f", NAME],
+        vec!["top", "--once", "-f", NAME],
+        vec!["exec", "-f", NAME, "gpu0", "true"],
+        vec!["run", "-f", NAME, "--", "true"],
+        vec!["link", "down", "leaf0", "spine0", "-f", NAME],
+        vec!["switch", "down", "spine0", "-f", NAME],
+        vec!["heal", "-f", NAME],
+        vec!["events", "--fabric", NAME],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let said = format!("{err}{}", String::from_utf8_lossy(&out.stdout));
+        assert_ne!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(said.contains("not up"), "{args:?}: {said}");
     }
 }
