@@ -14,18 +14,20 @@ use closbox_switchd::state::FabricName;
 
 use crate::live;
 
+/// Bytes of a stream's end kept: more than its last block or line.
+const TAIL: usize = 64 * 1024;
+
 /// Copies a daemon's stream (capture, recording) to `out` (named `dest` in errors) until
 /// the daemon ends it, then flushes `out`; once `stop` is set (a signal), asks the daemon
 /// to end it by shutting down our side.
 ///
-/// Returns whether it ended because `stop` asked (else the daemon ended it: its count or
-/// duration reached, or the fabric going down).
+/// Returns the stream's last bytes (up to `TAIL`), where the daemon says why it ended it.
 pub fn copy_stream(
     stream: &mut std::io::BufReader<std::os::unix::net::UnixStream>,
     out: &mut dyn Write,
     dest: &str,
     stop: &std::sync::atomic::AtomicBool,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Vec<u8>> {
     let daemon = "reading from the daemon";
     stream
         .get_ref()
@@ -33,6 +35,7 @@ pub fn copy_stream(
         .context(daemon)?;
     let mut buf = vec![0u8; 1 << 16];
     let mut asked = false;
+    let mut tail = Vec::with_capacity(2 * TAIL);
     loop {
         if stop.load(Ordering::Relaxed) && !asked {
             let _ = stream.get_ref().shutdown(std::net::Shutdown::Write);
@@ -42,10 +45,15 @@ pub fn copy_stream(
             Ok(0) => break,
             // Written out as it comes (a reader of the file or pipe sees packets when they
             // were taken, and an output that cannot be written fails at the header).
-            Ok(n) => out
-                .write_all(&buf[..n])
-                .and_then(|()| out.flush())
-                .with_context(|| format!("writing {dest}"))?,
+            Ok(n) => {
+                out.write_all(&buf[..n])
+                    .and_then(|()| out.flush())
+                    .with_context(|| format!("writing {dest}"))?;
+                if tail.len() + n > 2 * TAIL {
+                    tail.drain(..(tail.len() + n).saturating_sub(TAIL).min(tail.len()));
+                }
+                tail.extend_from_slice(&buf[n.saturating_sub(TAIL)..n]);
+            }
             Err(e)
                 if matches!(
                     e.kind(),
@@ -57,35 +65,20 @@ pub fn copy_stream(
         }
     }
     out.flush().with_context(|| format!("writing {dest}"))?;
-    Ok(asked)
+    Ok(tail)
 }
 
-/// " (fabric F went down)" when a stream with no end of its own ended and the fabric's
-/// daemon is gone, for the line that says what was written.
+/// " (fabric F went down)" when the daemon said it ended a stream because the fabric
+/// went down (its count or duration reached are what was asked, and not said).
 pub fn went_down(
     fabric: &closbox_switchd::state::FabricName,
-    asked: bool,
-    bounded: bool,
+    why: Option<closbox_switchd::dataplane::StreamEnd>,
 ) -> String {
-    use closbox_switchd::state::{Phase, State};
-    if asked || bounded {
-        return String::new();
+    if why == Some(closbox_switchd::dataplane::StreamEnd::FabricDown) {
+        format!(" (fabric {fabric} went down)")
+    } else {
+        String::new()
     }
-    // The daemon ends its streams first, then says it is stopping: a moment to say so.
-    let going = || {
-        State::load(fabric)
-            .ok()
-            .flatten()
-            .is_none_or(|st| st.phase == Phase::Stopping || !st.daemon_alive())
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    while !going() {
-        if std::time::Instant::now() > deadline {
-            return String::new();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    format!(" (fabric {fabric} went down)")
 }
 
 /// Which ports to capture.
@@ -238,7 +231,7 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     } else {
         a.file.display().to_string()
     };
-    let asked = copy_stream(&mut stream, &mut out, &dest, &stop)?;
+    let tail = copy_stream(&mut stream, &mut out, &dest, &stop)?;
     drop(out);
     // Summarized from the file written, if it is one (reading back a FIFO or a device
     // would wait for a writer or never end).
@@ -248,13 +241,9 @@ pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     let summary = (!to_stdout && size <= 256 << 20)
         .then(|| std::fs::read(a.file).map(|b| closbox_switchd::pcapng::summarize(&b)))
         .transpose()?;
-    // Ended by its own bound, or (short of its count) by the fabric going down.
-    let counted = match (a.count, summary) {
-        (Some(c), Some((packets, dropped))) => packets + dropped >= c,
-        (Some(_), None) => true,
-        (None, _) => false,
-    };
-    let down = went_down(&st.fabric, asked, counted || a.duration_ns.is_some());
+    let why = closbox_switchd::pcapng::ended(&tail)
+        .and_then(closbox_switchd::dataplane::StreamEnd::from_words);
+    let down = went_down(&st.fabric, why);
     if let Some((packets, dropped)) = summary {
         eprintln!(
             "closbox: {} packet{} written to {}{down}{}",

@@ -351,7 +351,8 @@ enum Command {
         after_help = "Examples:\n  closbox record -o /tmp/q.csv --interval 10us --ports leaf0-> --duration 5ms\n  closbox plot /tmp/q.csv -o /tmp/q.svg"
     )]
     Record {
-        /// Output CSV: fabric_time_s,port,queue_bytes,utilization (after a # comment line).
+        /// Output CSV: fabric_time_s,port,queue_bytes,utilization (after a # comment line;
+        /// a last line "# ended: …" says why, when the fabric ended it).
         #[arg(short = 'o', long = "output", value_name = "FILE")]
         file: PathBuf,
         /// Fabric time between samples.

@@ -88,9 +88,15 @@ pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
-    let asked =
+    let tail =
         crate::capture::copy_stream(&mut stream, &mut out, &a.file.display().to_string(), &stop)?;
-    let down = crate::capture::went_down(&st.fabric, asked, a.duration.is_some());
+    // The daemon's last line says why it ended the recording, if it did.
+    let why = String::from_utf8_lossy(&tail)
+        .lines()
+        .last()
+        .and_then(|l| l.strip_prefix(control::RECORD_ENDED))
+        .and_then(closbox_switchd::dataplane::StreamEnd::from_words);
+    let down = crate::capture::went_down(&st.fabric, why);
     if !down.is_empty() {
         eprintln!("closbox: recording into {} ended{down}", a.file.display());
     }

@@ -312,28 +312,72 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     assert!(e.contains("link-type IPV4"), "{e}");
     assert_eq!(o.lines().count(), 5, "{o}");
     assert!(o.contains("198.18.0.1.520"), "{o}");
-    // A recording the fabric's `down` ends says so (it ended as if asked to).
+    // A recording and a capture the fabric's `down` ends say so, also with a bound of
+    // their own not reached (they ended as if asked to), and so do their files.
     let until_down = scratch_dir().join("until-down.csv");
+    let cap_down = scratch_dir().join("until-down.pcapng");
     let _ = std::fs::remove_file(&until_down);
     let mut rec = Command::new(env!("CARGO_BIN_EXE_closbox"))
-        .args(["record", "--fabric", "lt-cap", "-o"])
+        .args(["record", "--fabric", "lt-cap", "--duration", "3600s", "-o"])
         .arg(&until_down)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Recording once its first samples are in the file.
+    let mut cap = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "capture",
+            "--fabric",
+            "lt-cap",
+            "--all",
+            "--duration",
+            "3600s",
+        ])
+        .args(["--count", "1000000000", "-w"])
+        .arg(&cap_down)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Recording once its first samples are in the file, capturing once the file has
+    // its header.
     for _ in 0..500 {
-        if std::fs::read_to_string(&until_down).is_ok_and(|t| t.lines().count() > 2) {
+        if std::fs::read_to_string(&until_down).is_ok_and(|t| t.lines().count() > 2)
+            && std::fs::metadata(&cap_down).is_ok_and(|m| m.len() > 0)
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     f.down();
-    let status = rec.wait().unwrap();
-    let mut err = String::new();
-    rec.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    assert!(status.success(), "{err}");
-    assert!(err.contains("ended (fabric lt-cap went down)"), "{err}");
+    for (child, what) in [(&mut rec, "recording"), (&mut cap, "capture")] {
+        let status = child.wait().unwrap();
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(status.success(), "{what}: {err}");
+        assert!(err.contains("(fabric lt-cap went down)"), "{what}: {err}");
+    }
+    let csv = std::fs::read_to_string(&until_down).unwrap();
+    assert_eq!(
+        csv.lines().last(),
+        Some("# ended: the fabric went down"),
+        "{csv}"
+    );
+    // Wireshark's tools read the file with its end said in the statistics' comments.
+    let path = cap_down.to_str().unwrap();
+    let stats = read_with("capinfos", &[path]);
+    assert!(
+        stats.contains("Number of interfaces in file: 16"),
+        "{stats}"
+    );
+    let bytes = std::fs::read(&cap_down).unwrap();
+    assert_eq!(
+        closbox_switchd::pcapng::ended(&bytes),
+        Some("the fabric went down")
+    );
 }
 
 /// `GET /metrics` with a plain client: the body.

@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 pub use crate::chaos::{ChangeRequest, Event};
-use crate::dataplane::{CaptureSpec, CaptureStart, Ctl, RecordSpec};
+use crate::dataplane::{CaptureSpec, CaptureStart, Ctl, EndReason, RecordSpec};
 pub use crate::dataplane::{FlowInfo, Flows, Lateness, LinkStatus, PortStatus, Status};
 use crate::state::{FabricName, State};
 use crate::sys::EventFd;
@@ -191,6 +191,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                 duration_ns,
                             }) => {
                                 let (tx, rx) = mpsc::sync_channel(CAPTURE_QUEUE);
+                                let ended = EndReason::default();
                                 let spec = CaptureSpec {
                                     ports: ports.clone(),
                                     snaplen,
@@ -198,6 +199,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                     count,
                                     duration_ns,
                                     tx,
+                                    ended: ended.clone(),
                                 };
                                 serve_stream(
                                     &mut conn,
@@ -207,7 +209,9 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                     Reply::Capturing {
                                         ports: ports.clone(),
                                     },
-                                    |c, start| stream_capture(c, &ports, snaplen, start, rx),
+                                    |c, start| {
+                                        stream_capture(c, &ports, snaplen, start, rx, &ended)
+                                    },
                                     |start| Ctl::EndCapture(start.id),
                                 );
                                 clients.fetch_sub(1, Ordering::AcqRel);
@@ -219,11 +223,13 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                 duration_ns,
                             }) => {
                                 let (tx, rx) = mpsc::sync_channel(RECORD_QUEUE);
+                                let ended = EndReason::default();
                                 let spec = RecordSpec {
                                     ports: ports.clone(),
                                     interval_ns,
                                     duration_ns,
                                     tx,
+                                    ended: ended.clone(),
                                 };
                                 serve_stream(
                                     &mut conn,
@@ -233,7 +239,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                                     Reply::Recording {
                                         ports: ports.clone(),
                                     },
-                                    |c, _| stream_record(c, &ports, rx),
+                                    |c, _| stream_record(c, &ports, rx, &ended),
                                     |id| Ctl::EndRecord(*id),
                                 );
                                 clients.fetch_sub(1, Ordering::AcqRel);
@@ -316,13 +322,15 @@ const CAPTURE_QUEUE: usize = 16_384;
 
 /// Writes a capture as pcapng to the client until it ends: the data plane drops its
 /// channel (count or duration reached, the fabric stopping), or the client shuts down
-/// its side (or goes away). Ends with each interface's statistics.
+/// its side (or goes away). Ends with each interface's statistics, saying why the
+/// fabric ended it.
 fn stream_capture(
     conn: &mut UnixStream,
     ports: &[String],
     snaplen: u32,
     start: &CaptureStart,
     rx: mpsc::Receiver<(u32, closbox_fabric::model::Tapped)>,
+    ended: &EndReason,
 ) -> std::io::Result<()> {
     use std::sync::atomic::Ordering as O;
     conn.set_write_timeout(Some(Duration::from_secs(5)))?;
@@ -364,6 +372,7 @@ fn stream_capture(
         }
     }
     buf.clear();
+    let why = ended.get().words();
     for (i, w) in written.iter().enumerate() {
         let c = &start.counters[i];
         let stats = crate::pcapng::Stats {
@@ -371,7 +380,7 @@ fn stream_capture(
             dropped: c[1].load(O::Relaxed),
             written: *w,
         };
-        crate::pcapng::statistics(i as u32, first.unwrap_or(last), last, stats, &mut buf);
+        crate::pcapng::statistics(i as u32, first.unwrap_or(last), last, stats, why, &mut buf);
     }
     conn.write_all(&buf)?;
     conn.shutdown(std::net::Shutdown::Write)
@@ -380,11 +389,13 @@ fn stream_capture(
 /// Sample rows a recording's connection may lag behind by (then samples are skipped).
 const RECORD_QUEUE: usize = 4096;
 
-/// Writes a recording as CSV until it ends.
+/// Writes a recording as CSV until it ends; a comment line last says why the fabric ended
+/// it (`# ended: …`).
 fn stream_record(
     conn: &mut UnixStream,
     ports: &[String],
     rx: mpsc::Receiver<(u64, Vec<(u64, f64)>)>,
+    ended: &EndReason,
 ) -> std::io::Result<()> {
     use std::fmt::Write as _;
     conn.set_write_timeout(Some(Duration::from_secs(5)))?;
@@ -415,8 +426,14 @@ fn stream_record(
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
+    if let Some(why) = ended.get().words() {
+        conn.write_all(format!("{RECORD_ENDED}{why}\n").as_bytes())?;
+    }
     conn.shutdown(std::net::Shutdown::Write)
 }
+
+/// How a recording's last line says why the fabric ended it.
+pub const RECORD_ENDED: &str = "# ended: ";
 
 /// The client shut down its side of the connection (or it is gone).
 fn peer_closed(conn: &mut UnixStream) -> bool {

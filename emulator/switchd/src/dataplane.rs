@@ -193,6 +193,66 @@ pub struct Flows {
     pub untracked_packets: u64,
 }
 
+/// Why a capture or recording ended, as the data plane saw it: the stream that writes it
+/// out says so at its end (the file records it, the client tells its user).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum StreamEnd {
+    /// Not ended, or by its client (which then knows why).
+    Open = 0,
+    /// `--count` packets were captured.
+    Count = 1,
+    /// `--duration` of fabric time passed.
+    Duration = 2,
+    /// The fabric went down.
+    FabricDown = 3,
+}
+
+impl StreamEnd {
+    /// The words for "ended: …", or none for an open stream.
+    pub fn words(self) -> Option<&'static str> {
+        match self {
+            StreamEnd::Open => None,
+            StreamEnd::Count => Some("its count was reached"),
+            StreamEnd::Duration => Some("its duration of fabric time passed"),
+            StreamEnd::FabricDown => Some("the fabric went down"),
+        }
+    }
+
+    /// Read back from `words`.
+    pub fn from_words(s: &str) -> Option<StreamEnd> {
+        [StreamEnd::Count, StreamEnd::Duration, StreamEnd::FabricDown]
+            .into_iter()
+            .find(|e| e.words() == Some(s))
+    }
+}
+
+/// Where the data plane says why a stream ended (shared with the thread writing it out;
+/// the first reason set stays).
+#[derive(Clone, Debug, Default)]
+pub struct EndReason(Arc<std::sync::atomic::AtomicU8>);
+
+impl EndReason {
+    pub fn set(&self, why: StreamEnd) {
+        use std::sync::atomic::Ordering;
+        let _ = self.0.compare_exchange(
+            StreamEnd::Open as u8,
+            why as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    pub fn get(&self) -> StreamEnd {
+        match self.0.load(std::sync::atomic::Ordering::Acquire) {
+            1 => StreamEnd::Count,
+            2 => StreamEnd::Duration,
+            3 => StreamEnd::FabricDown,
+            _ => StreamEnd::Open,
+        }
+    }
+}
+
 /// What a recording asks for.
 #[derive(Debug)]
 pub struct RecordSpec {
@@ -202,6 +262,7 @@ pub struct RecordSpec {
     pub duration_ns: Option<u64>,
     /// Per sample time: (fabric ns, per port (queue bytes, busy share of the interval)).
     pub tx: std::sync::mpsc::SyncSender<(u64, Vec<(u64, f64)>)>,
+    pub ended: EndReason,
 }
 
 struct Recording {
@@ -211,6 +272,7 @@ struct Recording {
     next: Instant,
     until: Option<Instant>,
     tx: std::sync::mpsc::SyncSender<(u64, Vec<(u64, f64)>)>,
+    ended: EndReason,
     last_busy: Vec<u64>,
     done: bool,
     /// Port samples a second of wall time it takes (0 for a short one), for the budget.
@@ -234,6 +296,7 @@ pub struct CaptureSpec {
     pub duration_ns: Option<u64>,
     /// Where tapped packets go: (index in `ports`, packet).
     pub tx: std::sync::mpsc::SyncSender<(u32, closbox_fabric::model::Tapped)>,
+    pub ended: EndReason,
 }
 
 /// A capture, started.
@@ -252,6 +315,7 @@ struct Capture {
     /// Per port of the fabric: its index in the capture, if captured.
     index_of: Vec<Option<u32>>,
     tx: std::sync::mpsc::SyncSender<(u32, closbox_fabric::model::Tapped)>,
+    ended: EndReason,
     counters: Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
     left: Option<u64>,
     until: Option<Instant>,
@@ -1119,6 +1183,7 @@ impl<P: Ports> DataPlane<P> {
                 .duration_ns
                 .map(|d| now + closbox_fabric::Duration::from_nanos(d)),
             tx: spec.tx,
+            ended: spec.ended,
             last_busy,
             done: false,
             samples_per_wall_s: asked,
@@ -1155,6 +1220,7 @@ impl<P: Ports> DataPlane<P> {
             }
             r.next = t + r.interval;
             if r.until.is_some_and(|u| r.next > u) {
+                r.ended.set(StreamEnd::Duration);
                 r.done = true;
             }
         }
@@ -1185,7 +1251,10 @@ impl<P: Ports> DataPlane<P> {
                     Ok(()) => {
                         if let Some(left) = &mut c.left {
                             *left -= 1;
-                            c.done |= *left == 0;
+                            if *left == 0 {
+                                c.ended.set(StreamEnd::Count);
+                                c.done = true;
+                            }
                         }
                     }
                     Err(TrySendError::Full(_)) => {
@@ -1196,8 +1265,11 @@ impl<P: Ports> DataPlane<P> {
             }
         }
         let now = self.fabric_now(self.ports.now());
-        for c in &mut self.captures {
-            c.done |= c.until.is_some_and(|u| now >= u);
+        for c in self.captures.iter_mut().filter(|c| !c.done) {
+            if c.until.is_some_and(|u| now >= u) {
+                c.ended.set(StreamEnd::Duration);
+                c.done = true;
+            }
         }
         if self.captures.iter().any(|c| c.done) {
             self.captures.retain(|c| !c.done);
@@ -1255,6 +1327,7 @@ impl<P: Ports> DataPlane<P> {
             id: self.next_capture,
             index_of,
             tx: spec.tx,
+            ended: spec.ended,
             counters: Arc::clone(&counters),
             left: spec.count,
             until: spec
@@ -1424,7 +1497,16 @@ impl<P: Ports> DataPlane<P> {
     fn handle_ctl(&mut self) -> bool {
         while let Ok(req) = self.ctl.try_recv() {
             match req {
-                Ctl::Stop => return false,
+                Ctl::Stop => {
+                    // Their channels close as the data plane goes.
+                    for c in &self.captures {
+                        c.ended.set(StreamEnd::FabricDown);
+                    }
+                    for r in &self.recordings {
+                        r.ended.set(StreamEnd::FabricDown);
+                    }
+                    return false;
+                }
                 Ctl::Status(reply) => {
                     let _ = reply.send(self.status());
                 }

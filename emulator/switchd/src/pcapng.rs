@@ -146,7 +146,16 @@ pub struct Stats {
     pub written: u64,
 }
 
-pub fn statistics(interface: u32, start_ns: u64, end_ns: u64, s: Stats, out: &mut Vec<u8>) {
+/// The statistics of one interface at the capture's end; `ended` (why the capture
+/// ended, when the fabric ended it) as the block's comment, "closbox: capture ended: …".
+pub fn statistics(
+    interface: u32,
+    start_ns: u64,
+    end_ns: u64,
+    s: Stats,
+    ended: Option<&str>,
+    out: &mut Vec<u8>,
+) {
     let mut isb = Block::new(ISB);
     isb.u32(interface)
         .u32((end_ns >> 32) as u32)
@@ -155,10 +164,48 @@ pub fn statistics(interface: u32, start_ns: u64, end_ns: u64, s: Stats, out: &mu
         .ts_option(ISB_ENDTIME, end_ns)
         .option(ISB_IFRECV, &s.seen.to_le_bytes())
         .option(ISB_OSDROP, &s.dropped.to_le_bytes())
-        .option(ISB_USRDELIV, &s.written.to_le_bytes())
-        .u16(OPT_END)
-        .u16(0);
+        .option(ISB_USRDELIV, &s.written.to_le_bytes());
+    if let Some(why) = ended {
+        isb.option(OPT_COMMENT, format!("{ENDED}{why}").as_bytes());
+    }
+    isb.u16(OPT_END).u16(0);
     isb.finish(out);
+}
+
+/// How a statistics block's comment says why the capture ended.
+const ENDED: &str = "closbox: capture ended: ";
+
+/// Why a capture ended, from the end of its stream (at least its last block): the
+/// comment `statistics` gave the last block, if it is a statistics block with one.
+pub fn ended(tail: &[u8]) -> Option<&str> {
+    let n = tail.len();
+    let word = |i: usize| u32::from_le_bytes(tail[i..i + 4].try_into().expect("4 bytes"));
+    // A block ends with its total length (a multiple of 4, at least 12).
+    let total = word(n.checked_sub(4)?) as usize;
+    if total < 12 + 12 || total % 4 != 0 || total > n {
+        return None;
+    }
+    let at = n - total;
+    if word(at) != ISB || word(at + 4) as usize != total {
+        return None;
+    }
+    // Options after interface id and timestamp, up to the trailing length.
+    let mut o = at + 8 + 12;
+    while o + 4 <= n - 4 {
+        let code = u16::from_le_bytes([tail[o], tail[o + 1]]);
+        let len = u16::from_le_bytes([tail[o + 2], tail[o + 3]]) as usize;
+        if code == OPT_END || o + 4 + len > n - 4 {
+            return None;
+        }
+        if code == OPT_COMMENT {
+            let text = std::str::from_utf8(&tail[o + 4..o + 4 + len]).ok()?;
+            if let Some(why) = text.strip_prefix(ENDED) {
+                return Some(why);
+            }
+        }
+        o += 4 + len.next_multiple_of(4);
+    }
+    None
 }
 
 /// Counts what a pcapng byte stream holds: (packets, capture drops from statistics
@@ -220,19 +267,27 @@ mod tests {
             Some("buffer_full"),
             &mut out,
         );
-        statistics(
-            0,
-            1,
-            2,
-            Stats {
-                seen: 5,
-                dropped: 3,
-                written: 2,
-            },
-            &mut out,
-        );
+        assert_eq!(ended(&out), None, "a packet block last");
+        let stats = Stats {
+            seen: 5,
+            dropped: 3,
+            written: 2,
+        };
+        statistics(0, 1, 2, stats, None, &mut out);
         assert_eq!(out.len() % 4, 0);
         assert_eq!(summarize(&out), (2, 3));
+        assert_eq!(ended(&out), None, "no reason given");
+        let last = out.len();
+        statistics(0, 1, 2, stats, Some("the fabric went down"), &mut out);
+        assert_eq!(out.len() % 4, 0);
+        assert_eq!(summarize(&out), (2, 6));
+        assert_eq!(ended(&out), Some("the fabric went down"));
+        // From any tail that holds the last block, and from none shorter.
+        for cut in 0..out.len() {
+            let got = ended(&out[cut..]);
+            assert_eq!(got.is_some(), cut <= last, "cut at {cut}");
+        }
+        assert_eq!(ended(&[]), None);
         // The byte-order magic where readers look for it.
         assert_eq!(&out[8..12], &BYTE_ORDER_MAGIC.to_le_bytes());
     }
