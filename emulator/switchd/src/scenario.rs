@@ -38,7 +38,7 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
-use closbox_fabric::config::{line_col, plain_words, read_limited, unknown_field};
+use closbox_fabric::config::{line_col, read_limited, toml_words, unknown_field};
 use closbox_fabric::rng::Rng;
 use closbox_fabric::topology::{LinkClass, Tier, Topology};
 use closbox_fabric::{Bandwidth, Bytes, ConfigError, Duration};
@@ -263,7 +263,7 @@ pub fn load(path: &Path, topo: &Topology) -> Result<Scenario, ConfigError> {
 pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, ConfigError> {
     let cx = Cx { text, file };
     let raw: RawScenario = toml::from_str(text).map_err(|e| {
-        let mut message = plain_words(e.message().trim_end());
+        let mut message = toml_words(text, &e);
         // A topology file's top-level keys where a scenario's were expected.
         const TOPOLOGY_KEYS: [&str; 9] = [
             "fabric", "topology", "node", "nic", "links", "switches", "switch", "host", "link",

@@ -89,7 +89,7 @@ pub fn read_limited(path: &Path, what: &str) -> Result<String, String> {
 pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
     let cx = Cx { text, file };
     let raw: RawFile = toml::from_str(text).map_err(|e| {
-        let mut msg = plain_words(e.message().trim_end());
+        let mut msg = toml_words(text, &e);
         // A scenario file's top-level keys where a topology file's were expected.
         if unknown_field(&msg).is_some_and(|k| ["event", "random", "seed"].contains(&k))
             && msg.contains("`topology`")
@@ -105,6 +105,80 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
         }
     }
     build(&cx, raw)
+}
+
+/// What the TOML parser says of `text`, in the words of these files (`plain_words`), a
+/// duplicate key named with where it was first set.
+pub fn toml_words(text: &str, e: &toml::de::Error) -> String {
+    let msg = plain_words(e.message().trim_end());
+    match e.span() {
+        Some(span) if msg == "duplicate key" => duplicate_key(text, span).unwrap_or(msg),
+        _ => msg,
+    }
+}
+
+/// "duplicate key `rate` (first set at line 7): …" for the key at `span`, whose line is
+/// a table header or a `key = value` line.
+fn duplicate_key(text: &str, span: Range<usize>) -> Option<String> {
+    // Keys and headers compared without spaces and quotes (`[ a . "b" ]` is `[a.b]`).
+    let norm = |s: &str| -> String {
+        s.split('#')
+            .next()
+            .unwrap_or("")
+            .chars()
+            .filter(|c| !c.is_whitespace() && !matches!(c, '"' | '\''))
+            .collect()
+    };
+    let line_start = text.get(..span.start)?.rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text
+        .get(span.start..)?
+        .find('\n')
+        .map_or(text.len(), |i| span.start + i);
+    let line = text[line_start..line_end].trim();
+    let earlier = text[..line_start].split_inclusive('\n');
+    let number = |offset: usize| text[..offset].matches('\n').count() + 1;
+    if line.starts_with('[') && !line.starts_with("[[") {
+        // A table header: the same header earlier in the file.
+        let header = norm(line);
+        let mut offset = 0;
+        for l in earlier {
+            if norm(l) == header {
+                return Some(format!(
+                    "table {header} appears twice (first at line {}): a table's keys go under one header",
+                    number(offset)
+                ));
+            }
+            offset += l.len();
+        }
+        return Some(format!(
+            "table {header} is defined twice (also by a dotted key or an inline table above it)"
+        ));
+    }
+    // A key of an inline table (after the line's `=`): named as it is.
+    let eq = line_start + text[line_start..line_end].find('=')?;
+    if span.start > eq {
+        let key = norm(text.get(span)?);
+        return Some(format!(
+            "duplicate key `{key}` in an inline table: a key is set once per table"
+        ));
+    }
+    // A key (dotted or not): the same key earlier in its table (after its header).
+    let key = norm(line.split('=').next()?);
+    let (mut first, mut offset) = (None, 0);
+    for l in earlier {
+        if l.trim_start().starts_with('[') {
+            first = None;
+        } else if first.is_none() && l.contains('=') && norm(l.split('=').next()?) == key {
+            first = Some(number(offset));
+        }
+        offset += l.len();
+    }
+    Some(match first {
+        Some(n) => {
+            format!("duplicate key `{key}` (first set at line {n}): a key is set once per table")
+        }
+        None => format!("duplicate key `{key}`: a key is set once per table"),
+    })
 }
 
 /// The key named by serde's "unknown field `KEY`, expected ..." message.
@@ -506,6 +580,42 @@ gpus_per_leaf = 4
         assert_eq!(t.links.len(), 8 + 4);
         assert_eq!(t.hosts[0].addr.to_string(), "198.18.0.1");
         assert_eq!(t.fabric.mtu, 1500);
+    }
+
+    #[test]
+    fn a_duplicate_key_is_named_with_where_it_was_first_set() {
+        // LS's lines: 2 [fabric], 3 name, 4 [topology], 5 kind, …, 8 gpus_per_leaf; then 9.
+        for (tail, want) in [
+            (
+                "spines = 4\n",
+                "t.toml:9:1: duplicate key `spines` (first set at line 7)",
+            ),
+            (
+                "[ fabric ]  # again\nseed = 2\n",
+                "t.toml:9:3: table [fabric] appears twice (first at line 2)",
+            ),
+            (
+                "[links]\nnic.rate = \"1Gbit\"\nnic . rate = \"2Gbit\"\n",
+                "t.toml:11:7: duplicate key `nic.rate` (first set at line 10)",
+            ),
+            (
+                "[links]\nnic = { rate = \"1Gbit\", rate = \"2Gbit\" }\n",
+                "t.toml:10:25: duplicate key `rate` in an inline table",
+            ),
+            (
+                "[links]\nnic = { rate = \"1Gbit\" }\n[links.nic]\n",
+                "t.toml:11:8: table [links.nic] is defined twice (also by a dotted key",
+            ),
+        ] {
+            let e = err(&format!("{LS}{tail}"));
+            assert!(e.starts_with(want), "{tail:?}: {e}");
+        }
+        // A key of the same name in another table is not the first one.
+        let e = err("[fabric]\nname = \"a\"\n[topology]\nname = 1\nname = 2\n");
+        assert!(
+            e.starts_with("t.toml:5:1: duplicate key `name` (first set at line 4)"),
+            "{e}"
+        );
     }
 
     #[test]
