@@ -113,8 +113,27 @@ pub fn toml_words(text: &str, e: &toml::de::Error) -> String {
     let msg = plain_words(e.message().trim_end());
     match e.span() {
         Some(span) if msg == "duplicate key" => duplicate_key(text, span).unwrap_or(msg),
+        Some(span) if msg.starts_with("string values must be quoted") => {
+            unquoted(text, span).unwrap_or(msg)
+        }
         _ => msg,
     }
+}
+
+/// What to write for the bare word at `span` (`rate = 1Gbit`), or that a value is
+/// missing (`rate =`, `[1, ]`).
+fn unquoted(text: &str, span: Range<usize>) -> Option<String> {
+    let rest = text.get(span.start..)?;
+    let word = rest
+        .split(|c: char| c.is_whitespace() || matches!(c, '#' | ',' | ']' | '}'))
+        .next()?;
+    Some(if word.is_empty() {
+        "a value is missing here".to_owned()
+    } else {
+        format!(
+            "`{word}` is not quoted: write \"{word}\" (rates, sizes, times and names are strings)"
+        )
+    })
 }
 
 /// "duplicate key `rate` (first set at line 7): …" for the key at `span`, whose line is
@@ -614,6 +633,28 @@ gpus_per_leaf = 4
         let e = err("[fabric]\nname = \"a\"\n[topology]\nname = 1\nname = 2\n");
         assert!(
             e.starts_with("t.toml:5:1: duplicate key `name` (first set at line 4)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_bare_word_is_shown_quoted_and_a_missing_value_said() {
+        for (tail, want) in [
+            (
+                "[links.nic]\nrate = 1Gbit  # x\n",
+                "t.toml:10:8: `1Gbit` is not quoted: write \"1Gbit\"",
+            ),
+            (
+                "[links.nic]\nrate =\n",
+                "t.toml:10:7: a value is missing here",
+            ),
+        ] {
+            let e = err(&format!("{LS}{tail}"));
+            assert!(e.starts_with(want), "{tail:?}: {e}");
+        }
+        let e = err("[fabric]\nname = \"a\"\n[topology]\nkind = leaf-spine\n");
+        assert!(
+            e.starts_with("t.toml:4:8: `leaf-spine` is not quoted"),
             "{e}"
         );
     }
