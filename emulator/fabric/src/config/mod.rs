@@ -110,7 +110,17 @@ pub fn parse(text: &str, file: &str) -> Result<Topology, ConfigError> {
 /// What the TOML parser says of `text`, in the words of these files (`plain_words`), a
 /// duplicate key named with where it was first set.
 pub fn toml_words(text: &str, e: &toml::de::Error) -> String {
-    let msg = plain_words(e.message().trim_end());
+    let mut msg = plain_words(e.message().trim_end());
+    // `gpus = "8"`: a number in quotes.
+    if let Some(quoted) = msg
+        .strip_prefix("invalid type: string \"")
+        .and_then(|r| r.split_once("\", expected a"))
+        .map(|(q, _)| q.trim().to_owned())
+    {
+        if quoted.parse::<f64>().is_ok() && msg.contains("number") {
+            msg += &format!(" (write {quoted} without quotes)");
+        }
+    }
     match e.span() {
         Some(span) if msg == "duplicate key" => duplicate_key(text, span).unwrap_or(msg),
         Some(span) if msg.starts_with("string values must be quoted") => {
@@ -655,6 +665,12 @@ gpus_per_leaf = 4
         let e = err("[fabric]\nname = \"a\"\n[topology]\nkind = leaf-spine\n");
         assert!(
             e.starts_with("t.toml:4:8: `leaf-spine` is not quoted"),
+            "{e}"
+        );
+        // And the other way round: a number in quotes.
+        let e = err(&LS.replace("leaves = 2", "leaves = \"2\""));
+        assert!(
+            e.ends_with("expected a whole number (write 2 without quotes)"),
             "{e}"
         );
     }
