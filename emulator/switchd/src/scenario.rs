@@ -1265,6 +1265,8 @@ flaps = 2
         );
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"heal\"\nfabric = \"x\"\n");
         assert!(!e.contains("topology file"), "{e}");
+        let e = err("[[event]]\nat = \"1ms\"\ndo = \"link-set\"\ndealy = \"1us\"\n");
+        assert!(e.ends_with("did you mean `delay`?"), "{e}");
         let e = err("[[event]]\nat = \"1ms\"\ndo = \"partition\"\ngroups = [\"0-9\"]\n");
         assert!(e.starts_with("s.toml:4:10:") && e.contains("0 to 3"), "{e}");
     }

@@ -121,6 +121,10 @@ pub fn toml_words(text: &str, e: &toml::de::Error) -> String {
             msg += &format!(" (write {quoted} without quotes)");
         }
     }
+    // A misspelt key: the expected one it is nearest to.
+    if let Some(near) = unknown_field(&msg).and_then(|k| nearest_expected(k, &msg)) {
+        msg += &format!("; did you mean `{near}`?");
+    }
     match e.span() {
         Some(span) if msg == "duplicate key" => duplicate_key(text, span).unwrap_or(msg),
         Some(span) if msg.starts_with("string values must be quoted") => {
@@ -208,6 +212,37 @@ fn duplicate_key(text: &str, span: Range<usize>) -> Option<String> {
         }
         None => format!("duplicate key `{key}`: a key is set once per table"),
     })
+}
+
+/// The key of serde's "expected one of `a`, `b`, …" list within two edits of `key`
+/// (one for keys of up to 4 letters), the nearest, if one is.
+fn nearest_expected<'a>(key: &str, msg: &'a str) -> Option<&'a str> {
+    let list = msg.split_once("expected one of ")?.1;
+    let budget = if key.chars().count() <= 4 { 1 } else { 2 };
+    list.split(", ")
+        .filter_map(|k| k.strip_prefix('`')?.strip_suffix('`'))
+        .map(|k| (edit_distance(key, k), k))
+        .filter(|&(d, _)| d <= budget)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance (insertions, deletions, substitutions) in characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// The key named by serde's "unknown field `KEY`, expected ..." message.
@@ -643,6 +678,23 @@ gpus_per_leaf = 4
         let e = err("[fabric]\nname = \"a\"\n[topology]\nname = 1\nname = 2\n");
         assert!(
             e.starts_with("t.toml:5:1: duplicate key `name` (first set at line 4)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_misspelt_key_is_told_the_nearest_one() {
+        assert_eq!(edit_distance("gpus_per_leave", "gpus_per_leaf"), 2);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        let e = err(&LS.replace("gpus_per_leaf", "gpus_per_leave"));
+        assert!(e.ends_with("; did you mean `gpus_per_leaf`?"), "{e}");
+        let e = err(&LS.replace("spines", "spine"));
+        assert!(e.ends_with("; did you mean `spines`?"), "{e}");
+        // Nothing near: no guess.
+        let e = err(&format!("{LS}[links.nic]\nbandwidth = \"1Gbit\"\n"));
+        assert!(
+            e.contains("unknown field `bandwidth`") && !e.contains("did you mean"),
             "{e}"
         );
     }
