@@ -102,18 +102,23 @@ fn size_bombs_are_refused_from_their_declared_numbers() {
     for (name, body, expect) in [
         (
             "leaf-spine product wraps u32",
-            "[topology]\nkind = \"leaf-spine\"\nleaves = 4096\nspines = 4\ngpus_per_leaf = 1048576\n",
+            "[topology]\nkind = \"leaf-spine\"\nleaves = 65536\nspines = 4\ngpus_per_leaf = 65536\n",
             ":3:1: this leaf-spine topology has 4294967296 GPUs; closbox models at most 65536",
+        ),
+        (
+            "GPUs per leaf beyond any fabric",
+            "[topology]\nkind = \"leaf-spine\"\nleaves = 4096\nspines = 4\ngpus_per_leaf = 1048576\n",
+            ":7:17: `gpus_per_leaf` = 1048576: closbox models at most 65536 GPUs",
         ),
         (
             "single switch of 2^30",
             "[topology]\nkind = \"single-switch\"\ngpus = 1073741824\n",
-            ":5:8: `gpus` = 1073741824 is out of range",
+            ":5:8: `gpus` = 1073741824: closbox models at most 65536 GPUs",
         ),
         (
             "a million GPUs",
             "[topology]\nkind = \"single-switch\"\ngpus = 1000000\n",
-            ":3:1: this single-switch topology has 1000000 GPUs",
+            ":5:8: `gpus` = 1000000: closbox models at most 65536 GPUs",
         ),
         (
             "rail-optimized 67 M",

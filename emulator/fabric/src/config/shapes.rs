@@ -199,9 +199,18 @@ pub(super) fn generate_shape(
         v.as_ref()
             .map_or(Ok(default), |v| count(cx, v, key, 1, 1 << 20))
     };
-    // A count of GPUs given where whole nodes are expected.
+    // A count of GPUs given where whole nodes are expected (no more than a fabric holds).
     let whole_nodes = |v: &Spanned<i64>, key: &str| -> Result<u32, ConfigError> {
-        let g = count(cx, v, key, 1, 1 << 20)?;
+        if *v.get_ref() > MAX_GPUS as i64 {
+            return Err(cx.err(
+                v,
+                format!(
+                    "`{key}` = {}: closbox models at most {MAX_GPUS} GPUs",
+                    v.get_ref()
+                ),
+            ));
+        }
+        let g = count(cx, v, key, 1, MAX_GPUS as i64)?;
         if g % gpn != 0 {
             return Err(cx.err(
                 v,
