@@ -405,7 +405,7 @@ enum Command {
         /// GPUs: "all", ranks and ranges ("0-3,6") or names; rank i runs on the i-th.
         #[arg(long, default_value = "all")]
         gpus: String,
-        /// Stop the job after this many seconds (exit 124).
+        /// Stop the job after this many seconds, or 1.5m, 2h (exit 124).
         #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
         /// The MPI whose launcher to use (default: Open MPI if installed, else MPICH).
@@ -484,7 +484,7 @@ enum Command {
         /// GPUs: "all", ranks and ranges ("0-3,6") or names ("gpu0,gpu5").
         #[arg(long, default_value = "all")]
         gpus: String,
-        /// Stop every rank after this many seconds (exit 124).
+        /// Stop every rank after this many seconds, or 1.5m, 2h (exit 124).
         #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
         /// MASTER_PORT for torch.distributed-style rendezvous.
@@ -622,7 +622,7 @@ struct TargetArgs {
     /// Parallel TCP connections per pair of ranks (ECMP can spread them).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     channels: u32,
-    /// Stop the agents after this many seconds of wall time (default: no limit; each
+    /// Stop the agents after this many seconds of wall time, or 1.5m, 2h (default: no limit; each
     /// agent gives up on its own when a peer is silent for 60 s).
     #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
     timeout: Option<std::time::Duration>,
@@ -791,9 +791,27 @@ fn non_negative(s: &str) -> Result<f64, String> {
     })
 }
 
+/// Wall-time seconds, as `timeout(1)` takes them: a number, or one with the suffix s, m, h
+/// or d ("90", "1.5m", "2h").
 fn seconds(s: &str) -> Result<std::time::Duration, String> {
-    let v = positive(s)?;
-    std::time::Duration::try_from_secs_f64(v).map_err(|_| "too long".into())
+    let (n, unit) = match s.trim().char_indices().last() {
+        Some((i, c @ ('s' | 'm' | 'h' | 'd'))) => (&s.trim()[..i], c),
+        _ => (s, 's'),
+    };
+    let v = positive(n).map_err(|e| {
+        if n == s {
+            format!("{e} (seconds, or with a suffix: 90, 1.5m, 2h)")
+        } else {
+            e
+        }
+    })?;
+    let per = match unit {
+        'm' => 60.0,
+        'h' => 3600.0,
+        'd' => 86400.0,
+        _ => 1.0,
+    };
+    std::time::Duration::try_from_secs_f64(v * per).map_err(|_| "too long".into())
 }
 
 fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Result<()> {

@@ -32,6 +32,11 @@ fn bench_options_are_checked_before_anything_runs() {
         (vec!["bench", "--channels", "0"], "--channels"),
         (vec!["bench", "--timeout", "0"], "must be above 0"),
         (vec!["bench", "--timeout", "-3"], "--timeout"),
+        (vec!["bench", "--timeout", "0m"], "must be above 0"),
+        (
+            vec!["bench", "--timeout", "10min"],
+            "\"10min\" is not a number (seconds, or with a suffix",
+        ),
     ] {
         usage_error(&args, needle);
     }
@@ -135,6 +140,9 @@ fn every_fabric_command_takes_f() {
         vec!["top", "--once", "-f", NAME],
         vec!["exec", "-f", NAME, "gpu0", "true"],
         vec!["run", "-f", NAME, "--", "true"],
+        // (and a timeout as `timeout(1)` takes it)
+        vec!["run", "-f", NAME, "--timeout", "1.5m", "--", "true"],
+        vec!["mpirun", "-f", NAME, "--timeout", "2h", "--", "true"],
         vec!["link", "down", "leaf0", "spine0", "-f", NAME],
         vec!["switch", "down", "spine0", "-f", NAME],
         vec!["heal", "-f", NAME],
