@@ -792,20 +792,21 @@ fn non_negative(s: &str) -> Result<f64, String> {
 }
 
 /// Wall-time seconds, as `timeout(1)` takes them: a number, or one with the suffix s, m, h
-/// or d ("90", "1.5m", "2h").
+/// or d ("90", "1.5m", "2h"), or ms as closbox's other durations take it.
 fn seconds(s: &str) -> Result<std::time::Duration, String> {
-    let (n, unit) = match s.trim().char_indices().last() {
-        Some((i, c @ ('s' | 'm' | 'h' | 'd'))) => (&s.trim()[..i], c),
+    let t = s.trim();
+    let (n, unit) = match t.char_indices().last() {
+        _ if t.ends_with("ms") => (&t[..t.len() - 2], 'u'),
+        Some((i, c @ ('s' | 'm' | 'h' | 'd'))) => (&t[..i], c),
         _ => (s, 's'),
     };
-    let v = positive(n).map_err(|e| {
-        if n == s {
-            format!("{e} (seconds, or with a suffix: 90, 1.5m, 2h)")
-        } else {
-            e
-        }
-    })?;
+    let v = number(n)
+        .map_err(|_| format!("{s:?} is not a time: seconds, or with a suffix: 90, 1.5m, 2h"))?;
+    if v <= 0.0 {
+        return Err("must be above 0".into());
+    }
     let per = match unit {
+        'u' => 1e-3,
         'm' => 60.0,
         'h' => 3600.0,
         'd' => 86400.0,

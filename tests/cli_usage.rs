@@ -35,7 +35,7 @@ fn bench_options_are_checked_before_anything_runs() {
         (vec!["bench", "--timeout", "0m"], "must be above 0"),
         (
             vec!["bench", "--timeout", "10min"],
-            "\"10min\" is not a number (seconds, or with a suffix",
+            "\"10min\" is not a time: seconds, or with a suffix",
         ),
     ] {
         usage_error(&args, needle);
@@ -143,6 +143,7 @@ fn every_fabric_command_takes_f() {
         // (and a timeout as `timeout(1)` takes it)
         vec!["run", "-f", NAME, "--timeout", "1.5m", "--", "true"],
         vec!["mpirun", "-f", NAME, "--timeout", "2h", "--", "true"],
+        vec!["run", "-f", NAME, "--timeout", "500ms", "--", "true"],
         vec!["link", "down", "leaf0", "spine0", "-f", NAME],
         vec!["switch", "down", "spine0", "-f", NAME],
         vec!["heal", "-f", NAME],
