@@ -646,10 +646,18 @@ gpus_per_leaf = 4
         assert_eq!(t.fabric.mtu, 1500);
     }
 
+    /// Each of `cases` (text after LS, the error's start) is refused so.
+    fn errors_after_ls(cases: &[(&str, &str)]) {
+        for (tail, want) in cases {
+            let e = err(&format!("{LS}{tail}"));
+            assert!(e.starts_with(want), "{tail:?}: {e}");
+        }
+    }
+
     #[test]
     fn a_duplicate_key_is_named_with_where_it_was_first_set() {
         // LS's lines: 2 [fabric], 3 name, 4 [topology], 5 kind, …, 8 gpus_per_leaf; then 9.
-        for (tail, want) in [
+        errors_after_ls(&[
             (
                 "spines = 4\n",
                 "t.toml:9:1: duplicate key `spines` (first set at line 7)",
@@ -670,10 +678,7 @@ gpus_per_leaf = 4
                 "[links]\nnic = { rate = \"1Gbit\" }\n[links.nic]\n",
                 "t.toml:11:8: table [links.nic] is defined twice (also by a dotted key",
             ),
-        ] {
-            let e = err(&format!("{LS}{tail}"));
-            assert!(e.starts_with(want), "{tail:?}: {e}");
-        }
+        ]);
         // A key of the same name in another table is not the first one.
         let e = err("[fabric]\nname = \"a\"\n[topology]\nname = 1\nname = 2\n");
         assert!(
@@ -701,7 +706,7 @@ gpus_per_leaf = 4
 
     #[test]
     fn a_bare_word_is_shown_quoted_and_a_missing_value_said() {
-        for (tail, want) in [
+        errors_after_ls(&[
             (
                 "[links.nic]\nrate = 1Gbit  # x\n",
                 "t.toml:10:8: `1Gbit` is not quoted: write \"1Gbit\"",
@@ -710,10 +715,7 @@ gpus_per_leaf = 4
                 "[links.nic]\nrate =\n",
                 "t.toml:10:7: a value is missing here",
             ),
-        ] {
-            let e = err(&format!("{LS}{tail}"));
-            assert!(e.starts_with(want), "{tail:?}: {e}");
-        }
+        ]);
         let e = err("[fabric]\nname = \"a\"\n[topology]\nkind = leaf-spine\n");
         assert!(
             e.starts_with("t.toml:4:8: `leaf-spine` is not quoted"),
