@@ -211,6 +211,53 @@ fn events_after(fabric: &FabricName, after: u64) -> anyhow::Result<Vec<Event>> {
     }
 }
 
+/// Why a fabric's daemon stopped answering one that follows it.
+enum Gone {
+    /// Taken down (`down`, Ctrl-C of its `up`), or down and up again since.
+    Down,
+    /// Its daemon ended without taking the fabric down (killed, crashed).
+    Died,
+    /// Neither: it is still up, and the error is the answer.
+    No,
+}
+
+/// Why the daemon `was` stopped answering; a stopping daemon gets up to 2 s to say so
+/// (it stops serving before its state says "stopping").
+fn why_gone(was: &State) -> Gone {
+    use closbox_switchd::state::Phase;
+    let deadline = StdInstant::now() + StdDuration::from_secs(2);
+    loop {
+        match State::load(&was.fabric).ok().flatten() {
+            None => return Gone::Down,
+            Some(s) if (s.daemon_pid, s.daemon_start) != (was.daemon_pid, was.daemon_start) => {
+                return Gone::Down
+            }
+            Some(s) if s.phase == Phase::Stopping => return Gone::Down,
+            Some(s) if !s.daemon_alive() => return Gone::Died,
+            Some(_) if StdInstant::now() > deadline => return Gone::No,
+            Some(_) => std::thread::sleep(StdDuration::from_millis(20)),
+        }
+    }
+}
+
+/// What a follower says when the daemon stopped answering with `err`: `Ok` when the
+/// fabric went down (`while` says during what), an error otherwise.
+fn gone(was: &State, err: anyhow::Error, while_: &str) -> anyhow::Result<()> {
+    match why_gone(was) {
+        Gone::Down => {
+            eprintln!("closbox: fabric {} went down{while_}", was.fabric);
+            Ok(())
+        }
+        Gone::Died => bail!(
+            "the daemon of fabric {} (pid {}) ended without taking the fabric down{while_}: `closbox down {}` removes what it left",
+            was.fabric,
+            was.daemon_pid,
+            was.fabric
+        ),
+        Gone::No => Err(err),
+    }
+}
+
 pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox events")?;
     let st = live::resolve(fabric)?;
@@ -220,9 +267,10 @@ pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::
         let stop = closbox_switchd::stop_on_signals()?;
         let mut last = 0;
         while !stop.load(Ordering::Relaxed) {
-            let Ok(new) = events_after(&st.fabric, last) else {
-                eprintln!("closbox: fabric {} is gone", st.fabric);
-                return Ok(ExitCode::FAILURE);
+            // A fabric taken down ends what follows it, as it ends a capture.
+            let new = match events_after(&st.fabric, last) {
+                Ok(new) => new,
+                Err(e) => return gone(&st, e, "").map(|()| ExitCode::SUCCESS),
             };
             for e in &new {
                 if json {
@@ -535,12 +583,10 @@ pub fn scenario_cmd(
     let mut said = false;
     let mut cancelled = false;
     loop {
-        let Ok(new) = events_after(&st.fabric, last) else {
-            eprintln!(
-                "closbox: fabric {} is gone (taken down while its scenario ran)",
-                st.fabric
-            );
-            return Ok(ExitCode::FAILURE);
+        let new = match events_after(&st.fabric, last) {
+            Ok(new) => new,
+            // Its scenario did not run to its end.
+            Err(e) => return gone(&st, e, " while its scenario ran").map(|()| ExitCode::FAILURE),
         };
         // Its own events (other scenarios and changes by hand: `closbox events`).
         for e in new.iter().filter(|e| ours(e)) {

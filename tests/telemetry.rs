@@ -337,6 +337,20 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // And one following the fabric's events, once it has shown one.
+    let mut follow = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["events", "--fabric", "lt-cap", "--follow"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = closbox(&["link", "down", "gpu7", "sw0", "-f", "lt-cap"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // (Kept open to the end: a follower whose output is closed fails.)
+    let mut follow_out = std::io::BufReader::new(follow.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut follow_out, &mut first).unwrap();
+    assert!(first.contains("link gpu7-sw0 #0 down"), "{first:?}");
     // Recording once its first samples are in the file, capturing once the file has
     // its header.
     for _ in 0..500 {
@@ -348,7 +362,15 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         std::thread::sleep(Duration::from_millis(20));
     }
     f.down();
-    for (child, what) in [(&mut rec, "recording"), (&mut cap, "capture")] {
+    for (child, what, said) in [
+        (&mut rec, "recording", "(fabric lt-cap went down)"),
+        (&mut cap, "capture", "(fabric lt-cap went down)"),
+        (
+            &mut follow,
+            "events --follow",
+            "closbox: fabric lt-cap went down",
+        ),
+    ] {
         let status = child.wait().unwrap();
         let mut err = String::new();
         child
@@ -358,8 +380,9 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
             .read_to_string(&mut err)
             .unwrap();
         assert!(status.success(), "{what}: {err}");
-        assert!(err.contains("(fabric lt-cap went down)"), "{what}: {err}");
+        assert!(err.contains(said), "{what}: {err}");
     }
+    drop(follow_out);
     let csv = std::fs::read_to_string(&until_down).unwrap();
     assert_eq!(
         csv.lines().last(),
