@@ -134,6 +134,18 @@ fn a_state_directory_without_state_is_reported_not_deleted() {
     if !root_or_skip() {
         return;
     }
+    // A name never brought up: nothing to do, and nothing made for it (not even its lock
+    // file; a mistyped `down` used to leave one).
+    let lock = Path::new("/run/closbox/locks/lt-neverup.lock");
+    let _ = std::fs::remove_file(lock);
+    let out = closbox(&["down", "lt-neverup"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).0.contains("is not up; nothing to do"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(!lock.exists());
     let dir = Path::new("/run/closbox/fabrics/lt-nostate");
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("precious"), "keep").unwrap();

@@ -772,6 +772,11 @@ fn remove_own_files(name: &FabricName) -> io::Result<Vec<String>> {
 /// that holds it to stop first, killing it if it does not), then removes whatever is left.
 /// Returns what it did, for the user.
 pub fn down(name: &FabricName) -> anyhow::Result<String> {
+    // A name never brought up on this boot (no lock file: `up` makes it first, before
+    // anything else) has nothing to take down, and `down` leaves no lock file of it.
+    if name.lock_path().symlink_metadata().is_err() && name.dir().symlink_metadata().is_err() {
+        return Ok(format!("fabric {name} is not up; nothing to do"));
+    }
     let (lock, how) = take_from_daemon(name)?;
     // With the lock held, no daemon of this fabric runs, and no `up` of it is under way.
     let out = match State::load(name)? {
