@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
@@ -348,10 +349,57 @@ fn the_fabric_lock_serializes_up_and_down() {
         leftovers("lt-race")
     );
 
+    // Holders remove the lock file as they let go, so takers that opened it before must
+    // not trust a lock on a file removed meanwhile: `up`s and `down`s at once, whatever
+    // their order, leave at most one daemon, and a fabric that is up is whole.
+    for round in 0..4 {
+        let mut procs: Vec<Child> = (0..3)
+            .map(|i| {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_closbox"));
+                if i == round % 3 {
+                    cmd.args(["down", "lt-race"]);
+                } else {
+                    cmd.args(["up", cfg.to_str().unwrap(), "--detach"]);
+                }
+                cmd.stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<_> = procs
+            .drain(..)
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let daemons = daemons_of(&cfg);
+        assert!(
+            daemons.len() <= 1,
+            "round {round}: daemons {daemons:?}; {:?}",
+            outs.iter().map(text).collect::<Vec<_>>()
+        );
+        if daemons.len() == 1 {
+            let out = closbox(&["exec", "--fabric", "lt-race", "gpu1", "--", "hostname"]);
+            assert_eq!(
+                text(&out).0.trim(),
+                "gpu1",
+                "round {round}: {:?}",
+                text(&out)
+            );
+        }
+        let out = closbox(&["down", "lt-race"]);
+        assert!(out.status.success(), "{:?}", text(&out));
+        assert!(
+            leftovers("lt-race").is_empty(),
+            "round {round}: {:?}",
+            leftovers("lt-race")
+        );
+    }
+
     // A lock held by something that is not closbox: `down` does not signal it.
     std::fs::create_dir_all("/run/closbox/locks").unwrap();
     let mut holder = Command::new("flock")
         .args(["/run/closbox/locks/lt-held.lock", "sleep", "60"])
+        .process_group(0)
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
@@ -363,8 +411,34 @@ fn the_fabric_lock_serializes_up_and_down() {
         text(&out)
     );
     assert!(alive(&mut holder));
-    holder.kill().unwrap();
+    // flock and its sleep (which holds the lock too, by the descriptor it inherited).
+    let killed = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", holder.id())])
+        .status()
+        .unwrap();
+    assert!(killed.success());
     holder.wait().unwrap();
+    // Its holders gone, the file it left is closbox's to remove.
+    let out = closbox(&["down", "lt-held"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(!Path::new("/run/closbox/locks/lt-held.lock").exists());
+}
+
+/// The pids of the daemons (`closbox up FILE --log-to …`) serving `cfg`.
+fn daemons_of(cfg: &Path) -> Vec<u32> {
+    let want = cfg.to_str().unwrap();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            let daemon = args.iter().any(|a| *a == want.as_bytes())
+                && args.iter().any(|a| *a == b"--log-to");
+            daemon.then_some(pid)
+        })
+        .collect()
 }
 
 /// Takes a fabric down when a test ends, passed or failed.

@@ -134,8 +134,11 @@ pub fn leftovers(name: &str) -> Vec<String> {
             }
         }
     }
-    // The detached daemon's log (/run/closbox/logs) and the lock file stay on purpose.
-    for p in [format!("/run/closbox/fabrics/{name}")] {
+    // The detached daemon's log (/run/closbox/logs) stays on purpose.
+    for p in [
+        format!("/run/closbox/fabrics/{name}"),
+        format!("/run/closbox/locks/{name}.lock"),
+    ] {
         if Path::new(&p).exists() {
             left.push(p);
         }

@@ -14,7 +14,8 @@
 //! - `/run/closbox/fabrics/<fabric>/` (mode 0700): `state.json`, `control.sock` (and
 //!   `uts/<gpu>` from a closbox before the twentieth landing)
 //! - `/run/closbox/locks/<fabric>.lock`: held by `up` and the daemon for their whole life,
-//!   and by `down`; never removed (an empty file per fabric name)
+//!   and by `down`; removed by its holder as it lets go (a holder that was killed leaves
+//!   it, and the next `down` or `up` of the name removes it)
 //! - `/run/closbox/logs/<fabric>.log`: the log of a daemon started with `up --detach`,
 //!   kept after `down` for post-mortems
 //! - `/run/netns/cb-<fabric>.<gpu>` and `/etc/netns/cb-<fabric>.<gpu>/hosts`
@@ -401,10 +402,33 @@ pub fn fabrics() -> Vec<FabricName> {
 // ---- the lock ------------------------------------------------------------------------
 
 /// The per-fabric lock (`flock` on `/run/closbox/locks/<fabric>.lock`), held by `up` from
-/// its first check through the daemon's whole life, and by `down`. Released on drop.
+/// its first check through the daemon's whole life, and by `down`. Released on drop, and
+/// the file removed then, so that names once up leave nothing behind. That is safe because
+/// every taker checks, once it holds the lock, that the path still names the file it
+/// locked (a taker that opened the file before its holder removed it, and locked it
+/// after, holds a lock nobody else can see: it tries again on the new file).
 #[derive(Debug)]
 pub struct FabricLock {
-    _file: fs::File,
+    file: fs::File,
+    path: PathBuf,
+}
+
+impl Drop for FabricLock {
+    fn drop(&mut self) {
+        // Only the holder of the file the path names removes it, and only while holding
+        // it: a path that names another file (never, while we hold ours) is left alone.
+        if same_file(&self.file, &self.path) {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Whether `path` (not followed) names the file `file` has open.
+fn same_file(file: &fs::File, path: &Path) -> bool {
+    match (file.metadata(), fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// The outcome of trying to take a fabric's lock.
@@ -419,20 +443,30 @@ impl FabricLock {
     pub fn try_acquire(name: &FabricName) -> anyhow::Result<LockAttempt> {
         let path = name.lock_path();
         make_private_dir(path.parent().expect("lock dir"))?;
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        if sys::try_flock_exclusive(&file)? {
-            Ok(LockAttempt::Acquired(FabricLock { _file: file }))
-        } else {
-            Ok(LockAttempt::Held(lock_holder(&file)))
+        // A holder removes the file as it lets go: a lock taken on a file removed meanwhile
+        // is no lock, and the next try opens (or makes) the file the path names now. Each
+        // retry follows another holder's whole tenure, so a few suffice.
+        for _ in 0..100 {
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            if !sys::try_flock_exclusive(&file)? {
+                return Ok(LockAttempt::Held(lock_holder(&file)));
+            }
+            if same_file(&file, &path) {
+                return Ok(LockAttempt::Acquired(FabricLock { file, path }));
+            }
         }
+        bail!(
+            "fabric {name}'s lock file {} keeps being replaced; try again",
+            path.display()
+        )
     }
 
     /// Waits up to `timeout` for the lock.
@@ -605,7 +639,9 @@ impl Targets for Daemon<'_> {
                 self.lock = Some(l);
             }
         }
-        if self.lock.is_some() {
+        // Gone, with the lock ours; or gone, and the lock taken by another process (an
+        // `up` of the name run meanwhile), which the caller deals with.
+        if self.lock.is_some() || self.fd.exited() {
             Vec::new()
         } else {
             vec![self.pid]
@@ -837,10 +873,29 @@ impl fmt::Display for DownHow {
     }
 }
 
-/// Takes the fabric's lock; if a closbox daemon holds it, stops that daemon first.
+/// Takes the fabric's lock; if a closbox daemon holds it, stops that daemon first. An `up`
+/// of the name that takes the lock as its daemon lets go (run at the same time as this
+/// `down`) is stopped in turn: `down` ends with the fabric down, a few times over at most.
 fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> {
+    let mut how = DownHow::NotRunning;
+    for _ in 0..3 {
+        match take_once(name)? {
+            Taken::Lock(l, h) => return Ok((l, if h == DownHow::NotRunning { how } else { h })),
+            Taken::Retaken(h) => how = h,
+        }
+    }
+    bail!("fabric {name} keeps being brought up while it is taken down; try again")
+}
+
+enum Taken {
+    Lock(FabricLock, DownHow),
+    /// The daemon ended (as `DownHow` says), and another process took the lock meanwhile.
+    Retaken(DownHow),
+}
+
+fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
     let pid = match FabricLock::try_acquire(name)? {
-        LockAttempt::Acquired(l) => return Ok((l, DownHow::NotRunning)),
+        LockAttempt::Acquired(l) => return Ok(Taken::Lock(l, DownHow::NotRunning)),
         LockAttempt::Held(Some(pid)) => pid,
         LockAttempt::Held(None) => {
             bail!("fabric {name} is locked by a process /proc/locks does not show; try again")
@@ -859,7 +914,7 @@ fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> 
     let Some(fd) = fd.filter(|_| still_holder()) else {
         // The holder went away meanwhile: try once more.
         return match FabricLock::acquire_within(name, Duration::from_secs(1))? {
-            Some(l) => Ok((l, DownHow::NotRunning)),
+            Some(l) => Ok(Taken::Lock(l, DownHow::NotRunning)),
             None => bail!("fabric {name} is busy (its lock changed hands); try again"),
         };
     };
@@ -868,7 +923,7 @@ fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> 
         Some(other) => {
             // Another `down` (or a `closbox` command that holds the lock): wait for it.
             return match FabricLock::acquire_within(name, DAEMON_GRACE + KILL_WAIT)? {
-                Some(l) => Ok((l, DownHow::NotRunning)),
+                Some(l) => Ok(Taken::Lock(l, DownHow::NotRunning)),
                 None => bail!("fabric {name} is held by `closbox {other}` (pid {pid}), which did not finish within 15 s"),
             };
         }
@@ -883,9 +938,14 @@ fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> 
         lock: None,
     };
     let stopped = terminate(&mut daemon, DAEMON_GRACE, KILL_WAIT);
+    let how = if stopped.killed {
+        DownHow::Killed
+    } else {
+        DownHow::Stopped
+    };
     match daemon.lock {
-        Some(l) if stopped.killed => Ok((l, DownHow::Killed)),
-        Some(l) => Ok((l, DownHow::Stopped)),
+        Some(l) => Ok(Taken::Lock(l, how)),
+        None if daemon.fd.exited() => Ok(Taken::Retaken(how)),
         None => bail!(
             "the daemon of fabric {name} (pid {pid}) did not exit within {} s of SIGKILL; nothing was removed",
             KILL_WAIT.as_secs()

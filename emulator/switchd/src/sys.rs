@@ -709,6 +709,17 @@ impl Pidfd {
         }
     }
 
+    /// Whether the process has exited (a pidfd is readable from then on, zombie or reaped).
+    pub fn exited(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+    }
+
     /// Sends `sig`; `Ok(false)` if the process has exited.
     pub fn signal(&self, sig: libc::c_int) -> io::Result<bool> {
         match process::pidfd_send_signal(&self.0, signal(sig)?) {
