@@ -434,8 +434,7 @@ fn daemons_of(cfg: &Path) -> Vec<u32> {
             let pid: u32 = e.file_name().to_str()?.parse().ok()?;
             let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
             let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
-            let daemon = args.iter().any(|a| *a == want.as_bytes())
-                && args.iter().any(|a| *a == b"--log-to");
+            let daemon = args.contains(&want.as_bytes()) && args.contains(&&b"--log-to"[..]);
             daemon.then_some(pid)
         })
         .collect()
