@@ -414,6 +414,14 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             thousands(memory_drops)
         );
     }
+    let giants = drops(s, "over_mtu");
+    if giants > 0 {
+        let _ = writeln!(
+            o,
+            "  WARNING   {} packets longer than the fabric's MTU dropped where they entered it: a GPU's interface MTU was raised above the fabric's (TCP stalls on its full-sized segments; `closbox flows` names the flows, `closbox plan` the MTU)",
+            thousands(giants)
+        );
+    }
     // A switch or GPU whose every link is down: one line, not its links'.
     for (v, links, since) in dead {
         let what = if st.gpus.iter().any(|g| g.name == *v) {

@@ -628,6 +628,50 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     f.down();
 }
 
+/// A GPU that raises its interface's MTU above the fabric's sends packets no switch port of
+/// the fabric takes: they are dropped where they enter, counted and warned about, while
+/// packets within the MTU still pass (the fabric carried them whole before, at any size).
+#[test]
+fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-mtu", "[topology]\nkind = \"single-switch\"\ngpus = 2\n");
+    let ping = |size: &str| {
+        let out = f.exec(
+            "gpu0",
+            &[
+                "ping", "-c", "2", "-i", "0.2", "-W", "1", "-M", "do", "-s", size, "gpu1",
+            ],
+        );
+        out.status.success()
+    };
+    let out = f.exec("gpu0", &["ip", "link", "set", "cb0", "mtu", "9000"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(ping("1472"), "a packet of the fabric's MTU passes");
+    assert!(!ping("8000"), "a packet beyond the fabric's MTU does not");
+    let v = f.status();
+    let over = v["drops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d[0] == "over_mtu")
+        .unwrap()[1]
+        .as_u64()
+        .unwrap();
+    assert_eq!(over, 2, "{v}");
+    let out = closbox(&["status", "lt-mtu"]);
+    assert!(
+        text(&out)
+            .0
+            .contains("2 packets longer than the fabric's MTU"),
+        "{:?}",
+        text(&out)
+    );
+    f.down();
+}
+
 #[test]
 fn up_refuses_what_cannot_fit_before_creating_anything() {
     let _s = serial();

@@ -55,10 +55,14 @@ pub enum DropReason {
     /// The fabric already holds its packet-memory budget (`Fabric::memory_limit`): the
     /// box's limit, not a switch's, so that no traffic pattern exhausts the box.
     MemoryLimit,
+    /// Longer than the fabric's MTU: sent by a GPU whose interface MTU was raised above
+    /// the fabric's. The switch port it enters drops it, as a real one drops a giant frame
+    /// (TCP over such a path stalls on its full-sized segments: a PMTU black hole).
+    OverMtu,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 9] = [
+    pub const ALL: [DropReason; 10] = [
         DropReason::Malformed,
         DropReason::Unsupported,
         DropReason::NoRoute,
@@ -68,6 +72,7 @@ impl DropReason {
         DropReason::LinkDown,
         DropReason::Partitioned,
         DropReason::MemoryLimit,
+        DropReason::OverMtu,
     ];
 
     pub fn name(self) -> &'static str {
@@ -81,6 +86,7 @@ impl DropReason {
             DropReason::LinkDown => "link_down",
             DropReason::Partitioned => "partitioned",
             DropReason::MemoryLimit => "memory_limit",
+            DropReason::OverMtu => "over_mtu",
         }
     }
 }
@@ -797,6 +803,11 @@ impl Fabric {
                 }
             }
         }
+        if headers.len as u32 > self.mtu {
+            self.vertex_drops.add(DropReason::OverMtu);
+            Flows::drop(&mut self.flows, flow);
+            return Verdict::Dropped(DropReason::OverMtu);
+        }
         let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
         if dst >= self.hosts || dst == src.0 {
             self.vertex_drops.add(DropReason::NoRoute);
@@ -818,7 +829,6 @@ impl Fabric {
         }
         self.memory_used += charge;
         let len = headers.len as u32;
-        let frames = len.div_ceil(self.mtu).max(1);
         let ttl = data.head()[8];
         let pkt = InFlight {
             ttl,
@@ -827,7 +837,7 @@ impl Fabric {
             dst: HostId(dst),
             id: self.next_packet,
             len,
-            wire_bits: (len as u64 + frames as u64 * self.l2_overhead as u64) * 8,
+            wire_bits: (len as u64 + self.l2_overhead as u64) * 8,
             ecn: headers.ecn,
             flow,
             load: NO_LOAD,

@@ -533,6 +533,34 @@ fn packets_are_conserved_per_port_and_overall() {
     assert_eq!(totals.drops.get(DropReason::NoRoute), 1);
 }
 
+/// A GPU whose interface MTU was raised above the fabric's: its longer packets are
+/// dropped where they enter (as a switch drops giants), counted, and nothing else changes.
+#[test]
+fn packets_longer_than_the_mtu_are_dropped_where_they_enter() {
+    let t = topo(SWITCH2);
+    assert_eq!(t.fabric.mtu, 1500);
+    let mut f = Fabric::new(&t);
+    f.enable_flows(16);
+    assert_eq!(send(&mut f, &t, 0, (0, 1), 1, 0, 1500), Verdict::Accepted);
+    assert_eq!(
+        send(&mut f, &t, 0, (0, 1), 2, 0, 1501),
+        Verdict::Dropped(DropReason::OverMtu)
+    );
+    assert_eq!(
+        send(&mut f, &t, 0, (0, 1), 3, 0, 9000),
+        Verdict::Dropped(DropReason::OverMtu)
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].data.len(), 1500);
+    let tot = f.totals(Instant::from_nanos(u64::MAX / 2));
+    assert_eq!(tot.drops.get(DropReason::OverMtu), 2, "{tot:?}");
+    assert_eq!(tot.drops.total(), 2, "{tot:?}");
+    let (flows, _) = f.flows();
+    let dropped: u64 = flows.iter().map(|(_, c)| c.drops).sum();
+    assert_eq!(dropped, 2);
+}
+
 fn trace_of(body: &str, seed: u64) -> Vec<(u64, u64, u32)> {
     let t = parse(
         &format!("[fabric]\nname = \"t\"\nseed = {seed}\n{body}"),
