@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -31,18 +30,17 @@ def _binary(config: pytest.Config) -> str:
     return b
 
 
-def _fabric_name(path: Path) -> str:
-    """The [fabric] name of a topology file (closbox up checks the whole file)."""
-    in_fabric = False
-    for line in path.read_text().splitlines():
-        s = line.split("#", 1)[0].strip()
-        if s.startswith("["):
-            in_fabric = s == "[fabric]"
-        elif in_fabric:
-            m = re.match(r'name\s*=\s*"([^"]*)"', s)
-            if m:
-                return m.group(1)
-    raise ClosboxError(f"{path}: no name in [fabric]")
+def _fabric_name(binary: str, path: Path) -> str:
+    """The [fabric] name of a topology file, as closbox reads it (`closbox plan --json`):
+    any TOML spelling of it (literal strings, dotted keys, inline tables), and closbox's
+    own error, with file:line, for a file it refuses."""
+    r = subprocess.run(
+        [binary, "plan", str(path), "--json"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True,
+    )
+    if r.returncode != 0:
+        raise ClosboxError(f"closbox plan {path}: {r.stderr.strip()}")
+    return json.loads(r.stdout)["name"]
 
 
 class Fabric:
@@ -206,7 +204,7 @@ def closbox_fabric(request: pytest.FixtureRequest):
             path = temp
         path = Path(path)
         try:
-            name = _fabric_name(path)
+            name = _fabric_name(binary, path)
             r = subprocess.run(
                 [binary, "up", str(path), "--detach", *args],
                 stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -124,6 +124,15 @@ def test_mpi_hello_through_closbox_mpirun(closbox_fabric):
         assert f"process {rank} of 4 on gpu{rank}" in r.stdout
 
 
+def test_a_topology_in_any_toml_spelling(closbox_fabric):
+    # The fabric's name as closbox reads it: here an inline table and a literal string.
+    toml = SMALL.replace('[fabric]\nname = "pyt"\n', "fabric = { name = 'pyt-inline' }\n")
+    assert "pyt-inline" in toml
+    fabric = closbox_fabric(toml=toml)
+    assert fabric.name == "pyt-inline"
+    assert fabric.status()["gpus"] == 4
+
+
 def test_a_bad_topology_names_its_line(closbox_fabric):
     with pytest.raises(ClosboxError, match=r"\.toml:6:10: `leaves` = -2"):
         closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
