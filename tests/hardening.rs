@@ -625,6 +625,24 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     assert!(second.contains("Time to live exceeded"), "{second}");
     assert!(hop("3").contains("From leaf1 ("), "{}", hop("3"));
     assert!(hop("4").contains("bytes from gpu3"), "{}", hop("4"));
+    // The switches answer pings to their own addresses (`ping spine1` to see it is up),
+    // over the fabric's links: a dead one does not.
+    let ping = |to: &str| {
+        let out = f.exec("gpu0", &["ping", "-c", "1", "-W", "2", to]);
+        (out.status.success(), text(&out).0)
+    };
+    let (ok, said) = ping("spine1");
+    assert!(
+        ok && said.contains("bytes from spine1 (198.18.0."),
+        "{said}"
+    );
+    let (ok, said) = ping("leaf1");
+    assert!(ok && said.contains("bytes from leaf1 ("), "{said}");
+    let out = closbox(&["switch", "down", "spine1", "--fabric", "lt-ttl"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (ok, said) = ping("spine1");
+    assert!(!ok, "{said}");
+    assert!(ping("spine0").0);
     f.down();
 }
 

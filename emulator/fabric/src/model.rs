@@ -535,7 +535,13 @@ pub struct Fabric {
     flows: Option<Box<Flows>>,
     /// Lossy, or lossless (PFC, credits).
     flow_control: FlowControl,
+    /// Toward the switches GPUs pinged lately (`toward`, as loads to a switch go): a few,
+    /// computed at first use and dropped when routes converge.
+    switch_routes: Vec<(VertexIdx, Vec<Vec<PortId>>)>,
 }
+
+/// Switches whose routes `Fabric::switch_routes` keeps at once: each is a group per vertex.
+const SWITCH_ROUTES_KEPT: usize = 8;
 
 impl std::fmt::Debug for Fabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -647,6 +653,7 @@ impl Fabric {
             taps: None,
             flows: None,
             flow_control: topo.fabric.flow_control,
+            switch_routes: Vec::new(),
             topo: topo.clone(),
         }
     }
@@ -809,12 +816,17 @@ impl Fabric {
             return Verdict::Dropped(DropReason::OverMtu);
         }
         let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
-        if dst >= self.hosts || dst == src.0 {
+        // A ping to a switch's address goes to that switch, which answers it; nothing else
+        // addressed to a switch has anywhere to go.
+        let to_switch = dst >= self.hosts
+            && dst - self.hosts < self.topo.switches.len() as u32
+            && packet::is_echo_request(data.head());
+        if (dst >= self.hosts && !to_switch) || dst == src.0 {
             self.vertex_drops.add(DropReason::NoRoute);
             Flows::drop(&mut self.flows, flow);
             return Verdict::Dropped(DropReason::NoRoute);
         }
-        if let Some(groups) = &self.partition {
+        if let Some(groups) = self.partition.as_ref().filter(|_| !to_switch) {
             if groups[src.0 as usize] != groups[dst as usize] {
                 self.vertex_drops.add(DropReason::Partitioned);
                 Flows::drop(&mut self.flows, flow);
@@ -1401,6 +1413,7 @@ impl Fabric {
         }
         self.converge_at = None;
         self.route_epoch += 1;
+        self.switch_routes.clear();
         let down = &self.down_since;
         if down.iter().all(Option::is_none) {
             self.live = None;
@@ -1433,6 +1446,14 @@ impl Fabric {
         if load != NO_LOAD {
             return self.forward_load(now, v, slot, load as usize);
         }
+        let to = self.slots[slot as usize].as_ref().expect("live slot").dst.0;
+        if to >= self.hosts && v == to {
+            // A ping addressed to this switch: answered, whatever TTL it has left.
+            let request = self.release(slot);
+            self.delivered += 1;
+            self.echo_reply(now, v, &request);
+            return Ok(());
+        }
         if v >= self.hosts {
             let pkt = self.slots[slot as usize].as_mut().expect("live slot");
             if pkt.ttl <= 1 {
@@ -1443,6 +1464,9 @@ impl Fabric {
                 return Err(DropReason::TtlExpired);
             }
             pkt.ttl -= 1;
+        }
+        if to >= self.hosts {
+            return self.forward_to_switch(now, v, slot);
         }
         let pkt = self.slots[slot as usize].as_ref().expect("live slot");
         if self.degraded {
@@ -1507,6 +1531,72 @@ impl Fabric {
         self.enqueue(now, port_id, slot)
     }
 
+    /// A GPU's ping to a switch (its `dst` is the switch's vertex) one hop on from `v`: on a
+    /// shortest path over the links up when routes last converged (as a load toward a
+    /// switch goes), hashed by flow among equal ones, around the dead links `v` has
+    /// detected; into a dead link it has not detected yet, lost (blackholed).
+    fn forward_to_switch(
+        &mut self,
+        now: Instant,
+        v: VertexIdx,
+        slot: u32,
+    ) -> Result<(), DropReason> {
+        let (to, flow) = {
+            let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+            (pkt.dst.0, pkt.flow)
+        };
+        let i = match self.switch_routes.iter().position(|(t, _)| *t == to) {
+            Some(i) => i,
+            None => {
+                if self.switch_routes.len() >= SWITCH_ROUTES_KEPT {
+                    self.switch_routes.remove(0);
+                }
+                let toward = self.toward(to);
+                self.switch_routes.push((to, toward));
+                self.switch_routes.len() - 1
+            }
+        };
+        let detection = self.detection;
+        let (down_since, routes) = (&self.down_since, &self.routes);
+        let usable = |p: &&PortId| {
+            down_since[routes.port(**p).link as usize].is_none_or(|t| now < t + detection)
+        };
+        let group = &self.switch_routes[i].1[v as usize];
+        let n = group.iter().filter(usable).count();
+        let pick = (n > 0).then(|| {
+            let k = ecmp_index(flow, self.vertices[v as usize].hash_seed, n);
+            *group.iter().filter(usable).nth(k).expect("k < n")
+        });
+        let Some(p) = pick else {
+            self.release(slot);
+            Flows::drop(&mut self.flows, flow);
+            self.vertex_drops.add(DropReason::NoRoute);
+            return Err(DropReason::NoRoute);
+        };
+        if self.down_since[self.routes.port(p).link as usize].is_some() {
+            self.ports[p.0 as usize]
+                .counters
+                .drops
+                .add(DropReason::LinkDown);
+            self.release(slot);
+            Flows::drop(&mut self.flows, flow);
+            return Err(DropReason::LinkDown);
+        }
+        self.enqueue(now, p, slot)
+    }
+
+    /// Switch `v` answers `request`, a GPU's ping addressed to it, with an echo reply from
+    /// its address, sent back through the fabric like any packet (at once: a switch's
+    /// control plane takes its time, which the model leaves out). None from a switch
+    /// without an address, toward an address that is no GPU's, or beyond the packet memory.
+    fn echo_reply(&mut self, now: Instant, v: VertexIdx, request: &InFlight) {
+        let Some(from) = self.topo.switch_addr(SwitchId(v - self.hosts)) else {
+            return;
+        };
+        let data = Frame::from(packet::echo_reply(from, &request.data.to_vec()));
+        self.inject_from_switch(now, v, request.src, data);
+    }
+
     /// Switch `v` answers the GPU packet `expired`, whose TTL ran out there, with an ICMP
     /// time exceeded (as a router does; `traceroute` and `ping -t` see the hop), sent
     /// from `v`'s address back to the packet's sender through the fabric like any packet.
@@ -1522,7 +1612,13 @@ impl Fabric {
         let Some(bytes) = packet::time_exceeded(from, &quoted) else {
             return;
         };
-        let data = Frame::from(bytes);
+        self.inject_from_switch(now, v, expired.src, Frame::from(bytes));
+    }
+
+    /// A packet switch `v` makes (an ICMP answer to GPU `src`'s packet) enters the fabric
+    /// there, routed to its destination address like any packet. It counts among the
+    /// packets in.
+    fn inject_from_switch(&mut self, now: Instant, v: VertexIdx, src: HostId, data: Frame) {
         let key = packet::inspect(data.head())
             .expect("a packet built right")
             .key;
@@ -1542,7 +1638,7 @@ impl Fabric {
             // `forward` takes one off at this switch too: it leaves with 64.
             ttl: 65,
             data,
-            src: expired.src,
+            src,
             dst: HostId(dst),
             id: self.next_packet,
             len,

@@ -209,6 +209,40 @@ pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
     Some(buf)
 }
 
+/// Whether `pkt` (an IPv4 packet accepted by `inspect`) is a whole ICMP echo request: one
+/// a switch answers when it is addressed to it (`ping leaf0`). A fragment is not: a switch
+/// would have to reassemble it first.
+pub fn is_echo_request(pkt: &[u8]) -> bool {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    let frag = u16::from_be_bytes([pkt[6], pkt[7]]) & 0x3fff;
+    pkt[9] == 1 && frag == 0 && pkt.len() >= ihl + 8 && pkt[ihl] == 8 && pkt[ihl + 1] == 0
+}
+
+/// The echo reply to `request` (a whole echo request, `is_echo_request`), from `from` back
+/// to its sender: the same identifier, sequence number and data (RFC 792), IP options
+/// left out, TTL 64.
+pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
+    let ihl = (request[0] & 0x0f) as usize * 4;
+    let total = (u16::from_be_bytes([request[2], request[3]]) as usize).min(request.len());
+    let icmp = &request[ihl..total];
+    let len = 20 + icmp.len();
+    let mut buf = vec![0u8; len];
+    buf[0] = 0x45;
+    buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+    buf[8] = 64;
+    buf[9] = 1;
+    buf[12..16].copy_from_slice(&from.octets());
+    buf[16..20].copy_from_slice(&request[12..16]);
+    set_header_checksum(&mut buf);
+    buf[20..].copy_from_slice(icmp);
+    // Type 0 (echo reply), code 0, checksum over the ICMP message anew.
+    buf[20] = 0;
+    buf[22..24].fill(0);
+    let sum = !ones_complement_sum(&buf[20..]);
+    buf[22..24].copy_from_slice(&sum.to_be_bytes());
+    buf
+}
+
 /// The 16-bit ones'-complement sum of `bytes` (an odd last byte padded with zero): what
 /// an Internet checksum is the complement of, and 0xffff over data whose checksum is
 /// right (RFC 1071).
@@ -218,6 +252,33 @@ pub fn ones_complement_sum(bytes: &[u8]) -> u16 {
         sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
     }
     fold(sum)
+}
+
+/// Builds an ICMP echo request of `len` bytes (`ping`'s), identifier `id`, sequence
+/// `seq`, data counting up: for tests.
+pub fn build_echo_request(src: Ipv4Addr, dst: Ipv4Addr, id: u16, seq: u16, len: usize) -> Vec<u8> {
+    assert!(
+        (28..=65_535).contains(&len),
+        "IPv4/ICMP packet length {len}"
+    );
+    let mut buf = vec![0u8; len];
+    buf[0] = 0x45;
+    buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+    buf[6] = 0x40; // DF, as ping sets it
+    buf[8] = 64;
+    buf[9] = 1;
+    buf[12..16].copy_from_slice(&src.octets());
+    buf[16..20].copy_from_slice(&dst.octets());
+    set_header_checksum(&mut buf);
+    buf[20] = 8;
+    buf[24..26].copy_from_slice(&id.to_be_bytes());
+    buf[26..28].copy_from_slice(&seq.to_be_bytes());
+    for (i, b) in buf[28..].iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let sum = !ones_complement_sum(&buf[20..]);
+    buf[22..24].copy_from_slice(&sum.to_be_bytes());
+    buf
 }
 
 /// Builds a minimal IPv4/UDP packet of `len` bytes: for tests and benchmarks.
@@ -351,6 +412,41 @@ mod tests {
         let mut echo = err;
         echo[20] = 8;
         assert!(time_exceeded(r, &echo).is_some());
+    }
+
+    #[test]
+    fn an_echo_reply_answers_its_request() {
+        let sw = Ipv4Addr::new(198, 18, 0, 9);
+        let req = build_echo_request(A, sw, 0x1234, 7, 84);
+        assert!(checksum_ok(&req));
+        assert_eq!(ones_complement_sum(&req[20..]), 0xffff);
+        assert!(is_echo_request(&req));
+        let rep = echo_reply(sw, &req);
+        assert_eq!(rep.len(), 84);
+        let h = inspect(&rep).unwrap();
+        assert_eq!((h.key.src, h.key.dst, h.key.proto), (sw, A, 1));
+        assert!(checksum_ok(&rep));
+        assert_eq!(ones_complement_sum(&rep[20..]), 0xffff);
+        assert_eq!((rep[20], rep[21]), (0, 0));
+        // Identifier, sequence number and data as sent.
+        assert_eq!(&rep[24..], &req[24..]);
+        // Neither a reply, nor a fragment, nor another protocol is a request.
+        assert!(!is_echo_request(&rep));
+        let mut frag = req.clone();
+        frag[6..8].copy_from_slice(&0x2000u16.to_be_bytes());
+        assert!(!is_echo_request(&frag));
+        assert!(!is_echo_request(&build_udp(A, sw, 1, 2, 0, 60)));
+        // Options in the request are not echoed in the reply's header.
+        let mut opt = vec![0x46];
+        opt.extend_from_slice(&req[1..20]);
+        opt.extend_from_slice(&[1, 1, 1, 0]);
+        opt.extend_from_slice(&req[20..]);
+        opt[2..4].copy_from_slice(&(88u16).to_be_bytes());
+        set_header_checksum(&mut opt);
+        let rep = echo_reply(sw, &opt);
+        assert_eq!(rep.len(), 84);
+        assert_eq!(&rep[24..], &req[24..]);
+        assert_eq!(ones_complement_sum(&rep[20..]), 0xffff);
     }
 
     #[test]

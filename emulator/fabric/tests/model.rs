@@ -1194,6 +1194,118 @@ fn routes_converge_on_an_idle_fabric_too() {
     assert_eq!(run(&mut f).len(), 1);
 }
 
+/// The address switch `name` answers from.
+fn switch_addr(t: &Topology, name: &str) -> Ipv4Addr {
+    let i = t.switches.iter().position(|s| s.name == name).unwrap();
+    t.switch_addr(closbox_fabric::topology::SwitchId(i as u32))
+        .unwrap()
+}
+
+/// A ping from `src` to switch `name` (`ping spine0`), `len` bytes.
+fn ping_switch(
+    f: &mut Fabric,
+    t: &Topology,
+    now: u64,
+    src: u32,
+    name: &str,
+    len: usize,
+) -> Verdict {
+    let p = packet::build_echo_request(addr(t, src), switch_addr(t, name), 77, 1, len);
+    f.send(Instant::from_nanos(now), HostId(src), p)
+}
+
+#[test]
+fn switches_answer_pings_to_their_addresses() {
+    let t = four_spines();
+    let spine0 = switch_addr(&t, "spine0");
+    let mut f = Fabric::new(&t);
+    // 100 B + 38 B of overhead: 1104 ns a hop at 1 Gbit/s, 1 µs a link, two links each
+    // way, no switch latency: the reply is back at 4 × 2104 ns.
+    assert_eq!(
+        ping_switch(&mut f, &t, 0, 0, "spine0", 100),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    let d = &got[0];
+    assert_eq!((d.dst, d.at), (HostId(0), Instant::from_nanos(4 * 2104)));
+    let data = d.data.to_vec();
+    let h = packet::inspect(&data).unwrap();
+    assert_eq!(
+        (h.key.src, h.key.dst, h.key.proto),
+        (spine0, addr(&t, 0), 1)
+    );
+    assert_eq!((data[20], data[21]), (0, 0), "an echo reply");
+    assert!(packet::checksum_ok(&data));
+    // TTL 64 from spine0, one switch (leaf0) on the way back.
+    assert_eq!(data[8], 63);
+    // The leaf one hop away answers a ping with TTL 1 (addressed to it: not forwarded).
+    let leaf0 = switch_addr(&t, "leaf0");
+    let mut p = packet::build_echo_request(addr(&t, 1), leaf0, 5, 1, 64);
+    packet::set_ttl(&mut p, 1);
+    assert_eq!(
+        f.send(Instant::from_nanos(100_000), HostId(1), p),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        packet::inspect(&got[0].data.to_vec()).unwrap().key.src,
+        leaf0
+    );
+    // Anything else addressed to a switch has nowhere to go.
+    let udp = build_udp(addr(&t, 0), spine0, 1, 2, 0, 100);
+    assert_eq!(
+        f.send(Instant::from_nanos(200_000), HostId(0), udp),
+        Verdict::Dropped(DropReason::NoRoute)
+    );
+    totals_conserved(&mut f, 300_000);
+    let tot = f.totals(Instant::from_nanos(300_000));
+    assert_eq!((tot.sent, tot.delivered), (5, 4), "{tot:?}");
+}
+
+#[test]
+fn a_dead_switch_does_not_answer_and_the_others_route_around_it() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    // spine0 dies (all its links); after the convergence time nothing leads to it.
+    let links: Vec<u32> = ["leaf0", "leaf1"]
+        .iter()
+        .map(|l| link_between(&t, &f, l, "spine0"))
+        .collect();
+    for &l in &links {
+        f.apply(Instant::ZERO, Change::LinkDown(l));
+    }
+    assert_eq!(
+        ping_switch(&mut f, &t, 200_000, 0, "spine0", 100),
+        Verdict::Dropped(DropReason::NoRoute)
+    );
+    // leaf1 is reached through the spines left, from both GPUs of leaf0 (hashed by flow
+    // over spine1..spine3), every time.
+    for now in [210_000, 220_000, 230_000] {
+        for src in [0, 1] {
+            assert_eq!(
+                ping_switch(&mut f, &t, now, src, "leaf1", 100),
+                Verdict::Accepted
+            );
+        }
+    }
+    let got = run(&mut f);
+    assert_eq!(got.len(), 6);
+    let spine0 = port(&t, &f, "leaf0", "spine0");
+    assert_eq!(f.port_counters(f.now())[spine0.0 as usize].tx_packets, 0);
+    // Back up: answered again once routes converge.
+    for &l in &links {
+        f.apply(Instant::from_nanos(300_000), Change::LinkUp(l));
+    }
+    assert_eq!(
+        ping_switch(&mut f, &t, 500_000, 0, "spine0", 100),
+        Verdict::Accepted
+    );
+    assert_eq!(run(&mut f).len(), 1);
+    totals_conserved(&mut f, 600_000);
+}
+
 #[test]
 fn a_partition_drops_traffic_between_its_sides_until_healed() {
     let t = four_spines();
