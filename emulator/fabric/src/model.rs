@@ -540,8 +540,10 @@ pub struct Fabric {
     switch_routes: Vec<(VertexIdx, Vec<Vec<PortId>>)>,
 }
 
-/// Switches whose routes `Fabric::switch_routes` keeps at once: each is a group per vertex.
-const SWITCH_ROUTES_KEPT: usize = 8;
+/// Groups (one per vertex, per switch) `Fabric::switch_routes` keeps at most: every switch's
+/// of a fabric of a few thousand vertices, 8 switches' or more of the largest (each one
+/// missed is a breadth-first search of the fabric on the next hop of a ping to it).
+const SWITCH_ROUTE_GROUPS: usize = 1 << 20;
 
 impl std::fmt::Debug for Fabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1548,7 +1550,8 @@ impl Fabric {
         let i = match self.switch_routes.iter().position(|(t, _)| *t == to) {
             Some(i) => i,
             None => {
-                if self.switch_routes.len() >= SWITCH_ROUTES_KEPT {
+                let vertices = self.vertices.len().max(1);
+                if self.switch_routes.len() >= (SWITCH_ROUTE_GROUPS / vertices).max(8) {
                     self.switch_routes.remove(0);
                 }
                 let toward = self.toward(to);
