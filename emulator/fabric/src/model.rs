@@ -542,7 +542,8 @@ pub struct Fabric {
 
 /// Groups (one per vertex, per switch) `Fabric::switch_routes` keeps at most: every switch's
 /// of a fabric of a few thousand vertices, 8 switches' or more of the largest (each one
-/// missed is a breadth-first search of the fabric on the next hop of a ping to it).
+/// missed is a breadth-first search of the fabric on the next hop of a ping to it). The
+/// daemon's memory bound (`plan::DaemonMemory`) counts them.
 const SWITCH_ROUTE_GROUPS: usize = 1 << 20;
 
 impl std::fmt::Debug for Fabric {

@@ -274,7 +274,10 @@ impl DaemonMemory {
         let l = topo.links.len() as u64;
         // Per (vertex, GPU): a group range (8 bytes) and a distance (4); groups hold at most
         // every out-port per (vertex, GPU), 4 bytes each, doubled for vector growth.
-        let routing = 12 * n * h + 16 * h * l;
+        // And toward the switches GPUs ping (`model::SWITCH_ROUTE_GROUPS`): per switch kept, a
+        // group per vertex (24 bytes) and at most every port, 4 bytes each, doubled.
+        let pinged = (topo.switches.len() as u64).min(((1u64 << 20) / n.max(1)).max(8));
+        let routing = 12 * n * h + 16 * h * l + pinged * (24 * n + 16 * l);
         // ~100 bytes per vertex and link in the topology and port graph, ~300 per port
         // (two per link) in the model.
         let structures = 100 * (n + l) + 600 * l;
