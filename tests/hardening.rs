@@ -411,13 +411,25 @@ fn the_fabric_lock_serializes_up_and_down() {
         text(&out)
     );
     assert!(alive(&mut holder));
-    // flock and its sleep (which holds the lock too, by the descriptor it inherited).
+    // flock gone, its sleep holds the lock by the descriptor it inherited: /proc/locks
+    // still names flock's pid, and `down` says what that means.
+    let group = holder.id();
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let out = closbox(&["down", "lt-held"]);
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out)
+            .1
+            .contains(&format!("inherited it from pid {group}, which has exited")),
+        "{:?}",
+        text(&out)
+    );
     let killed = Command::new("kill")
-        .args(["-KILL", "--", &format!("-{}", holder.id())])
+        .args(["-KILL", "--", &format!("-{group}")])
         .status()
         .unwrap();
     assert!(killed.success());
-    holder.wait().unwrap();
     // Its holders gone, the file it left is closbox's to remove.
     let out = closbox(&["down", "lt-held"]);
     assert!(out.status.success(), "{:?}", text(&out));

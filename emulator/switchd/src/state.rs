@@ -915,6 +915,13 @@ fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
         // The holder went away meanwhile: try once more.
         return match FabricLock::acquire_within(name, Duration::from_secs(1))? {
             Some(l) => Ok(Taken::Lock(l, DownHow::NotRunning)),
+            // /proc/locks names the process that took a lock; one that exited leaves it to
+            // the children that inherited its descriptor (`flock FILE CMD` does).
+            None if Pidfd::open(pid as i32)?.is_none() && still_holder() => bail!(
+                "fabric {name}'s lock ({}) is held by a process that inherited it from pid {pid}, which has exited; nothing was signalled (`fuser {}` names the holder)",
+                lock_path.display(),
+                lock_path.display()
+            ),
             None => bail!("fabric {name} is busy (its lock changed hands); try again"),
         };
     };
