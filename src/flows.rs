@@ -83,7 +83,15 @@ fn render(
             "{:<5} {:<27} {:<27} {:>10} {:>10} {:>8} {:>8}  {}",
             x.proto,
             end(&x.src_gpu, &x.src, x.sport),
-            end(&x.dst_gpu, &x.dst, x.dport),
+            end(
+                if x.dst_switch.is_empty() {
+                    &x.dst_gpu
+                } else {
+                    &x.dst_switch
+                },
+                &x.dst,
+                x.dport
+            ),
             x.packets,
             approx_bytes(x.bytes),
             x.drops,

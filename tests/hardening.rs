@@ -650,6 +650,16 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     );
     let (ok, said) = ping("leaf1");
     assert!(ok && said.contains("bytes from leaf1 ("), "{said}");
+    // `flows` names the switch and the path the pings took.
+    let out = closbox(&["flows", "lt-ttl"]);
+    let flows = text(&out).0;
+    assert!(
+        flows.lines().any(|l| l.starts_with("icmp")
+            && l.contains(" leaf1 ")
+            && (l.ends_with("gpu0 > leaf0 > spine0 > leaf1")
+                || l.ends_with("gpu0 > leaf0 > spine1 > leaf1"))),
+        "{flows}"
+    );
     let out = closbox(&["switch", "down", "spine1", "--fabric", "lt-ttl"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let (ok, said) = ping("spine1");

@@ -739,12 +739,17 @@ impl Fabric {
 
     /// The ports every packet of a flow crosses, as `send` routes it: ECMP switches hash
     /// the 5-tuple, so a flow keeps one path. `None` if the destination is not another GPU
-    /// of this fabric, or a switch on the way sprays or adapts packet by packet.
+    /// of this fabric (or a switch it pings), or a switch on the way sprays or adapts
+    /// packet by packet.
     pub fn flow_path(&self, key: &FlowKey) -> Option<Vec<PortId>> {
         let host = |a: Ipv4Addr| {
             let h = u32::from(a).wrapping_sub(self.addr_base);
             (h < self.hosts).then_some(h)
         };
+        let to = u32::from(key.dst).wrapping_sub(self.addr_base);
+        if key.proto == 1 && to >= self.hosts && to - self.hosts < self.topo.switches.len() as u32 {
+            return self.path_to_switch(host(key.src)?, to, flow_key_mix(key));
+        }
         let (mut v, dst) = (host(key.src)?, HostId(host(key.dst)?));
         if v == dst.0 {
             return None;
@@ -768,6 +773,25 @@ impl Fabric {
                     vs.hash_seed,
                 )?,
             };
+            path.push(p);
+            v = self.routes.port(p).to;
+        }
+        Some(path)
+    }
+
+    /// The ports a ping from GPU `v` to switch vertex `to` crosses (`forward_to_switch`).
+    fn path_to_switch(&self, mut v: VertexIdx, to: VertexIdx, flow: u64) -> Option<Vec<PortId>> {
+        let toward = self.toward(to);
+        let usable = |p: &&PortId| self.down_since[self.routes.port(**p).link as usize].is_none();
+        let mut path = Vec::new();
+        while v != to {
+            let group = &toward[v as usize];
+            let n = group.iter().filter(usable).count();
+            if n == 0 {
+                return None;
+            }
+            let k = ecmp_index(flow, self.vertices[v as usize].hash_seed, n);
+            let p = *group.iter().filter(usable).nth(k)?;
             path.push(p);
             v = self.routes.port(p).to;
         }

@@ -1253,6 +1253,23 @@ fn switches_answer_pings_to_their_addresses() {
         packet::inspect(&got[0].data.to_vec()).unwrap().key.src,
         leaf0
     );
+    // `flow_path` (what `closbox flows` shows) is the path pings take: to leaf1 from each
+    // GPU of leaf0, over the spine their flow hashes onto.
+    for (src, id) in [(0, 1), (1, 2), (0, 3), (1, 4)] {
+        let before = f.port_counters(f.now());
+        let p = packet::build_echo_request(addr(&t, src), switch_addr(&t, "leaf1"), id, 1, 100);
+        let key = packet::inspect(&p).unwrap().key;
+        let path = f.flow_path(&key).unwrap();
+        assert_eq!(path.len(), 3, "gpu > leaf0 > spine > leaf1");
+        assert_eq!(f.send(f.now(), HostId(src), p), Verdict::Accepted);
+        let replies = run(&mut f);
+        assert_eq!(replies.len(), 1);
+        let after = f.port_counters(f.now());
+        for p in &path {
+            let i = p.0 as usize;
+            assert_eq!(after[i].tx_packets, before[i].tx_packets + 1, "{path:?}");
+        }
+    }
     // Anything else addressed to a switch has nowhere to go.
     let udp = build_udp(addr(&t, 0), spine0, 1, 2, 0, 100);
     assert_eq!(
@@ -1261,7 +1278,7 @@ fn switches_answer_pings_to_their_addresses() {
     );
     totals_conserved(&mut f, 300_000);
     let tot = f.totals(Instant::from_nanos(300_000));
-    assert_eq!((tot.sent, tot.delivered), (5, 4), "{tot:?}");
+    assert_eq!((tot.sent, tot.delivered), (13, 12), "{tot:?}");
 }
 
 #[test]

@@ -168,6 +168,9 @@ pub struct FlowInfo {
     /// GPU names of the addresses (empty if not the fabric's).
     pub src_gpu: String,
     pub dst_gpu: String,
+    /// The switch the destination address is (a GPU pinging it), or empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub dst_switch: String,
     pub packets: u64,
     pub bytes: u64,
     pub drops: u64,
@@ -1712,6 +1715,13 @@ impl<P: Ports> DataPlane<P> {
                 .find(|x| x.addr == a)
                 .map_or(String::new(), |x| x.name.clone())
         };
+        let switch = |a: std::net::Ipv4Addr| {
+            (0..self.topo.switches.len() as u32)
+                .find(|&i| self.topo.switch_addr(closbox_fabric::topology::SwitchId(i)) == Some(a))
+                .map_or(String::new(), |i| {
+                    self.topo.switches[i as usize].name.clone()
+                })
+        };
         let mut out: Vec<FlowInfo> = flows
             .into_iter()
             .map(|(k, c)| {
@@ -1739,6 +1749,7 @@ impl<P: Ports> DataPlane<P> {
                     dport: k.dport,
                     src_gpu: gpu(k.src),
                     dst_gpu: gpu(k.dst),
+                    dst_switch: switch(k.dst),
                     packets: c.packets,
                     bytes: c.bytes,
                     drops: c.drops,
