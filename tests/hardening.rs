@@ -650,6 +650,19 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     );
     let (ok, said) = ping("leaf1");
     assert!(ok && said.contains("bytes from leaf1 ("), "{said}");
+    // A switch runs no services: a TCP connection is refused (a reset), UDP is answered
+    // with a port unreachable (ECONNREFUSED on a connected socket), both at once.
+    let code = "import socket\n\
+                t = socket.socket()\n\
+                t.settimeout(5)\n\
+                try: t.connect(('spine0', 22)); print('tcp connected')\n\
+                except OSError as e: print('tcp', e.errno)\n\
+                u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                u.connect(('spine0', 9)); u.send(b'x'); u.settimeout(5)\n\
+                try: u.recv(1); print('udp answered')\n\
+                except OSError as e: print('udp', e.errno)\n";
+    let out = f.exec("gpu0", &["/usr/bin/python3", "-c", code]);
+    assert_eq!(text(&out).0, "tcp 111\nudp 111\n", "{:?}", text(&out));
     // `flows` names the switch and the path the pings took.
     let out = closbox(&["flows", "lt-ttl"]);
     let flows = text(&out).0;

@@ -501,6 +501,8 @@ pub struct Fabric {
     memory_limit: u64,
     sent: u64,
     delivered: u64,
+    /// Of `delivered`, packets addressed to a switch (and answered there).
+    to_switches: u64,
     trace: Option<Vec<TraceEntry>>,
     /// The topology as built (for routes over what is left, and resets).
     topo: Topology,
@@ -640,6 +642,7 @@ impl Fabric {
             memory_limit: topo.fabric.packet_memory.get(),
             sent: 0,
             delivered: 0,
+            to_switches: 0,
             trace: None,
             down_since: vec![None; topo.links.len()],
             live: None,
@@ -739,15 +742,15 @@ impl Fabric {
 
     /// The ports every packet of a flow crosses, as `send` routes it: ECMP switches hash
     /// the 5-tuple, so a flow keeps one path. `None` if the destination is not another GPU
-    /// of this fabric (or a switch it pings), or a switch on the way sprays or adapts
-    /// packet by packet.
+    /// of this fabric (or a switch), or a switch on the way sprays or adapts packet by
+    /// packet.
     pub fn flow_path(&self, key: &FlowKey) -> Option<Vec<PortId>> {
         let host = |a: Ipv4Addr| {
             let h = u32::from(a).wrapping_sub(self.addr_base);
             (h < self.hosts).then_some(h)
         };
         let to = u32::from(key.dst).wrapping_sub(self.addr_base);
-        if key.proto == 1 && to >= self.hosts && to - self.hosts < self.topo.switches.len() as u32 {
+        if to >= self.hosts && to - self.hosts < self.topo.switches.len() as u32 {
             return self.path_to_switch(host(key.src)?, to, flow_key_mix(key));
         }
         let (mut v, dst) = (host(key.src)?, HostId(host(key.dst)?));
@@ -779,7 +782,7 @@ impl Fabric {
         Some(path)
     }
 
-    /// The ports a ping from GPU `v` to switch vertex `to` crosses (`forward_to_switch`).
+    /// The ports a packet from GPU `v` to switch vertex `to` crosses (`forward_to_switch`).
     fn path_to_switch(&self, mut v: VertexIdx, to: VertexIdx, flow: u64) -> Option<Vec<PortId>> {
         let toward = self.toward(to);
         let usable = |p: &&PortId| self.down_since[self.routes.port(**p).link as usize].is_none();
@@ -843,11 +846,9 @@ impl Fabric {
             return Verdict::Dropped(DropReason::OverMtu);
         }
         let dst = u32::from(headers.key.dst).wrapping_sub(self.addr_base);
-        // A ping to a switch's address goes to that switch, which answers it; nothing else
-        // addressed to a switch has anywhere to go.
-        let to_switch = dst >= self.hosts
-            && dst - self.hosts < self.topo.switches.len() as u32
-            && packet::is_echo_request(data.head());
+        // A packet to a switch's address goes to that switch, which answers it as a host
+        // that runs no services (`packet::to_switch`).
+        let to_switch = dst >= self.hosts && dst - self.hosts < self.topo.switches.len() as u32;
         if (dst >= self.hosts && !to_switch) || dst == src.0 {
             self.vertex_drops.add(DropReason::NoRoute);
             Flows::drop(&mut self.flows, flow);
@@ -1475,10 +1476,11 @@ impl Fabric {
         }
         let to = self.slots[slot as usize].as_ref().expect("live slot").dst.0;
         if to >= self.hosts && v == to {
-            // A ping addressed to this switch: answered, whatever TTL it has left.
+            // A packet addressed to this switch: answered, whatever TTL it has left.
             let request = self.release(slot);
             self.delivered += 1;
-            self.echo_reply(now, v, &request);
+            self.to_switches += 1;
+            self.answer(now, v, &request);
             return Ok(());
         }
         if v >= self.hosts {
@@ -1558,7 +1560,7 @@ impl Fabric {
         self.enqueue(now, port_id, slot)
     }
 
-    /// A GPU's ping to a switch (its `dst` is the switch's vertex) one hop on from `v`: on a
+    /// A GPU's packet to a switch (its `dst` is the switch's vertex) one hop on from `v`: on a
     /// shortest path over the links up when routes last converged (as a load toward a
     /// switch goes), hashed by flow among equal ones, around the dead links `v` has
     /// detected; into a dead link it has not detected yet, lost (blackholed).
@@ -1613,16 +1615,24 @@ impl Fabric {
         self.enqueue(now, p, slot)
     }
 
-    /// Switch `v` answers `request`, a GPU's ping addressed to it, with an echo reply from
-    /// its address, sent back through the fabric like any packet (at once: a switch's
-    /// control plane takes its time, which the model leaves out). None from a switch
-    /// without an address, toward an address that is no GPU's, or beyond the packet memory.
-    fn echo_reply(&mut self, now: Instant, v: VertexIdx, request: &InFlight) {
+    /// Switch `v` answers `request`, a GPU's packet addressed to it, as a host that runs no
+    /// services does (`packet::to_switch`: a ping with an echo reply, TCP with a reset, UDP
+    /// and other protocols with ICMP unreachable), from its address, sent back through the
+    /// fabric like any packet (at once: a switch's control plane takes its time, which the
+    /// model leaves out). None from a switch without an address, toward an address that is
+    /// no GPU's, or beyond the packet memory.
+    fn answer(&mut self, now: Instant, v: VertexIdx, request: &InFlight) {
         let Some(from) = self.topo.switch_addr(SwitchId(v - self.hosts)) else {
             return;
         };
-        let data = Frame::from(packet::echo_reply(from, &request.data.to_vec()));
-        self.inject_from_switch(now, v, request.src, data);
+        let bytes = request.data.to_vec();
+        let answer = match packet::to_switch(&bytes) {
+            packet::ToSwitch::Echo => packet::echo_reply(from, &bytes),
+            packet::ToSwitch::Reset => packet::tcp_reset(from, &bytes),
+            packet::ToSwitch::Unreachable(code) => packet::unreachable(from, code, &bytes),
+            packet::ToSwitch::Nothing => return,
+        };
+        self.inject_from_switch(now, v, request.src, Frame::from(answer));
     }
 
     /// Switch `v` answers the GPU packet `expired`, whose TTL ran out there, with an ICMP
@@ -2148,6 +2158,7 @@ impl Fabric {
         Totals {
             sent: self.sent,
             delivered: self.delivered,
+            to_switches: self.to_switches,
             drops,
             queued: self
                 .ports
@@ -2272,7 +2283,9 @@ impl Fabric {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Totals {
     pub sent: u64,
+    /// To their GPU, or to the switch they were addressed to (`to_switches` of them).
     pub delivered: u64,
+    pub to_switches: u64,
     pub drops: Drops,
     pub queued: u64,
     pub in_flight: u64,

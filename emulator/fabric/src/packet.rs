@@ -191,7 +191,98 @@ pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
             return None;
         }
     }
-    let quoted = &expired[..(ihl + 8).min(expired.len())];
+    // Type 11, code 0 (TTL exceeded in transit), 4 unused bytes, the quote.
+    Some(icmp_error(
+        router,
+        11,
+        0,
+        &expired[..(ihl + 8).min(expired.len())],
+    ))
+}
+
+/// What a switch answers a packet addressed to it with (it runs no services).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToSwitch {
+    /// An echo request: an echo reply (`echo_reply`).
+    Echo,
+    /// A TCP segment other than a reset: a reset (`tcp_reset`), as a host with the port
+    /// closed sends.
+    Reset,
+    /// UDP, or a protocol other than ICMP and TCP: ICMP destination unreachable with this
+    /// code (3: port, 2: protocol; `unreachable`).
+    Unreachable(u8),
+    /// Nothing: an ICMP message other than an echo request (an error or a reply), a TCP
+    /// reset, a fragment (a switch would have to reassemble it first).
+    Nothing,
+}
+
+/// How a switch answers `pkt` (an IPv4 packet accepted by `inspect`) addressed to it.
+pub fn to_switch(pkt: &[u8]) -> ToSwitch {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    let frag = u16::from_be_bytes([pkt[6], pkt[7]]) & 0x3fff;
+    if frag != 0 || pkt.len() < ihl + 8 {
+        return ToSwitch::Nothing;
+    }
+    match pkt[9] {
+        1 if pkt[ihl] == 8 && pkt[ihl + 1] == 0 => ToSwitch::Echo,
+        1 => ToSwitch::Nothing,
+        6 if pkt.len() >= ihl + 20 && pkt[ihl + 13] & 0x04 == 0 => ToSwitch::Reset,
+        6 => ToSwitch::Nothing,
+        17 => ToSwitch::Unreachable(3),
+        _ => ToSwitch::Unreachable(2),
+    }
+}
+
+/// ICMP destination unreachable (type 3) with `code` from `router` for `pkt`, quoting its
+/// header and the first 8 bytes of its payload (RFC 792), TTL 64.
+pub fn unreachable(router: Ipv4Addr, code: u8, pkt: &[u8]) -> Vec<u8> {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    icmp_error(router, 3, code, &pkt[..(ihl + 8).min(pkt.len())])
+}
+
+/// The reset a host whose port is closed answers the TCP segment `seg` with (RFC 9293,
+/// 3.10.7.1): to an ACK, sequence number its acknowledgment and no ACK; otherwise
+/// sequence 0 and an ACK of everything the segment occupied (its data, SYN and FIN).
+pub fn tcp_reset(from: Ipv4Addr, seg: &[u8]) -> Vec<u8> {
+    let ihl = (seg[0] & 0x0f) as usize * 4;
+    let t = &seg[ihl..];
+    let total = (u16::from_be_bytes([seg[2], seg[3]]) as usize).min(seg.len());
+    let thl = ((t[12] >> 4) as usize * 4).max(20);
+    let flags = t[13];
+    let seq = u32::from_be_bytes([t[4], t[5], t[6], t[7]]);
+    let ack = u32::from_be_bytes([t[8], t[9], t[10], t[11]]);
+    let mut buf = vec![0u8; 40];
+    buf[0] = 0x45;
+    buf[2..4].copy_from_slice(&40u16.to_be_bytes());
+    buf[8] = 64;
+    buf[9] = 6;
+    buf[12..16].copy_from_slice(&from.octets());
+    buf[16..20].copy_from_slice(&seg[12..16]);
+    set_header_checksum(&mut buf);
+    buf[20..22].copy_from_slice(&t[2..4]);
+    buf[22..24].copy_from_slice(&t[0..2]);
+    buf[32] = 5 << 4;
+    if flags & 0x10 != 0 {
+        buf[24..28].copy_from_slice(&ack.to_be_bytes());
+        buf[33] = 0x04;
+    } else {
+        let occupied = total.saturating_sub(ihl + thl) as u32
+            + u32::from(flags & 0x02 != 0)
+            + u32::from(flags & 0x01 != 0);
+        buf[28..32].copy_from_slice(&seq.wrapping_add(occupied).to_be_bytes());
+        buf[33] = 0x14;
+    }
+    let mut pseudo = Vec::with_capacity(12 + 20);
+    pseudo.extend_from_slice(&buf[12..20]);
+    pseudo.extend_from_slice(&[0, 6, 0, 20]);
+    pseudo.extend_from_slice(&buf[20..40]);
+    let sum = !ones_complement_sum(&pseudo);
+    buf[36..38].copy_from_slice(&sum.to_be_bytes());
+    buf
+}
+
+/// An ICMP error of `kind` and `code` from `router` quoting `quoted`, back to its sender.
+fn icmp_error(router: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
     let len = 20 + 8 + quoted.len();
     let mut buf = vec![0u8; len];
     buf[0] = 0x45;
@@ -199,26 +290,17 @@ pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
     buf[8] = 64;
     buf[9] = 1;
     buf[12..16].copy_from_slice(&router.octets());
-    buf[16..20].copy_from_slice(&expired[12..16]);
+    buf[16..20].copy_from_slice(&quoted[12..16]);
     set_header_checksum(&mut buf);
-    // Type 11, code 0 (TTL exceeded in transit), 4 unused bytes, the quote.
-    buf[20] = 11;
+    buf[20] = kind;
+    buf[21] = code;
     buf[28..].copy_from_slice(quoted);
     let sum = !ones_complement_sum(&buf[20..]);
     buf[22..24].copy_from_slice(&sum.to_be_bytes());
-    Some(buf)
+    buf
 }
 
-/// Whether `pkt` (an IPv4 packet accepted by `inspect`) is a whole ICMP echo request: one
-/// a switch answers when it is addressed to it (`ping leaf0`). A fragment is not: a switch
-/// would have to reassemble it first.
-pub fn is_echo_request(pkt: &[u8]) -> bool {
-    let ihl = (pkt[0] & 0x0f) as usize * 4;
-    let frag = u16::from_be_bytes([pkt[6], pkt[7]]) & 0x3fff;
-    pkt[9] == 1 && frag == 0 && pkt.len() >= ihl + 8 && pkt[ihl] == 8 && pkt[ihl + 1] == 0
-}
-
-/// The echo reply to `request` (a whole echo request, `is_echo_request`), from `from` back
+/// The echo reply to `request` (a whole echo request: `ToSwitch::Echo`), from `from` back
 /// to its sender: the same identifier, sequence number and data (RFC 792), IP options
 /// left out, TTL 64.
 pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
@@ -420,7 +502,7 @@ mod tests {
         let req = build_echo_request(A, sw, 0x1234, 7, 84);
         assert!(checksum_ok(&req));
         assert_eq!(ones_complement_sum(&req[20..]), 0xffff);
-        assert!(is_echo_request(&req));
+        assert_eq!(to_switch(&req), ToSwitch::Echo);
         let rep = echo_reply(sw, &req);
         assert_eq!(rep.len(), 84);
         let h = inspect(&rep).unwrap();
@@ -430,12 +512,20 @@ mod tests {
         assert_eq!((rep[20], rep[21]), (0, 0));
         // Identifier, sequence number and data as sent.
         assert_eq!(&rep[24..], &req[24..]);
-        // Neither a reply, nor a fragment, nor another protocol is a request.
-        assert!(!is_echo_request(&rep));
+        // A reply or a fragment gets no answer; UDP a port unreachable.
+        assert_eq!(to_switch(&rep), ToSwitch::Nothing);
         let mut frag = req.clone();
         frag[6..8].copy_from_slice(&0x2000u16.to_be_bytes());
-        assert!(!is_echo_request(&frag));
-        assert!(!is_echo_request(&build_udp(A, sw, 1, 2, 0, 60)));
+        assert_eq!(to_switch(&frag), ToSwitch::Nothing);
+        let udp = build_udp(A, sw, 1, 2, 0, 60);
+        assert_eq!(to_switch(&udp), ToSwitch::Unreachable(3));
+        let un = unreachable(sw, 3, &udp);
+        let h = inspect(&un).unwrap();
+        assert_eq!((h.key.src, h.key.dst, h.key.proto), (sw, A, 1));
+        assert_eq!((un[20], un[21]), (3, 3));
+        assert!(checksum_ok(&un));
+        assert_eq!(ones_complement_sum(&un[20..]), 0xffff);
+        assert_eq!(&un[28..], &udp[..28]);
         // Options in the request are not echoed in the reply's header.
         let mut opt = vec![0x46];
         opt.extend_from_slice(&req[1..20]);
@@ -447,6 +537,62 @@ mod tests {
         assert_eq!(rep.len(), 84);
         assert_eq!(&rep[24..], &req[24..]);
         assert_eq!(ones_complement_sum(&rep[20..]), 0xffff);
+    }
+
+    /// A TCP segment of `data` bytes from A:40000 to `to`:22 with `flags`.
+    fn tcp(to: Ipv4Addr, flags: u8, seq: u32, ack: u32, data: usize) -> Vec<u8> {
+        let mut p = build_udp(A, to, 40000, 22, 0, 40 + data);
+        p[9] = 6;
+        set_header_checksum(&mut p);
+        p[24..28].copy_from_slice(&seq.to_be_bytes());
+        p[28..32].copy_from_slice(&ack.to_be_bytes());
+        p[32] = 5 << 4;
+        p[33] = flags;
+        p
+    }
+
+    #[test]
+    fn a_closed_port_answers_tcp_with_a_reset() {
+        let sw = Ipv4Addr::new(198, 18, 0, 9);
+        // A SYN: RST|ACK acknowledging it, sequence 0, ports swapped.
+        let syn = tcp(sw, 0x02, 1000, 0, 0);
+        assert_eq!(to_switch(&syn), ToSwitch::Reset);
+        let rst = tcp_reset(sw, &syn);
+        let h = inspect(&rst).unwrap();
+        assert_eq!((h.key.src, h.key.dst, h.key.proto), (sw, A, 6));
+        assert_eq!((h.key.sport, h.key.dport), (22, 40000));
+        assert!(checksum_ok(&rst));
+        assert_eq!(rst[33], 0x14);
+        assert_eq!(u32::from_be_bytes([rst[24], rst[25], rst[26], rst[27]]), 0);
+        assert_eq!(
+            u32::from_be_bytes([rst[28], rst[29], rst[30], rst[31]]),
+            1001
+        );
+        // The TCP checksum over the pseudo-header and the segment.
+        let mut pseudo = rst[12..20].to_vec();
+        pseudo.extend_from_slice(&[0, 6, 0, 20]);
+        pseudo.extend_from_slice(&rst[20..]);
+        assert_eq!(ones_complement_sum(&pseudo), 0xffff);
+        // An ACK with 100 bytes: a bare RST at the acknowledged sequence number.
+        let seg = tcp(sw, 0x18, 5000, 777, 100);
+        let rst = tcp_reset(sw, &seg);
+        assert_eq!(rst[33], 0x04);
+        assert_eq!(
+            u32::from_be_bytes([rst[24], rst[25], rst[26], rst[27]]),
+            777
+        );
+        // A FIN with 10 bytes and no ACK: acknowledged through the FIN.
+        let rst = tcp_reset(sw, &tcp(sw, 0x01, 5000, 0, 10));
+        assert_eq!(
+            u32::from_be_bytes([rst[28], rst[29], rst[30], rst[31]]),
+            5011
+        );
+        // A reset is never answered; another protocol gets a protocol unreachable.
+        assert_eq!(to_switch(&tcp(sw, 0x04, 1, 0, 0)), ToSwitch::Nothing);
+        let mut gre = build_udp(A, sw, 1, 2, 0, 60);
+        gre[9] = 47;
+        set_header_checksum(&mut gre);
+        assert_eq!(to_switch(&gre), ToSwitch::Unreachable(2));
     }
 
     #[test]

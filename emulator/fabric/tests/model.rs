@@ -1270,15 +1270,54 @@ fn switches_answer_pings_to_their_addresses() {
             assert_eq!(after[i].tx_packets, before[i].tx_packets + 1, "{path:?}");
         }
     }
-    // Anything else addressed to a switch has nowhere to go.
+    // A switch runs no services: UDP gets a port unreachable, TCP a reset, an ICMP error
+    // nothing (it is consumed there, and counts as delivered).
     let udp = build_udp(addr(&t, 0), spine0, 1, 2, 0, 100);
     assert_eq!(
         f.send(Instant::from_nanos(200_000), HostId(0), udp),
-        Verdict::Dropped(DropReason::NoRoute)
+        Verdict::Accepted
     );
-    totals_conserved(&mut f, 300_000);
-    let tot = f.totals(Instant::from_nanos(300_000));
-    assert_eq!((tot.sent, tot.delivered), (13, 12), "{tot:?}");
+    let mut syn = build_udp(addr(&t, 0), spine0, 40000, 22, 0, 40);
+    syn[9] = 6;
+    packet::set_ttl(&mut syn, 64); // header checksum anew
+    syn[32] = 5 << 4;
+    syn[33] = 0x02;
+    assert_eq!(
+        f.send(Instant::from_nanos(200_000), HostId(0), syn),
+        Verdict::Accepted
+    );
+    let answers = run(&mut f);
+    assert_eq!(answers.len(), 2);
+    let kinds: Vec<(u8, u8)> = answers
+        .iter()
+        .map(|d| {
+            let b = d.data.to_vec();
+            (b[9], b[20 + if b[9] == 1 { 1 } else { 13 }])
+        })
+        .collect();
+    assert!(kinds.contains(&(1, 3)), "port unreachable: {kinds:?}");
+    assert!(kinds.contains(&(6, 0x14)), "RST|ACK: {kinds:?}");
+    let err = answers
+        .iter()
+        .map(|d| d.data.to_vec())
+        .find(|b| b[9] == 1)
+        .unwrap();
+    let mut bounced = err.clone();
+    bounced[12..16].copy_from_slice(&addr(&t, 0).octets());
+    bounced[16..20].copy_from_slice(&spine0.octets());
+    packet::set_ttl(&mut bounced, 64);
+    assert_eq!(
+        f.send(Instant::from_nanos(300_000), HostId(0), bounced),
+        Verdict::Accepted
+    );
+    assert!(run(&mut f).is_empty());
+    totals_conserved(&mut f, 400_000);
+    let tot = f.totals(Instant::from_nanos(400_000));
+    assert_eq!(
+        (tot.sent, tot.delivered, tot.to_switches),
+        (17, 17, 9),
+        "{tot:?}"
+    );
 }
 
 #[test]
