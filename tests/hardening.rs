@@ -529,15 +529,7 @@ fn daemon_memory_stays_within_its_bound_under_a_flood() {
     let out = f.exec("gpu0", &["/usr/bin/python3", "-c", flood]);
     assert!(out.status.success(), "{:?}", text(&out));
     let peak = peak_rss(daemon);
-    let v = f.status();
-    let memory_drops = v["drops"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d[0] == "memory_limit")
-        .unwrap()[1]
-        .as_u64()
-        .unwrap();
+    let (memory_drops, v) = f.drops("memory_limit");
     eprintln!(
         "flood: daemon peak RSS {} KiB of a stated bound of {} KiB; {} packets in, {memory_drops} dropped at the memory limit",
         peak >> 10,
@@ -612,15 +604,7 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     send(64, "arrived");
     let out = server.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "arrived 61");
-    let v = f.status();
-    let expired = v["drops"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d[0] == "ttl_expired")
-        .unwrap()[1]
-        .as_u64()
-        .unwrap();
+    let (expired, v) = f.drops("ttl_expired");
     assert_eq!(expired, 10, "{v}");
     // Each switch answers an expired packet with an ICMP time exceeded from its address,
     // named in the GPUs' /etc/hosts: `ping -t` (and traceroute) see the path's hops.
@@ -704,15 +688,7 @@ fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(ping("1472"), "a packet of the fabric's MTU passes");
     assert!(!ping("8000"), "a packet beyond the fabric's MTU does not");
-    let v = f.status();
-    let over = v["drops"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d[0] == "over_mtu")
-        .unwrap()[1]
-        .as_u64()
-        .unwrap();
+    let (over, v) = f.drops("over_mtu");
     assert_eq!(over, 2, "{v}");
     let out = closbox(&["status", "lt-mtu"]);
     assert!(

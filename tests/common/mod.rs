@@ -218,6 +218,21 @@ impl TestFabric {
         v[0].clone()
     }
 
+    /// The fabric's drops for `reason` ("ttl_expired") from `status --json`, and that
+    /// status (for messages).
+    pub fn drops(&self, reason: &str) -> (u64, serde_json::Value) {
+        let v = self.status();
+        let n = v["drops"]
+            .as_array()
+            .expect("drops")
+            .iter()
+            .find(|d| d[0] == reason)
+            .unwrap_or_else(|| panic!("no drop reason {reason} in {v}"))[1]
+            .as_u64()
+            .expect("a count");
+        (n, v)
+    }
+
     /// One egress port's counters from `status --json` ("leaf0->spine1").
     pub fn port(&self, name: &str) -> serde_json::Value {
         let out = closbox(&["status", &self.name, "--json", "--ports", name]);

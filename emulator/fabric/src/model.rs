@@ -540,6 +540,8 @@ pub struct Fabric {
     /// Toward the switches GPUs pinged lately (`toward`, as loads to a switch go): a few,
     /// computed at first use and dropped when routes converge.
     switch_routes: Vec<(VertexIdx, Vec<Vec<PortId>>)>,
+    /// Per link: down when routes last converged (empty: all up, as at the start).
+    converged_down: Vec<bool>,
 }
 
 /// Groups (one per vertex, per switch) `Fabric::switch_routes` keeps at most: every switch's
@@ -660,6 +662,7 @@ impl Fabric {
             flows: None,
             flow_control: topo.fabric.flow_control,
             switch_routes: Vec::new(),
+            converged_down: Vec::new(),
             topo: topo.clone(),
         }
     }
@@ -1208,12 +1211,17 @@ impl Fabric {
     /// Toward switch vertex `to`: per vertex, its ports on a shortest path over the links
     /// that are up (GPUs do not forward). Empty toward a GPU (routes have those).
     fn toward(&self, to: VertexIdx) -> Vec<Vec<PortId>> {
+        self.toward_over(to, |l| self.down_since[l as usize].is_none())
+    }
+
+    /// `toward` over the links for which `up(link index)` holds.
+    fn toward_over(&self, to: VertexIdx, up: impl Fn(u32) -> bool) -> Vec<Vec<PortId>> {
         if to < self.hosts {
             return Vec::new();
         }
         let n = self.hosts as usize + self.topo.switches.len();
         let (ports, out) = (&self.routes.ports, &self.routes.out);
-        let alive = |p: PortId| self.down_since[ports[p.0 as usize].link as usize].is_none();
+        let alive = |p: PortId| up(ports[p.0 as usize].link);
         let mut dist = vec![u32::MAX; n];
         let mut queue = std::collections::VecDeque::new();
         let h = self.hosts;
@@ -1442,6 +1450,7 @@ impl Fabric {
         self.converge_at = None;
         self.route_epoch += 1;
         self.switch_routes.clear();
+        self.converged_down = self.down_since.iter().map(Option::is_some).collect();
         let down = &self.down_since;
         if down.iter().all(Option::is_none) {
             self.live = None;
@@ -1501,38 +1510,16 @@ impl Fabric {
         if self.degraded {
             let port_id = match self.choose_degraded(now, v, pkt.dst, pkt.flow) {
                 Some(p) => p,
-                None => {
-                    let flow = self.release(slot).flow;
-                    Flows::drop(&mut self.flows, flow);
-                    self.vertex_drops.add(DropReason::NoRoute);
-                    return Err(DropReason::NoRoute);
-                }
+                None => return Err(self.no_route(slot)),
             };
             if self.down_since[self.routes.port(port_id).link as usize].is_some() {
-                // Sent into a dead link before its switch noticed: blackholed.
-                self.ports[port_id.0 as usize]
-                    .counters
-                    .drops
-                    .add(DropReason::LinkDown);
-                if Taps::wants(&self.taps, port_id, Some(DropReason::LinkDown)) {
-                    let pkt = self.slots[slot as usize].as_ref().expect("live slot");
-                    let taps = self.taps.as_mut().expect("tapped");
-                    taps.record(port_id, now, pkt, Some(DropReason::LinkDown));
-                }
-                let flow = self.release(slot).flow;
-                Flows::drop(&mut self.flows, flow);
-                return Err(DropReason::LinkDown);
+                return Err(self.blackhole(now, port_id, slot));
             }
             return self.enqueue(now, port_id, slot);
         }
         let group = self.routes.next_hops(v, pkt.dst);
         let port_id = match group.len() {
-            0 => {
-                let flow = self.release(slot).flow;
-                Flows::drop(&mut self.flows, flow);
-                self.vertex_drops.add(DropReason::NoRoute);
-                return Err(DropReason::NoRoute);
-            }
+            0 => return Err(self.no_route(slot)),
             1 => group[0],
             n => {
                 let vs = &mut self.vertices[v as usize];
@@ -1581,7 +1568,11 @@ impl Fabric {
                 if self.switch_routes.len() >= (SWITCH_ROUTE_GROUPS / vertices).max(8) {
                     self.switch_routes.remove(0);
                 }
-                let toward = self.toward(to);
+                // Over the links up when routes last converged, as the GPUs' routes are
+                // (`live`): a link down since is used until its switch detects it.
+                let down = &self.converged_down;
+                let toward =
+                    self.toward_over(to, |l| !down.get(l as usize).copied().unwrap_or(false));
                 self.switch_routes.push((to, toward));
                 self.switch_routes.len() - 1
             }
@@ -1598,21 +1589,37 @@ impl Fabric {
             *group.iter().filter(usable).nth(k).expect("k < n")
         });
         let Some(p) = pick else {
-            self.release(slot);
-            Flows::drop(&mut self.flows, flow);
-            self.vertex_drops.add(DropReason::NoRoute);
-            return Err(DropReason::NoRoute);
+            return Err(self.no_route(slot));
         };
         if self.down_since[self.routes.port(p).link as usize].is_some() {
-            self.ports[p.0 as usize]
-                .counters
-                .drops
-                .add(DropReason::LinkDown);
-            self.release(slot);
-            Flows::drop(&mut self.flows, flow);
-            return Err(DropReason::LinkDown);
+            return Err(self.blackhole(now, p, slot));
         }
         self.enqueue(now, p, slot)
+    }
+
+    /// The GPU packet in `slot` has no way on from where it is: dropped, counted.
+    fn no_route(&mut self, slot: u32) -> DropReason {
+        let flow = self.release(slot).flow;
+        Flows::drop(&mut self.flows, flow);
+        self.vertex_drops.add(DropReason::NoRoute);
+        DropReason::NoRoute
+    }
+
+    /// The GPU packet in `slot` was sent into port `p`'s dead link before its switch
+    /// noticed: lost there (blackholed), counted on the port, and tapped.
+    fn blackhole(&mut self, now: Instant, p: PortId, slot: u32) -> DropReason {
+        self.ports[p.0 as usize]
+            .counters
+            .drops
+            .add(DropReason::LinkDown);
+        if Taps::wants(&self.taps, p, Some(DropReason::LinkDown)) {
+            let pkt = self.slots[slot as usize].as_ref().expect("live slot");
+            let taps = self.taps.as_mut().expect("tapped");
+            taps.record(p, now, pkt, Some(DropReason::LinkDown));
+        }
+        let flow = self.release(slot).flow;
+        Flows::drop(&mut self.flows, flow);
+        DropReason::LinkDown
     }
 
     /// Switch `v` answers `request`, a GPU's packet addressed to it, as a host that runs no

@@ -1363,6 +1363,38 @@ fn a_dead_switch_does_not_answer_and_the_others_route_around_it() {
 }
 
 #[test]
+fn a_ping_into_a_link_its_switch_has_not_noticed_is_lost_there_and_captured() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let up = port(&t, &f, "gpu0", "leaf0");
+    f.set_taps(&[up], 64, true);
+    // gpu0's NIC link dies; 1 µs later, within the 10 µs detection time, gpu0 pings leaf0
+    // through it: blackholed at gpu0's port, counted and captured as `link_down`.
+    f.apply(
+        Instant::ZERO,
+        Change::LinkDown(link_between(&t, &f, "gpu0", "leaf0")),
+    );
+    assert_eq!(
+        ping_switch(&mut f, &t, 1_000, 0, "leaf0", 100),
+        Verdict::Dropped(DropReason::LinkDown)
+    );
+    let tap = f.poll_tapped().expect("the lost ping, tapped");
+    assert_eq!((tap.port, tap.dropped), (up, Some(DropReason::LinkDown)));
+    assert_eq!(
+        f.port_counters(f.now())[up.0 as usize]
+            .drops
+            .get(DropReason::LinkDown),
+        1
+    );
+    // Once detected: no way on.
+    assert_eq!(
+        ping_switch(&mut f, &t, 20_000, 0, "leaf0", 100),
+        Verdict::Dropped(DropReason::NoRoute)
+    );
+    totals_conserved(&mut f, 30_000);
+}
+
+#[test]
 fn a_partition_drops_traffic_between_its_sides_until_healed() {
     let t = four_spines();
     let mut f = Fabric::new(&t);
