@@ -251,14 +251,7 @@ pub fn tcp_reset(from: Ipv4Addr, seg: &[u8]) -> Vec<u8> {
     let flags = t[13];
     let seq = u32::from_be_bytes([t[4], t[5], t[6], t[7]]);
     let ack = u32::from_be_bytes([t[8], t[9], t[10], t[11]]);
-    let mut buf = vec![0u8; 40];
-    buf[0] = 0x45;
-    buf[2..4].copy_from_slice(&40u16.to_be_bytes());
-    buf[8] = 64;
-    buf[9] = 6;
-    buf[12..16].copy_from_slice(&from.octets());
-    buf[16..20].copy_from_slice(&seg[12..16]);
-    set_header_checksum(&mut buf);
+    let mut buf = ip_packet(40, 6, from, ipv4_at(seg, 12));
     buf[20..22].copy_from_slice(&t[2..4]);
     buf[22..24].copy_from_slice(&t[0..2]);
     buf[32] = 5 << 4;
@@ -281,17 +274,28 @@ pub fn tcp_reset(from: Ipv4Addr, seg: &[u8]) -> Vec<u8> {
     buf
 }
 
-/// An ICMP error of `kind` and `code` from `router` quoting `quoted`, back to its sender.
-fn icmp_error(router: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
-    let len = 20 + 8 + quoted.len();
+/// A zeroed IPv4 packet of `len` bytes from `src` to `dst`: a 20-byte header with
+/// `proto`, TTL 64 and its checksum.
+fn ip_packet(len: usize, proto: u8, src: Ipv4Addr, dst: Ipv4Addr) -> Vec<u8> {
     let mut buf = vec![0u8; len];
     buf[0] = 0x45;
     buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
     buf[8] = 64;
-    buf[9] = 1;
-    buf[12..16].copy_from_slice(&router.octets());
-    buf[16..20].copy_from_slice(&quoted[12..16]);
+    buf[9] = proto;
+    buf[12..16].copy_from_slice(&src.octets());
+    buf[16..20].copy_from_slice(&dst.octets());
     set_header_checksum(&mut buf);
+    buf
+}
+
+/// The IPv4 address at `at` in `pkt`.
+fn ipv4_at(pkt: &[u8], at: usize) -> Ipv4Addr {
+    Ipv4Addr::new(pkt[at], pkt[at + 1], pkt[at + 2], pkt[at + 3])
+}
+
+/// An ICMP error of `kind` and `code` from `router` quoting `quoted`, back to its sender.
+fn icmp_error(router: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
+    let mut buf = ip_packet(20 + 8 + quoted.len(), 1, router, ipv4_at(quoted, 12));
     buf[20] = kind;
     buf[21] = code;
     buf[28..].copy_from_slice(quoted);
@@ -307,15 +311,7 @@ pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
     let ihl = (request[0] & 0x0f) as usize * 4;
     let total = (u16::from_be_bytes([request[2], request[3]]) as usize).min(request.len());
     let icmp = &request[ihl..total];
-    let len = 20 + icmp.len();
-    let mut buf = vec![0u8; len];
-    buf[0] = 0x45;
-    buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
-    buf[8] = 64;
-    buf[9] = 1;
-    buf[12..16].copy_from_slice(&from.octets());
-    buf[16..20].copy_from_slice(&request[12..16]);
-    set_header_checksum(&mut buf);
+    let mut buf = ip_packet(20 + icmp.len(), 1, from, ipv4_at(request, 12));
     buf[20..].copy_from_slice(icmp);
     // Type 0 (echo reply), code 0, checksum over the ICMP message anew.
     buf[20] = 0;
@@ -343,14 +339,8 @@ pub fn build_echo_request(src: Ipv4Addr, dst: Ipv4Addr, id: u16, seq: u16, len: 
         (28..=65_535).contains(&len),
         "IPv4/ICMP packet length {len}"
     );
-    let mut buf = vec![0u8; len];
-    buf[0] = 0x45;
-    buf[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+    let mut buf = ip_packet(len, 1, src, dst);
     buf[6] = 0x40; // DF, as ping sets it
-    buf[8] = 64;
-    buf[9] = 1;
-    buf[12..16].copy_from_slice(&src.octets());
-    buf[16..20].copy_from_slice(&dst.octets());
     set_header_checksum(&mut buf);
     buf[20] = 8;
     buf[24..26].copy_from_slice(&id.to_be_bytes());
