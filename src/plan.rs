@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use closbox_fabric::plan::{Design, HopStats, Plan, Sizing};
 use closbox_fabric::{Bandwidth, Bytes};
 
-use crate::SizeKind;
+use crate::cli::SizeKind;
 
 pub use closbox_fabric::units::approx_bytes;
 
