@@ -284,20 +284,32 @@ impl FromStr for Bandwidth {
     type Err = UnitError;
 
     /// Bits: "400Gbit", "400Gbps", "400Gbit/s", "100Mbit", "10kbit"; bytes: "50GB/s",
-    /// "50GBps" (×8). Decimal prefixes (k, M, G, T) as link rates use them.
+    /// "50GBps" (×8). Decimal prefixes (k, M, G, T) as link rates use them; also written
+    /// in lower case before "bit", as `tc` writes rates ("1gbit", "100mbit").
     fn from_str(s: &str) -> Result<Self, UnitError> {
         let (value, unit) = split_number(s, "rate")?;
         let unit_l = unit.strip_suffix("/s").unwrap_or(unit);
         let (prefix, base) = match unit_l.char_indices().next() {
-            Some((_, c @ ('k' | 'K' | 'M' | 'G' | 'T'))) => (Some(c), &unit_l[1..]),
+            Some((_, c @ ('k' | 'K' | 'M' | 'G' | 'T' | 'm' | 'g' | 't'))) => {
+                (Some(c), &unit_l[1..])
+            }
             _ => (None, unit_l),
         };
+        if matches!(prefix, Some('m' | 'g' | 't')) && base != "bit" {
+            // `tc` reads "1gbps" as bytes a second, most people as bits: neither is guessed.
+            return Err(UnitError::new(
+                s,
+                "rate",
+                "a lower-case prefix is taken before \"bit\" only (\"1gbit\", as tc writes \
+                 it); write \"1Gbps\" for bits or \"1GB/s\" for bytes a second",
+            ));
+        }
         let mult: f64 = match prefix {
             None => 1.0,
             Some('k' | 'K') => 1e3,
-            Some('M') => 1e6,
-            Some('G') => 1e9,
-            Some('T') => 1e12,
+            Some('M' | 'm') => 1e6,
+            Some('G' | 'g') => 1e9,
+            Some('T' | 't') => 1e12,
             Some(_) => unreachable!(),
         };
         let per_second = unit.ends_with("/s");
@@ -574,8 +586,21 @@ mod tests {
         assert_eq!(g("450GBps"), 3_600_000_000_000);
         assert_eq!(g("2.5Gbit"), 2_500_000_000);
         assert_eq!(g("1kbit"), 1_000);
+        // As tc writes them.
+        assert_eq!(g("1gbit"), 1_000_000_000);
+        assert_eq!(g("100mbit"), 100_000_000);
+        assert_eq!(g("1tbit/s"), 1_000_000_000_000);
+        for ambiguous in ["1gbps", "1gb", "1gB/s", "100mbps"] {
+            let e = ambiguous.parse::<Bandwidth>().unwrap_err().to_string();
+            assert!(
+                e.contains("\"1Gbps\" for bits or \"1GB/s\" for bytes"),
+                "{e}"
+            );
+        }
         for bad in [
             "",
+            "1gBit",
+            "1mBit",
             "Gbit",
             "10",
             "10 furlongs",
