@@ -800,6 +800,24 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
             leftovers("lt-huge")
         );
     }
+    // The data plane's knobs in the environment, misspelt: named, nothing made.
+    let small = common::scratch_dir().join("lt-env.toml");
+    std::fs::write(
+        &small,
+        "[fabric]\nname = \"lt-env\"\n[topology]\nkind = \"single-switch\"\ngpus = 2\n",
+    )
+    .unwrap();
+    for (var, value) in [("CLOSBOX_OFFLOAD", "yes"), ("CLOSBOX_TUN_WRITERS", "-1")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args(["up", small.to_str().unwrap(), "--detach"])
+            .env(var, value)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+        let err = text(&out).1;
+        assert!(err.contains(&format!("{var}=\"{value}\"")), "{err}");
+        assert!(leftovers("lt-env").is_empty(), "{:?}", leftovers("lt-env"));
+    }
     // Beyond the open-file limit (a TUN per GPU, their namespaces while `auto` measures):
     // refused before anything is created, naming the limit. (It failed half-way, "Too many
     // open files" blamed on the GPU's TCP congestion control, at GPU 888 of 1,280 under

@@ -28,7 +28,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use closbox_fabric::{TimeScale, Topology};
 
 use crate::dataplane::{Ctl, DataPlane, TunPorts};
@@ -110,6 +110,32 @@ pub struct Scheduling {
 /// Brings the fabric up and runs its daemon in this process until SIGINT/SIGTERM or a
 /// stop request, then tears everything down. `ready` is called once the fabric carries
 /// traffic, with the time setup took.
+/// The data plane's knobs from `up`'s environment, checked before anything is made: TUN
+/// offload (super-packets each way; see `offload`) unless `CLOSBOX_OFFLOAD=0`, and
+/// `CLOSBOX_TUN_WRITERS` writer threads (default: by the box's cores).
+fn tuning_from_env() -> anyhow::Result<(bool, usize)> {
+    let var = |name: &str| match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(anyhow!("{name}={v:?} is not text")),
+    };
+    let offload = match var("CLOSBOX_OFFLOAD")?.as_deref() {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(v) => bail!(
+            "CLOSBOX_OFFLOAD={v:?}: 1 (TUN offload, the default) or 0 (a packet per system call)"
+        ),
+    };
+    let writers = match var("CLOSBOX_TUN_WRITERS")? {
+        None => TunPorts::writers_for(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if n <= 1024 => n,
+            _ => bail!("CLOSBOX_TUN_WRITERS={v:?}: a number of writer threads, 0 to 1024 (0: the data plane's thread writes)"),
+        },
+    };
+    Ok((offload, writers))
+}
+
 pub fn run_fabric(
     topo: &Topology,
     config: &Path,
@@ -120,6 +146,7 @@ pub fn run_fabric(
 ) -> anyhow::Result<()> {
     require_root("closbox up")?;
     let started = Instant::now();
+    let (offload, writers) = tuning_from_env()?;
     let mut st = plan_state(topo, config)?;
     let name = st.fabric.clone();
     // Held from the first check to the end of teardown: a second `up` of this name, or a
@@ -196,8 +223,6 @@ pub fn run_fabric(
         state::kill_gpu_processes(st, Duration::from_secs(2));
         state::remove_objects(st)
     };
-    // TUN offload (super-packets each way; see `offload`), unless CLOSBOX_OFFLOAD=0.
-    let offload = std::env::var("CLOSBOX_OFFLOAD").map_or(true, |v| v != "0");
     let tuns = match netns::create_all(&st, topo, offload) {
         Ok(t) => t,
         Err(e) => {
@@ -207,12 +232,6 @@ pub fn run_fabric(
             return Err(e.context(format!("bringing fabric {name} up")));
         }
     };
-    let writers = std::env::var("CLOSBOX_TUN_WRITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            TunPorts::writers_for(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        });
     // time_scale = "auto": measured now, through this fabric's own data path.
     let calibrated;
     let (topo, tuns) = if topo.fabric.time_scale_auto {
