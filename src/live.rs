@@ -695,6 +695,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let mut failure: Option<String> = None;
+    // Ranks that failed on their own after the first, in the order seen.
+    let mut also_failed: Vec<String> = Vec::new();
     // Once a rank failed, when the others are stopped if they have not ended by then.
     let mut grace_until: Option<Instant> = None;
     let mut stopped = false;
@@ -705,9 +707,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             match r.child.try_wait()? {
                 Some(status) => {
                     r.done = Some(status);
-                    if !status.success() && failure.is_none() {
-                        code = exit_code(status).max(1);
-                        failure = Some(format!("rank {} ({}) failed: {status}", r.rank, r.gpu));
+                    if !status.success() {
+                        if failure.is_none() {
+                            code = exit_code(status).max(1);
+                            failure = Some(format!("rank {} ({}) failed: {status}", r.rank, r.gpu));
+                        } else {
+                            also_failed.push(format!("rank {} ({}): {status}", r.rank, r.gpu));
+                        }
                     }
                 }
                 None => running += 1,
@@ -765,12 +771,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     match failure {
         None => Ok(ExitCode::SUCCESS),
         Some(why) => {
-            let others = if stopped {
-                "the other ranks were stopped"
-            } else {
-                "the other ranks ended on their own"
+            // Every rank that failed is named (a few, then a count): the first is often
+            // not where the job broke.
+            const NAMED: usize = 4;
+            let also = match also_failed.len() {
+                0 => String::new(),
+                n => format!(
+                    "; then {}{}",
+                    also_failed[..n.min(NAMED)].join(", "),
+                    if n > NAMED {
+                        format!(" and {} more ranks", n - NAMED)
+                    } else {
+                        String::new()
+                    }
+                ),
             };
-            eprintln!("closbox: {why}; {others}");
+            let others = match (stopped, also_failed.len() + 1 == ranks.len()) {
+                (true, _) => "the other ranks were stopped",
+                (false, true) => "no rank succeeded",
+                (false, false) => "the other ranks ended on their own",
+            };
+            eprintln!("closbox: {why}{also}; {others}");
             Ok(ExitCode::from(code))
         }
     }

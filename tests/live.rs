@@ -173,9 +173,8 @@ fn lifecycle_exec_run_and_errors() {
     ]);
     assert_eq!(out.status.code(), Some(3));
     let e = text(&out).1;
-    assert!(e.contains("rank 2 (gpu2) failed"), "{e}");
+    assert!(e.contains("rank 2 (gpu2) failed: exit status: 3; then rank 1 (gpu1): exit status: 4; the other ranks were stopped"), "{e}");
     assert!(e.contains("[1] why"), "{e}");
-    assert!(e.contains("the other ranks were stopped"), "{e}");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "others were not stopped"
