@@ -80,6 +80,7 @@ pub(super) fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology,
         Vertex::Switch(s) => Some(tiers[s.0 as usize]),
     };
     let mut node_of: Vec<Option<(u32, &Spanned<RawLink>)>> = vec![None; host_ids.len()];
+    let mut linked = vec![false; tiers.len()];
     for l in &raw.link_list {
         let r = l.get_ref();
         let end = |n: &Spanned<String>| {
@@ -93,6 +94,11 @@ pub(super) fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology,
         let (a, b_end) = (end(&r.a)?, end(&r.b)?);
         if a == b_end {
             return Err(cx.err(l, format!("link from {:?} to itself", r.a.get_ref())));
+        }
+        for v in [a, b_end] {
+            if let Vertex::Switch(s) = v {
+                linked[s.0 as usize] = true;
+            }
         }
         let inferred = match (tier_of(a), tier_of(b_end)) {
             (None, Some(Tier::Node)) | (Some(Tier::Node), None) => Some(LinkClass::Nvlink),
@@ -164,6 +170,18 @@ pub(super) fn custom(cx: &Cx, raw: &RawFile, mut b: Builder) -> Result<Topology,
                 _ => node_of[h.0 as usize] = Some((s.0, l)),
             }
         }
+    }
+    // A switch no link reaches carries nothing, and links cannot be added to a running
+    // fabric: a name misspelt in a [[link]], most likely.
+    if let Some(i) = linked.iter().position(|l| !l) {
+        let name = &raw.switch_list[i].get_ref().name;
+        return Err(cx.err(
+            name,
+            format!(
+                "switch {:?} has no links (is a [[link]] end misspelt?); link it or remove it",
+                name.get_ref()
+            ),
+        ));
     }
     let mut topo = b.finish(Shape::Custom);
     // Number nodes: one per node switch in use, then one per host without a node switch.

@@ -808,6 +808,12 @@ gpus_per_leaf = 4
         assert!(e.contains("duplicate name \"s\""), "{e}");
         let e = err(&format!("{base}[[link]]\na = \"a\"\nb = \"s\"\n"));
         assert!(e.contains("\"b\" cannot reach host \"a\""), "{e}");
+        // Hosts linked to each other, the switch to nothing.
+        let e = err(&format!("{base}[[link]]\na = \"a\"\nb = \"b\"\n"));
+        assert!(
+            e.starts_with("t.toml:10:8: switch \"s\" has no links"),
+            "{e}"
+        );
         let ok = parse(&format!("{base}[[link]]\na = \"a\"\nb = \"s\"\n[[link]]\na = \"b\"\nb = \"s\"\nrate = \"1Gbit\"\n"), "t.toml").unwrap();
         assert_eq!(ok.links[1].params.rate, crate::Bandwidth::from_gbps(1));
     }
