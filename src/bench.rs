@@ -19,9 +19,10 @@ use closbox_switchd::dataplane::{stolen, CpuUse, LateCause, Lateness};
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
 
-use crate::live::{self, RunArgs};
+use crate::live;
 use crate::plan::thousands;
 use crate::render;
+use crate::run::{self, RunArgs};
 use closbox_predict::{predict_step, Predictor};
 
 /// What both commands share: where to run and how agents connect.
@@ -651,7 +652,7 @@ fn run_agents(
     // any result).
     let connected: Arc<Mutex<Option<Buckets>>> = Arc::default();
     let (connected_in, fabric, ranks) = (Arc::clone(&connected), st.fabric.clone(), sel.len());
-    let sink: live::Sink =
+    let sink: run::Sink =
         Arc::new(
             move |rank, is_err, line: &str| match (is_err, Output::parse(line)) {
                 (false, Some(Output::Endpoints(e))) => {
@@ -669,7 +670,7 @@ fn run_agents(
             },
         );
     let before = RunHealth::snapshot(&st.fabric);
-    let code = live::run(RunArgs {
+    let code = run::run(RunArgs {
         st,
         sel,
         timeout: t.timeout,

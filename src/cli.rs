@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 use closbox_switchd::state::FabricName;
 
-use crate::{bench, live, record};
+use crate::{bench, live, mpirun, record};
 
 /// A GPU-cluster network fabric (leaf-spine, fat-tree, scale-up) on one Linux box.
 #[derive(Debug, Parser)]
@@ -399,7 +399,7 @@ pub(crate) enum Command {
         timeout: Option<std::time::Duration>,
         /// The MPI whose launcher to use (default: Open MPI if installed, else MPICH).
         #[arg(long = "impl", value_name = "IMPL")]
-        implementation: Option<live::MpiImpl>,
+        implementation: Option<mpirun::MpiImpl>,
         /// More MCA parameters for Open MPI's mpirun (repeatable): --mca btl_tcp_eager_limit
         /// 65536.
         #[arg(long, num_args = 2, value_names = ["KEY", "VALUE"])]

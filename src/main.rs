@@ -13,9 +13,11 @@ mod chaos;
 mod cli;
 mod flows;
 mod live;
+mod mpirun;
 mod plan;
 mod record;
 mod render;
+mod run;
 mod status;
 mod top;
 
@@ -315,7 +317,7 @@ fn main() -> ExitCode {
             dry_run,
             fabric_clock,
             cmd,
-        } => live::mpirun(live::MpirunArgs {
+        } => mpirun::mpirun(mpirun::MpirunArgs {
             fabric: fabric.as_ref(),
             gpus: &gpus,
             timeout,
@@ -427,7 +429,7 @@ fn main() -> ExitCode {
                 .as_deref()
                 .map(|f| chaos::Timeline::load(&st, f))
                 .transpose()?;
-            live::run(live::RunArgs {
+            run::run(run::RunArgs {
                 st: &st,
                 sel: &sel,
                 timeout,
