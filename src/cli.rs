@@ -132,9 +132,9 @@ pub(crate) enum Command {
         /// Gradient bytes per step, e.g. 256M (a whole number of f32 elements).
         #[arg(long, default_value = "16M", value_parser = one_size)]
         model: usize,
-        /// Bucket size, e.g. 25M (at most --model).
-        #[arg(long, default_value = "4M", value_parser = one_size)]
-        bucket: usize,
+        /// Bucket size, e.g. 25M (at most --model) [default: 4M, or --model if smaller].
+        #[arg(long, value_parser = one_size)]
+        bucket: Option<usize>,
         /// Forward + backward compute per step, in ms of fabric time [default: the
         /// predicted time of the step's all-reduces on this fabric, so that overlap can
         /// hide up to half the step]. At most an hour.

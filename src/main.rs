@@ -26,6 +26,9 @@ use cli::{
     MAX_COMPUTE_MS,
 };
 
+/// `train --bucket` when not given (or `--model`, if that is smaller).
+const DEFAULT_BUCKET: usize = 4 << 20;
+
 /// A usage error found after parsing (bad combinations, values checked against the
 /// fabric): exit 2, as clap's own.
 #[derive(Debug)]
@@ -389,6 +392,9 @@ fn main() -> ExitCode {
                     "{given}: {ms:e} ms of compute per step; at most {MAX_COMPUTE_MS} ms (one hour of fabric time)"
                 )));
             }
+            // The default bucket is no larger than the model (`--model 1M` alone was refused
+            // for the default's 4 MiB).
+            let bucket = bucket.unwrap_or(DEFAULT_BUCKET.min(model));
             if model % 4 != 0 || bucket % 4 != 0 {
                 return Err(usage(
                     "--model and --bucket must be whole numbers of f32 elements (multiples of 4 bytes)",

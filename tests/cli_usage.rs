@@ -42,6 +42,19 @@ fn bench_options_are_checked_before_anything_runs() {
     }
 }
 
+/// A model smaller than the default bucket takes a bucket of its size: `train --model 1M`
+/// goes on to look for its fabric (it was refused for the default 4 MiB bucket).
+#[test]
+fn train_buckets_default_to_at_most_the_model() {
+    let out = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["train", "--fabric", "cu-none", "--model", "1M"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fabric cu-none is not up"), "{err}");
+}
+
 #[test]
 fn train_and_run_options_are_checked_before_anything_runs() {
     for (args, needle) in [
