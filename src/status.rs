@@ -414,12 +414,33 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             thousands(memory_drops)
         );
     }
+    if !s.gpu_mtus.is_empty() {
+        let list: Vec<String> = s
+            .gpu_mtus
+            .iter()
+            .take(8)
+            .map(|(g, m)| format!("{g} {m}"))
+            .collect();
+        let more = s.gpu_mtus.len().saturating_sub(8);
+        let _ = writeln!(
+            o,
+            "  mtu       fabric {}; set otherwise by their hosts: {}{}",
+            s.mtu,
+            list.join(", "),
+            if more > 0 {
+                format!(" (and {more} more)")
+            } else {
+                String::new()
+            }
+        );
+    }
     let giants = drops(s, "over_mtu");
     if giants > 0 {
         let _ = writeln!(
             o,
-            "  WARNING   {} packets longer than the fabric's MTU dropped where they entered it: a GPU's interface MTU was raised above the fabric's (TCP stalls on its full-sized segments; `closbox flows` names the flows, `closbox plan` the MTU)",
-            thousands(giants)
+            "  WARNING   {} packets longer than an MTU on their way dropped: a GPU's interface MTU differs from the fabric's{} (raised: its longer frames are dropped where they enter; lowered: its NIC drops longer frames sent to it; TCP stalls on such segments; `closbox flows` names the flows, `closbox events` the changes)",
+            thousands(giants),
+            if s.mtu > 0 { format!(" ({})", s.mtu) } else { String::new() }
         );
     }
     // A switch or GPU whose every link is down: one line, not its links'.
@@ -551,7 +572,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
     } else {
         ports.sort_by_key(|p| {
             std::cmp::Reverse((
-                p.drops_buffer + p.drops_loss + p.load_drops,
+                p.drops_buffer + p.drops_loss + p.drops_over_mtu + p.load_drops,
                 p.pause_events,
                 p.ecn_marked,
                 (p.utilization * 1e6) as u64,
@@ -595,7 +616,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             "            {:<22} {:>12} {:>10} {:>9} {:>10} {:>7.1}% {:>10} {:>10}{pauses}",
             p.port,
             thousands(p.tx_packets),
-            thousands(p.drops_buffer + p.drops_loss),
+            thousands(p.drops_buffer + p.drops_loss + p.drops_over_mtu),
             thousands(p.ecn_marked),
             thousands(p.max_queue_bytes),
             p.utilization * 100.0,

@@ -64,10 +64,7 @@ fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
             let (util, drops, ecn) = match before {
                 Some(b) => (
                     (busy(&now, p.utilization) - busy(prev, b.utilization)) / span,
-                    (p.drops_buffer + p.drops_loss + p.drops_link_down + p.load_drops)
-                        .saturating_sub(
-                            b.drops_buffer + b.drops_loss + b.drops_link_down + b.load_drops,
-                        ),
+                    p.drops().saturating_sub(b.drops()),
                     p.ecn_marked.saturating_sub(b.ecn_marked),
                 ),
                 None => (0.0, 0, 0),

@@ -736,6 +736,9 @@ fn hostile_packets_from_a_gpu_are_each_accounted_for_and_the_fabric_carries_on()
 /// A GPU that raises its interface's MTU above the fabric's sends packets no switch port of
 /// the fabric takes: they are dropped where they enter, counted and warned about, while
 /// packets within the MTU still pass (the fabric carried them whole before, at any size).
+/// A GPU that lowers its MTU gets no frame longer than that: its NIC drops them as they
+/// arrive (the fabric wrote them to its TUN before, which takes any size). Both are said
+/// by `status` and `events`, and undone when the MTU is set back.
 #[test]
 fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
     let _s = serial();
@@ -743,28 +746,86 @@ fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
         return;
     }
     let f = TestFabric::up("lt-mtu", "[topology]\nkind = \"single-switch\"\ngpus = 2\n");
-    let ping = |size: &str| {
+    let ping = |from: &str, size: &str, to: &str| {
         let out = f.exec(
-            "gpu0",
+            from,
             &[
-                "ping", "-c", "2", "-i", "0.2", "-W", "1", "-M", "do", "-s", size, "gpu1",
+                "ping", "-c", "2", "-i", "0.2", "-W", "1", "-M", "do", "-s", size, to,
             ],
         );
         out.status.success()
     };
-    let out = f.exec("gpu0", &["ip", "link", "set", "cb0", "mtu", "9000"]);
-    assert!(out.status.success(), "{:?}", text(&out));
-    assert!(ping("1472"), "a packet of the fabric's MTU passes");
-    assert!(!ping("8000"), "a packet beyond the fabric's MTU does not");
+    let set_mtu = |gpu: &str, mtu: &str| {
+        let out = f.exec(gpu, &["ip", "link", "set", "cb0", "mtu", mtu]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    };
+    set_mtu("gpu0", "9000");
+    assert!(
+        ping("gpu0", "1472", "gpu1"),
+        "a packet of the fabric's MTU passes"
+    );
+    assert!(
+        !ping("gpu0", "8000", "gpu1"),
+        "a packet beyond the fabric's MTU does not"
+    );
     let (over, v) = f.drops("over_mtu");
     assert_eq!(over, 2, "{v}");
     let out = closbox(&["status", "lt-mtu"]);
+    let said = text(&out).0;
+    assert!(said.contains("2 packets longer than an MTU"), "{said}");
     assert!(
-        text(&out)
-            .0
-            .contains("2 packets longer than the fabric's MTU"),
-        "{:?}",
-        text(&out)
+        said.contains("set otherwise by their hosts: gpu0 9000"),
+        "{said}"
+    );
+
+    // gpu0 back to the fabric's, gpu1 lowered: gpu1's NIC takes 1,000 bytes at most.
+    set_mtu("gpu0", "1500");
+    set_mtu("gpu1", "1000");
+    assert!(
+        ping("gpu0", "972", "gpu1"),
+        "a packet within gpu1's MTU passes"
+    );
+    assert!(
+        !ping("gpu0", "1100", "gpu1"),
+        "a longer one is dropped at gpu1's NIC"
+    );
+    // gpu1 still sends what the fabric takes (a host's MTU bounds what it receives, not
+    // what the switch ports carry): its reply to a 1,400-byte ping it cannot send whole
+    // is fragmented by its own stack, so ask for a small one back from it instead.
+    assert!(ping("gpu1", "900", "gpu0"), "gpu1 reaches gpu0");
+    let (over, v) = f.drops("over_mtu");
+    assert_eq!(over, 4, "2 more, at gpu1's NIC: {v}");
+    let status = f.status();
+    assert_eq!(
+        status["gpu_mtus"],
+        serde_json::json!([["gpu1", 1000]]),
+        "{status}"
+    );
+    let into_gpu1 = status["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["port"] == "sw0->gpu1")
+        .unwrap_or_else(|| panic!("no port sw0->gpu1: {status}"));
+    assert_eq!(
+        into_gpu1["drops_over_mtu"], 2,
+        "counted on the port into gpu1: {into_gpu1}"
+    );
+    let events = text(&closbox(&["events", "lt-mtu"])).0;
+    assert!(
+        events.contains("gpu1 interface mtu 1000 (was 1500; the fabric's 1500): its NIC drops frames longer than 1000 bytes"),
+        "{events}"
+    );
+    set_mtu("gpu1", "1500");
+    assert!(
+        ping("gpu0", "1400", "gpu1"),
+        "gpu1 at the fabric's MTU again"
+    );
+    assert_eq!(f.status()["gpu_mtus"], serde_json::json!([]));
+    let events = text(&closbox(&["events", "lt-mtu"])).0;
+    assert!(
+        events.contains("gpu1 interface mtu 1500 (was 1000): the fabric's again"),
+        "{events}"
     );
     f.down();
 }

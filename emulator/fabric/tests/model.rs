@@ -561,6 +561,56 @@ fn packets_longer_than_the_mtu_are_dropped_where_they_enter() {
     assert_eq!(dropped, 2);
 }
 
+/// A GPU whose interface MTU was lowered below the fabric's: longer frames to it cross the
+/// fabric (their wire time is spent) and its NIC drops them as they arrive, counted on the
+/// port into it; shorter ones and every other GPU's are delivered; its own sends are held
+/// to the fabric's MTU, not its own.
+#[test]
+fn a_gpu_with_a_lower_mtu_drops_longer_frames_as_they_arrive() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    f.enable_flows(16);
+    assert_eq!(f.gpu_mtu(HostId(1)), Some(1500));
+    f.set_gpu_mtu(HostId(1), 1000);
+    assert_eq!(f.gpu_mtu(HostId(1)), Some(1000));
+    assert_eq!(f.gpu_mtu(HostId(2)), Some(1500));
+    assert_eq!(f.gpu_mtu(HostId(4)), None);
+    for (sport, dst, len) in [(1, 1, 1000), (2, 1, 1001), (3, 1, 1500), (4, 2, 1500)] {
+        assert_eq!(
+            send(&mut f, &t, 0, (0, dst), sport, 0, len),
+            Verdict::Accepted
+        );
+    }
+    // gpu1 sends 1,500 bytes: the fabric's MTU holds, not gpu1's own.
+    assert_eq!(send(&mut f, &t, 0, (1, 3), 5, 0, 1500), Verdict::Accepted);
+    let got = run(&mut f);
+    let mut lens: Vec<(u32, usize)> = got.iter().map(|d| (d.dst.0, d.data.len())).collect();
+    lens.sort();
+    assert_eq!(lens, [(1, 1000), (2, 1500), (3, 1500)]);
+    let into1 = port(&t, &f, "sw0", "gpu1");
+    let c = f.port_counters(Instant::from_nanos(500_000));
+    assert_eq!(c[into1.0 as usize].drops.get(DropReason::OverMtu), 2);
+    // The dropped frames were on the wire: the port was busy for all three.
+    let wire = |len: u64| (len + 38) * 8; // bits at 1 Gbit/s: ns
+    assert_eq!(
+        c[into1.0 as usize].busy.as_nanos(),
+        wire(1000) + wire(1001) + wire(1500)
+    );
+    let tot = f.totals(Instant::from_nanos(500_000));
+    assert_eq!(tot.drops.get(DropReason::OverMtu), 2, "{tot:?}");
+    assert_eq!((tot.sent, tot.delivered), (5, 3), "{tot:?}");
+    let (flows, _) = f.flows();
+    let dropped: u64 = flows.iter().map(|(_, c)| c.drops).sum();
+    assert_eq!(dropped, 2);
+    // Back to the fabric's MTU: delivered again.
+    f.set_gpu_mtu(HostId(1), 1500);
+    assert_eq!(
+        send(&mut f, &t, 1_000_000, (0, 1), 6, 0, 1500),
+        Verdict::Accepted
+    );
+    assert_eq!(run(&mut f).len(), 1);
+}
+
 fn trace_of(body: &str, seed: u64) -> Vec<(u64, u64, u32)> {
     let t = parse(
         &format!("[fabric]\nname = \"t\"\nseed = {seed}\n{body}"),

@@ -84,6 +84,8 @@ const SHORT_RECORD_SAMPLES: f64 = 100_000.0;
 const SHORT_LOAD_PACKETS: f64 = 100_000.0;
 const WINDOW_SLOTS: usize = 10;
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Epoll token bit of a GPU's link watch (`links`; the GPU's index below it).
+const LINK_TOKEN: u64 = 1 << 40;
 /// Nice value of the data-plane thread.
 const DATAPLANE_NICE: i32 = -15;
 /// `closbox up --realtime`: the data-plane thread's priority in the real-time FIFO class.
@@ -199,6 +201,9 @@ pub trait Ports {
     fn thread_cpu(&self) -> Option<(u64, u64)> {
         None
     }
+    /// GPUs whose interface MTU their host changed since the last call, each with its
+    /// MTU now (`links`); nothing where no one watches them.
+    fn mtu_changes(&mut self, _out: &mut Vec<(usize, u32)>) {}
 }
 
 /// A packet leaving the fabric.
@@ -300,6 +305,10 @@ pub struct DataPlane<P: Ports> {
     pacer: Option<crate::pace::Pacer>,
     /// The model's `route_epoch` the pacer last heard of.
     route_epoch: u64,
+    /// Each GPU's interface MTU as its host last set it (`Ports::mtu_changes`; 0 until
+    /// one changes), and the changes taken from the ports, reused.
+    gpu_mtus: Vec<u32>,
+    mtu_changes: Vec<(usize, u32)>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -369,6 +378,8 @@ impl<P: Ports> DataPlane<P> {
             cpu: Default::default(),
             pacer: None,
             route_epoch: 0,
+            gpu_mtus: Vec::new(),
+            mtu_changes: Vec::new(),
         }
     }
 
@@ -522,6 +533,10 @@ impl<P: Ports> DataPlane<P> {
             if let Some(on) = rt.after_wait(began, woke) {
                 self.set_realtime(on);
             }
+        }
+        self.ports.mtu_changes(&mut self.mtu_changes);
+        if !self.mtu_changes.is_empty() {
+            self.follow_mtus(woke);
         }
         for &port in &ready {
             self.read_port(port);

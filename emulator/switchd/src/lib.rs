@@ -11,6 +11,7 @@ pub mod control;
 pub mod dataplane;
 pub mod head;
 pub mod histogram;
+pub mod links;
 pub mod metrics;
 pub mod netns;
 pub mod offload;
@@ -182,7 +183,7 @@ pub fn run_fabric(
     let files = 2 * topo.hosts.len() as u64 + 64;
     if let Err(hard) = sys::allow_open_files(files).context("raising the open-file limit")? {
         bail!(
-            "fabric {name} has {} GPUs: its daemon needs up to {files} open files (a TUN per GPU, and its namespace while time_scale auto measures), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or use a smaller fabric",
+            "fabric {name} has {} GPUs: its daemon needs up to {files} open files (a TUN and a link watch per GPU, or a TUN and its namespace while time_scale auto measures), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or use a smaller fabric",
             topo.hosts.len()
         );
     }
@@ -274,14 +275,18 @@ pub fn run_fabric(
     };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
-    let dp = DataPlane::new(
-        topo,
-        TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?,
-        ctl_rx,
-    )
-    .realtime(sched.realtime)
-    .idle_poll(sched.idle_poll)
-    .pacer(pacer);
+    let mut ports = TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?;
+    // Each GPU's interface MTU followed, as its NIC would be (`links`).
+    match netns::watch_links(&st.gpus, &st.tun, topo.fabric.mtu) {
+        Ok(w) => ports = ports.watch_links(w)?,
+        Err(e) => tracing::warn!(
+            "fabric {name}: not following the GPUs' interface MTUs (a GPU that lowers its MTU will still be sent longer frames): {e}"
+        ),
+    }
+    let dp = DataPlane::new(topo, ports, ctl_rx)
+        .realtime(sched.realtime)
+        .idle_poll(sched.idle_poll)
+        .pacer(pacer);
     control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;

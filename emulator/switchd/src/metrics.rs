@@ -355,6 +355,7 @@ pub fn encode(s: &Status) -> String {
             ("buffer_full", p.drops_buffer),
             ("loss", p.drops_loss),
             ("link_down", p.drops_link_down),
+            ("over_mtu", p.drops_over_mtu),
         ] {
             drops
                 .get_or_create(&PortReason {

@@ -18,6 +18,7 @@ use anyhow::Context;
 use closbox_fabric::topology::SwitchId;
 use closbox_fabric::Topology;
 
+use crate::links::LinkWatch;
 use crate::state::{GpuState, State, NETNS_DIR};
 use crate::sys;
 
@@ -101,10 +102,14 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Re
                 .with_context(|| format!("writing {path}"))?;
         }
     }
-    // The fabric carries IPv4 only: keep the kernel's IPv6 chatter off the TUN.
-    let v6 = format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", state.tun);
-    if Path::new(&v6).exists() {
-        fs::write(&v6, "1").with_context(|| format!("writing {v6}"))?;
+    // The fabric carries IPv4 only: keep the kernel's IPv6 chatter off the TUN. The
+    // namespace's default too: an MTU set below 1,280 and back makes the kernel give the
+    // interface a new IPv6 configuration, from the default (lo keeps its ::1).
+    for dev in ["default", state.tun.as_str()] {
+        let v6 = format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6");
+        if Path::new(&v6).exists() {
+            fs::write(&v6, "1").with_context(|| format!("writing {v6}"))?;
+        }
     }
     sys::if_configure(
         &state.tun,
@@ -211,6 +216,27 @@ pub struct TunDrops {
     /// Written by the daemon (delivered), dropped by the GPU's kernel: the interface down,
     /// its backlog full.
     pub rx: u64,
+}
+
+/// A watch on each GPU's interface (`links::LinkWatch`, its MTU now `mtu`), opened from
+/// inside each one's namespace by one thread that enters them in turn.
+pub fn watch_links(gpus: &[GpuState], tun: &str, mtu: u32) -> io::Result<Vec<LinkWatch>> {
+    thread::scope(|s| {
+        s.spawn(|| {
+            gpus.iter()
+                .map(|g| {
+                    use std::os::fd::AsFd;
+                    let ns = fs::File::open(g.netns_path())?;
+                    sys::enter_netns(ns.as_fd())?;
+                    LinkWatch::open(tun, mtu).map_err(|e| {
+                        io::Error::new(e.kind(), format!("watching {tun} in {}: {e}", g.name))
+                    })
+                })
+                .collect()
+        })
+        .join()
+        .map_err(|_| io::Error::other("thread panicked"))?
+    })
 }
 
 /// Reads the TUN's kernel-side drop counters of every GPU in `gpus`, from inside each

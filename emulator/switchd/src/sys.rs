@@ -202,6 +202,37 @@ impl RouteSocket {
     pub fn if_index(&self, name: &str) -> io::Result<u32> {
         Ok(rustix::net::netdevice::name_to_index(&self.0, name)?)
     }
+
+    /// A nonblocking socket that hears of every change to the links of the calling
+    /// thread's namespace (the `RTMGRP_LINK` group: an `RTM_NEWLINK` message each).
+    pub fn watch_links() -> io::Result<RouteSocket> {
+        use rustix::net::{
+            netlink::SocketAddrNetlink, socket_with, AddressFamily, SocketFlags, SocketType,
+        };
+        const RTMGRP_LINK: u32 = 1;
+        let fd = socket_with(
+            AddressFamily::NETLINK,
+            SocketType::RAW,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None, // NETLINK_ROUTE
+        )?;
+        rustix::net::bind(&fd, &SocketAddrNetlink::new(0, RTMGRP_LINK))?;
+        Ok(RouteSocket(fd))
+    }
+
+    /// Receives one datagram if one is there (a nonblocking socket): its length, or
+    /// `None`.
+    pub fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        match rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::empty()) {
+            Ok((n, _)) => Ok(Some(n)),
+            Err(Errno::AGAIN) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
 }
 
 /// Moves the calling thread into the network namespace `fd` refers to.
@@ -334,6 +365,11 @@ impl Epoll {
             epoll::EventFlags::IN,
         )
         .map_err(io::Error::from)
+    }
+
+    /// Stops watching `fd`.
+    pub fn remove(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        epoll::delete(&self.fd, fd).map_err(io::Error::from)
     }
 
     /// Waits up to `timeout_ns` (`None`: forever; 0: poll); returns the ready tokens.

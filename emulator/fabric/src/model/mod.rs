@@ -78,9 +78,11 @@ pub enum DropReason {
     /// The fabric already holds its packet-memory budget (`Fabric::memory_limit`): the
     /// box's limit, not a switch's, so that no traffic pattern exhausts the box.
     MemoryLimit,
-    /// Longer than the fabric's MTU: sent by a GPU whose interface MTU was raised above
-    /// the fabric's. The switch port it enters drops it, as a real one drops a giant frame
-    /// (TCP over such a path stalls on its full-sized segments: a PMTU black hole).
+    /// Longer than an MTU on its way: sent by a GPU whose interface MTU was raised above
+    /// the fabric's, the switch port it enters drops it, as a real one drops a giant frame
+    /// (TCP over such a path stalls on its full-sized segments: a PMTU black hole); sent
+    /// to a GPU whose interface MTU was lowered below it (`Fabric::set_gpu_mtu`), that
+    /// GPU's NIC drops it as it arrives, counted on the port into the GPU.
     OverMtu,
 }
 
@@ -367,6 +369,9 @@ pub struct Fabric {
     hosts: u32,
     addr_base: u32,
     mtu: u32,
+    /// Each GPU's interface MTU where it differs from the fabric's (`set_gpu_mtu`): its
+    /// NIC drops a longer frame as it arrives. Empty while every GPU has the fabric's.
+    gpu_mtu: Vec<u32>,
     l2_overhead: u32,
     slots: Vec<Option<InFlight>>,
     free: Vec<u32>,
@@ -513,6 +518,7 @@ impl Fabric {
             hosts: h,
             addr_base: u32::from(topo.fabric.pool.addr) + 1,
             mtu: topo.fabric.mtu,
+            gpu_mtu: Vec::new(),
             l2_overhead: topo.fabric.l2_overhead,
             slots: Vec::new(),
             free: Vec::new(),
@@ -752,6 +758,10 @@ impl Fabric {
                     let _ = self.forward(t, v, slot);
                 }
             } else if v < self.hosts {
+                if self.gpu_mtu.get(v as usize).is_some_and(|&m| pkt.len > m) {
+                    self.nic_drop_long(t, port, slot);
+                    continue;
+                }
                 let pkt = self.release(slot);
                 debug_assert_eq!(pkt.dst.0, v);
                 self.delivered += 1;
@@ -769,6 +779,51 @@ impl Fabric {
         }
         // Routes due to converge by now do, even when no packet is moving.
         self.converge_by(now);
+    }
+
+    /// GPU `gpu`'s interface MTU is now `mtu` (bytes of IP packet), as its host set it: a
+    /// frame longer than that arriving at the GPU is dropped by its NIC (`OverMtu`, on the
+    /// port into it), as a real NIC sized for its MTU drops it. Frames the GPU sends are
+    /// held to the fabric's MTU whatever its own (a switch drops longer ones). Applies to
+    /// frames arriving from now on.
+    pub fn set_gpu_mtu(&mut self, gpu: HostId, mtu: u32) {
+        let i = gpu.0 as usize;
+        if i >= self.hosts as usize {
+            return;
+        }
+        if self.gpu_mtu.is_empty() {
+            if mtu == self.mtu {
+                return;
+            }
+            self.gpu_mtu = vec![self.mtu; self.hosts as usize];
+        }
+        self.gpu_mtu[i] = mtu;
+        if self.gpu_mtu.iter().all(|&m| m >= self.mtu) {
+            // Longer frames than the fabric's never arrive: nothing to check.
+            self.gpu_mtu.clear();
+        }
+    }
+
+    /// GPU `gpu`'s interface MTU as the model knows it (`set_gpu_mtu`; the fabric's until
+    /// then), or `None` past the last GPU.
+    pub fn gpu_mtu(&self, gpu: HostId) -> Option<u32> {
+        let i = gpu.0 as usize;
+        (i < self.hosts as usize).then(|| self.gpu_mtu.get(i).copied().unwrap_or(self.mtu))
+    }
+
+    /// The frame in `slot`, arrived at `t` through `port` at a GPU whose interface MTU it
+    /// exceeds: dropped there, counted on the port (and tapped, and the flow's).
+    fn nic_drop_long(&mut self, t: Instant, port: PortId, slot: u32) {
+        let pkt = self.release(slot);
+        self.ports[port.0 as usize]
+            .counters
+            .drops
+            .add(DropReason::OverMtu);
+        Flows::drop(&mut self.flows, pkt.flow);
+        if Taps::wants(&self.taps, port, Some(DropReason::OverMtu)) {
+            let taps = self.taps.as_mut().expect("tapped");
+            taps.record(port, t, &pkt, Some(DropReason::OverMtu));
+        }
     }
 
     /// The next packet that has arrived at its GPU, in arrival order.

@@ -737,6 +737,46 @@ impl<P: Ports> DataPlane<P> {
         done
     }
 
+    /// GPUs whose host changed their interface's MTU (`mtu_changes`): the model's port
+    /// into each follows (its NIC drops longer frames), and the event log says so.
+    pub(super) fn follow_mtus(&mut self, wall: StdInstant) {
+        let now = self.fabric_now(wall);
+        let fabric = self.topo.fabric.mtu;
+        let mut changes = std::mem::take(&mut self.mtu_changes);
+        for (gpu, mtu) in changes.drain(..) {
+            if gpu >= self.topo.hosts.len() {
+                continue;
+            }
+            if self.gpu_mtus.len() < self.topo.hosts.len() {
+                self.gpu_mtus.resize(self.topo.hosts.len(), 0);
+            }
+            let was = match self.gpu_mtus[gpu] {
+                0 => fabric,
+                m => m,
+            };
+            self.gpu_mtus[gpu] = mtu;
+            if mtu == was {
+                continue;
+            }
+            self.model
+                .set_gpu_mtu(closbox_fabric::topology::HostId(gpu as u32), mtu);
+            let name = &self.topo.hosts[gpu].name;
+            let what = match mtu.cmp(&fabric) {
+                std::cmp::Ordering::Less => format!(
+                    "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its NIC drops frames longer than {mtu} bytes (over_mtu)"
+                ),
+                std::cmp::Ordering::Equal => {
+                    format!("{name} interface mtu {mtu} (was {was}): the fabric's again")
+                }
+                std::cmp::Ordering::Greater => format!(
+                    "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its frames longer than {fabric} bytes are dropped where they enter (over_mtu)"
+                ),
+            };
+            self.log(now, StdDuration::ZERO, what, None);
+        }
+        self.mtu_changes = changes;
+    }
+
     /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago,
     /// for `timeline` (0 or none: by hand, or the fabric's own).
     fn log(&mut self, at: Instant, ago: StdDuration, what: String, timeline: Option<u64>) -> Event {

@@ -218,6 +218,14 @@ pub struct Status {
     /// is the real one: clients diff two snapshots for the steal during a run.
     #[serde(default)]
     pub box_cpu_ticks: Option<(u64, u64)>,
+    /// The fabric's MTU (bytes of IP packet; 0 from a daemon that did not say).
+    #[serde(default)]
+    pub mtu: u32,
+    /// GPUs whose host set their interface's MTU to other than the fabric's, with that
+    /// MTU: a lower one's NIC drops longer frames as they arrive, a higher one's longer
+    /// frames are dropped where they enter the fabric (both `over_mtu`).
+    #[serde(default)]
+    pub gpu_mtus: Vec<(String, u32)>,
 }
 
 impl Status {
@@ -276,6 +284,10 @@ pub struct PortStatus {
     /// Lost because its link went down (queued, on the wire, or blackholed).
     #[serde(default)]
     pub drops_link_down: u64,
+    /// Longer than the interface MTU of the GPU it leads to (a port into a GPU whose host
+    /// lowered its MTU: the GPU's NIC dropped them).
+    #[serde(default)]
+    pub drops_over_mtu: u64,
     /// Bytes queued now (GPU packets and load), as of the snapshot.
     #[serde(default)]
     pub queue_bytes: u64,
@@ -298,6 +310,17 @@ pub struct PortStatus {
     /// The most bytes the next switch held at once from this port (its ingress).
     #[serde(default)]
     pub max_ingress_bytes: u64,
+}
+
+impl PortStatus {
+    /// Its drops of every kind, the load's included.
+    pub fn drops(&self) -> u64 {
+        self.drops_buffer
+            + self.drops_loss
+            + self.drops_link_down
+            + self.drops_over_mtu
+            + self.load_drops
+    }
 }
 
 /// Why a fabric runs late at `time_scale` and what to do about it, given the scale from
@@ -618,6 +641,7 @@ impl<P: Ports> DataPlane<P> {
                 load_tx_bytes: c.load_tx_bytes,
                 load_drops: c.load_drops,
                 drops_link_down: c.drops.get(DropReason::LinkDown),
+                drops_over_mtu: c.drops.get(DropReason::OverMtu),
                 queue_bytes: 0,
                 class: String::new(),
                 rate_bps: 0,
@@ -737,6 +761,14 @@ impl<P: Ports> DataPlane<P> {
             cpu_recent: self.cpu_recent(cpu),
             thread_cpu_ns: cpu.map(|c| (c.run_ns, c.wait_ns)),
             box_cpu_ticks: cpu.map(|c| c.box_ticks),
+            mtu: self.topo.fabric.mtu,
+            gpu_mtus: self
+                .gpu_mtus
+                .iter()
+                .enumerate()
+                .filter(|&(_, &m)| m != 0 && m != self.topo.fabric.mtu)
+                .map(|(h, &m)| (self.topo.hosts[h].name.clone(), m))
+                .collect(),
         }
     }
 

@@ -8,7 +8,8 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 
 use closbox_fabric::Frame;
 
-use super::{Outgoing, Ports, DATAPLANE_NICE, WAKE_TOKEN};
+use super::{Outgoing, Ports, DATAPLANE_NICE, LINK_TOKEN, WAKE_TOKEN};
+use crate::links::{self, LinkWatch};
 use crate::sys::{self, Epoll, EventFd};
 
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
@@ -51,6 +52,11 @@ pub struct TunPorts {
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
     /// Writes done inline, not reported yet.
     inline_done: Vec<(u64, bool)>,
+    /// Each GPU's interface (`watch_links`; empty: not followed), a buffer to read what
+    /// they say, and the MTU changes heard and not taken yet.
+    links: Vec<LinkWatch>,
+    link_buf: Vec<u8>,
+    mtu_changed: Vec<(usize, u32)>,
 }
 
 /// Buffers super-packets are read into (offload): those whose frames may still be held,
@@ -227,7 +233,36 @@ impl TunPorts {
             writers,
             done_rx: Some(done_rx),
             inline_done: Vec::new(),
+            links: Vec::new(),
+            link_buf: Vec::new(),
+            mtu_changed: Vec::new(),
         })
+    }
+
+    /// Follows each GPU's interface MTU, `watches[i]` GPU `i`'s (`Ports::mtu_changes`).
+    pub fn watch_links(mut self, watches: Vec<LinkWatch>) -> io::Result<TunPorts> {
+        for (i, w) in watches.iter().enumerate() {
+            self.epoll.add(w.fd(), LINK_TOKEN | i as u64)?;
+        }
+        self.links = watches;
+        self.link_buf = vec![0; links::BUF];
+        Ok(self)
+    }
+
+    /// Reads what GPU `i`'s link watch heard. A watch that fails is dropped from the
+    /// wait (it would wake it for ever), said once in the log.
+    fn read_link(&mut self, i: usize) {
+        let Some(w) = self.links.get_mut(i) else {
+            return;
+        };
+        match w.drain(&mut self.link_buf) {
+            Ok(Some(mtu)) => self.mtu_changed.push((i, mtu)),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("port {i}: no longer following its interface's MTU: {e}");
+                let _ = self.epoll.remove(w.fd());
+            }
+        }
     }
 
     /// The writer threads a box with `cores` cores gets: a core for the data plane's
@@ -319,9 +354,12 @@ impl Ports for TunPorts {
         self.tokens.clear();
         self.tokens
             .extend(self.epoll.wait(Some(timeout.as_nanos() as u64))?);
-        for &t in &self.tokens {
+        for k in 0..self.tokens.len() {
+            let t = self.tokens[k];
             if t == WAKE_TOKEN {
                 self.wake.drain();
+            } else if t & LINK_TOKEN != 0 {
+                self.read_link((t & !LINK_TOKEN) as usize);
             } else {
                 ready.push(t as usize);
             }
@@ -448,6 +486,10 @@ impl Ports for TunPorts {
 
     fn thread_cpu(&self) -> Option<(u64, u64)> {
         sys::thread_cpu_ns().ok()
+    }
+
+    fn mtu_changes(&mut self, out: &mut Vec<(usize, u32)>) {
+        out.append(&mut self.mtu_changed);
     }
 }
 

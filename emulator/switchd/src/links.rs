@@ -1,0 +1,180 @@
+//! What a GPU's host does to its own interface that the fabric follows: its MTU. A real
+//! NIC sized for a lowered MTU drops longer frames as they arrive, while a TUN takes
+//! whatever it is written. A netlink socket in each GPU's namespace hears of the change
+//! when `ip link set cb0 mtu N` makes it; the data plane tells the model
+//! (`Fabric::set_gpu_mtu`), whose port into that GPU then drops longer frames as its NIC
+//! would (`over_mtu`).
+
+use std::io;
+use std::os::fd::BorrowedFd;
+
+use crate::sys::RouteSocket;
+
+/// Receive buffer for link messages (an `RTM_NEWLINK` with its statistics and per-family
+/// attributes is 1–2 KiB).
+pub const BUF: usize = 16 << 10;
+
+/// One GPU's interface, watched from inside its namespace.
+#[derive(Debug)]
+pub struct LinkWatch {
+    sock: RouteSocket,
+    index: u32,
+    mtu: u32,
+}
+
+impl LinkWatch {
+    /// Watches interface `name`, whose MTU is `mtu` now, in the calling thread's network
+    /// namespace. It asks the kernel for the interface once: a change made before the
+    /// socket listened is in the reply, which the first `drain` reads.
+    pub fn open(name: &str, mtu: u32) -> io::Result<LinkWatch> {
+        let sock = RouteSocket::watch_links()?;
+        let index = sock.if_index(name)?;
+        let w = LinkWatch { sock, index, mtu };
+        w.ask()?;
+        Ok(w)
+    }
+
+    fn ask(&self) -> io::Result<()> {
+        self.sock.send(&get_link(self.index))
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.sock.fd()
+    }
+
+    /// Reads what the kernel said since the last call (`buf`: scratch of `BUF` bytes):
+    /// the interface's MTU if it is not what the last call returned. Where messages were
+    /// lost (the socket's buffer overflowed), asks again.
+    pub fn drain(&mut self, buf: &mut [u8]) -> io::Result<Option<u32>> {
+        let mut latest = None;
+        loop {
+            match self.sock.try_recv(buf) {
+                Ok(Some(n)) => {
+                    if let Some(m) = link_mtu(&buf[..n.min(buf.len())], self.index) {
+                        latest = Some(m);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.ask()?,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(latest.filter(|&m| m != self.mtu).inspect(|&m| self.mtu = m))
+    }
+}
+
+/// An `RTM_GETLINK` request for interface `index`: a netlink header and an `ifinfomsg`.
+fn get_link(index: u32) -> [u8; 32] {
+    let mut m = [0u8; 32];
+    m[0..4].copy_from_slice(&32u32.to_ne_bytes());
+    m[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
+    m[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    // Sequence 0, port id 0 (the kernel's); ifinfomsg: family AF_UNSPEC, type 0, then
+    // the index.
+    m[20..24].copy_from_slice(&index.to_ne_bytes());
+    m
+}
+
+/// The MTU that the last `RTM_NEWLINK` message about interface `index` in `buf` (one
+/// netlink datagram, perhaps several messages) gives; `None` if none does. Short or
+/// malformed messages end the walk.
+pub fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
+    const NLMSG_HDR: usize = 16;
+    const IFINFOMSG: usize = 16;
+    let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
+    let u32_at = |b: &[u8], i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().expect("4"));
+    let mut found = None;
+    let mut at = 0;
+    while at + NLMSG_HDR <= buf.len() {
+        let len = u32_at(buf, at) as usize;
+        if len < NLMSG_HDR || at + len > buf.len() {
+            break;
+        }
+        let msg = &buf[at..at + len];
+        if u16_at(msg, 4) == libc::RTM_NEWLINK
+            && msg.len() >= NLMSG_HDR + IFINFOMSG
+            && u32_at(msg, NLMSG_HDR + 4) == index
+        {
+            let mut a = NLMSG_HDR + IFINFOMSG;
+            while a + 4 <= msg.len() {
+                let alen = u16_at(msg, a) as usize;
+                if alen < 4 || a + alen > msg.len() {
+                    break;
+                }
+                // The type's top bits are flags (nested, byte order).
+                if u16_at(msg, a + 2) & 0x3fff == libc::IFLA_MTU && alen >= 8 {
+                    found = Some(u32_at(msg, a + 4));
+                }
+                a += (alen + 3) & !3;
+            }
+        }
+        at += (len + 3) & !3;
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An RTM_NEWLINK message for `index` with the given (type, payload) attributes.
+    fn newlink(index: u32, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+        let mut m = vec![0u8; 32];
+        m[4..6].copy_from_slice(&libc::RTM_NEWLINK.to_ne_bytes());
+        m[20..24].copy_from_slice(&index.to_ne_bytes());
+        for (ty, data) in attrs {
+            m.extend_from_slice(&((4 + data.len()) as u16).to_ne_bytes());
+            m.extend_from_slice(&ty.to_ne_bytes());
+            m.extend_from_slice(data);
+            while m.len() % 4 != 0 {
+                m.push(0);
+            }
+        }
+        let len = m.len() as u32;
+        m[0..4].copy_from_slice(&len.to_ne_bytes());
+        m
+    }
+
+    #[test]
+    fn the_mtu_of_the_watched_interface_is_read_from_link_messages() {
+        let name: &[u8] = b"cb0\0";
+        let a = newlink(
+            7,
+            &[
+                (libc::IFLA_IFNAME, name),
+                (libc::IFLA_MTU, &1000u32.to_ne_bytes()),
+            ],
+        );
+        assert_eq!(link_mtu(&a, 7), Some(1000));
+        // Another interface's, or none given: nothing.
+        assert_eq!(link_mtu(&a, 8), None);
+        assert_eq!(link_mtu(&newlink(7, &[(libc::IFLA_IFNAME, name)]), 7), None);
+        // Several messages in one datagram: the last one about the interface wins.
+        let mut two = a.clone();
+        two.extend(newlink(7, &[(libc::IFLA_MTU, &9000u32.to_ne_bytes())]));
+        two.extend(newlink(3, &[(libc::IFLA_MTU, &68u32.to_ne_bytes())]));
+        assert_eq!(link_mtu(&two, 7), Some(9000));
+        assert_eq!(link_mtu(&two, 3), Some(68));
+        // Cut short anywhere, or with lengths that lie: no panic, no made-up value.
+        for cut in 0..two.len() {
+            let got = link_mtu(&two[..cut], 7);
+            assert!(
+                got.is_none() || got == Some(1000) || got == Some(9000),
+                "{cut}: {got:?}"
+            );
+        }
+        let mut liar = a.clone();
+        liar[32..34].copy_from_slice(&200u16.to_ne_bytes());
+        assert_eq!(link_mtu(&liar, 7), None);
+        liar[0..4].copy_from_slice(&4u32.to_ne_bytes());
+        assert_eq!(link_mtu(&liar, 7), None);
+    }
+
+    #[test]
+    fn the_request_asks_for_one_interface() {
+        let r = get_link(42);
+        assert_eq!(u32::from_ne_bytes(r[0..4].try_into().unwrap()), 32);
+        assert_eq!(u16::from_ne_bytes([r[4], r[5]]), libc::RTM_GETLINK);
+        assert_eq!(u32::from_ne_bytes(r[20..24].try_into().unwrap()), 42);
+    }
+}
