@@ -879,7 +879,8 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
         assert!(err.contains(&format!("{var}=\"{value}\"")), "{err}");
         assert!(leftovers("lt-env").is_empty(), "{:?}", leftovers("lt-env"));
     }
-    // Beyond the open-file limit (a TUN per GPU, their namespaces while `auto` measures):
+    // Beyond the open-file limit (a TUN and a netlink socket per GPU, their namespaces
+    // while `auto` measures):
     // refused before anything is created, naming the limit. (It failed half-way, "Too many
     // open files" blamed on the GPU's TCP congestion control, at GPU 888 of 1,280 under
     // the usual 1,024.) Under a soft limit with room below the hard one, the limit is raised.
@@ -902,7 +903,7 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
     assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
     let err = text(&out).1;
     assert!(
-        err.contains("needs up to 184 open files") && err.contains("at most 100"),
+        err.contains("needs up to 244 open files") && err.contains("at most 100"),
         "{err}"
     );
     assert!(

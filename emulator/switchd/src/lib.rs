@@ -176,14 +176,14 @@ pub fn run_fabric(
             );
         }
     }
-    // The daemon keeps each GPU's TUN open, and while `auto` measures the box each GPU's
-    // namespace too: a fabric beyond the open-file limit failed half-way ("Too many open
+    // The daemon keeps each GPU's TUN and a netlink socket in its namespace open
+    // (`links`), and while `auto` measures the box each GPU's namespace too: a fabric beyond the open-file limit failed half-way ("Too many open
     // files" at GPU 888 of 1,280 under the usual 1,024), so the soft limit is raised to
     // what it needs, and a fabric the hard limit cannot hold is refused here.
-    let files = 2 * topo.hosts.len() as u64 + 64;
+    let files = 3 * topo.hosts.len() as u64 + 64;
     if let Err(hard) = sys::allow_open_files(files).context("raising the open-file limit")? {
         bail!(
-            "fabric {name} has {} GPUs: its daemon needs up to {files} open files (a TUN and a link watch per GPU, or a TUN and its namespace while time_scale auto measures), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or use a smaller fabric",
+            "fabric {name} has {} GPUs: its daemon needs up to {files} open files (a TUN and a netlink socket per GPU, and its namespace while time_scale auto measures), but this process may open at most {hard} (`ulimit -Hn`); raise the limit (as root: `ulimit -n {files}`) or use a smaller fabric",
             topo.hosts.len()
         );
     }
@@ -224,7 +224,7 @@ pub fn run_fabric(
         state::kill_gpu_processes(st, Duration::from_secs(2));
         state::remove_objects(st)
     };
-    let tuns = match netns::create_all(&st, topo, offload) {
+    let (tuns, watches) = match netns::create_all(&st, topo, offload) {
         Ok(t) => t,
         Err(e) => {
             if let Err(e2) = teardown(&st) {
@@ -275,14 +275,8 @@ pub fn run_fabric(
     };
     let wake = Arc::new(EventFd::new()?);
     let (ctl_tx, ctl_rx) = mpsc::channel();
-    let mut ports = TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?;
     // Each GPU's interface MTU followed, as its NIC would be (`links`).
-    match netns::watch_links(&st.gpus, &st.tun, topo.fabric.mtu) {
-        Ok(w) => ports = ports.watch_links(w)?,
-        Err(e) => tracing::warn!(
-            "fabric {name}: not following the GPUs' interface MTUs (a GPU that lowers its MTU will still be sent longer frames): {e}"
-        ),
-    }
+    let ports = TunPorts::new(tuns, Arc::clone(&wake), offload, writers)?.watch_links(watches)?;
     let dp = DataPlane::new(topo, ports, ctl_rx)
         .realtime(sched.realtime)
         .idle_poll(sched.idle_poll)

@@ -24,14 +24,11 @@ pub struct LinkWatch {
 
 impl LinkWatch {
     /// Watches interface `name`, whose MTU is `mtu` now, in the calling thread's network
-    /// namespace. It asks the kernel for the interface once: a change made before the
-    /// socket listened is in the reply, which the first `drain` reads.
+    /// namespace (opened where nothing else can change it meanwhile: the GPU's build).
     pub fn open(name: &str, mtu: u32) -> io::Result<LinkWatch> {
         let sock = RouteSocket::watch_links()?;
         let index = sock.if_index(name)?;
-        let w = LinkWatch { sock, index, mtu };
-        w.ask()?;
-        Ok(w)
+        Ok(LinkWatch { sock, index, mtu })
     }
 
     fn ask(&self) -> io::Result<()> {

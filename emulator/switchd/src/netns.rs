@@ -52,7 +52,12 @@ fn mount_point(path: &Path) -> anyhow::Result<()> {
 }
 
 /// Builds one GPU in the calling thread, which it leaves in the GPU's namespaces.
-fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Result<OwnedFd> {
+fn build_gpu(
+    state: &State,
+    g: &GpuState,
+    mtu: u32,
+    offload: bool,
+) -> anyhow::Result<(OwnedFd, LinkWatch)> {
     let netns = g.netns_path();
     mount_point(&netns)?;
     sys::unshare_net().context("unshare(net)")?;
@@ -118,7 +123,9 @@ fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Re
         Some(TUN_TXQUEUELEN),
     )
     .with_context(|| format!("configuring {}", state.tun))?;
-    Ok(tun)
+    let watch = LinkWatch::open(&state.tun, mtu)
+        .with_context(|| format!("watching {}'s MTU", state.tun))?;
+    Ok((tun, watch))
 }
 
 /// Each GPU's /etc/hosts (the GPUs, and the switches by the addresses their ICMP errors
@@ -148,14 +155,20 @@ fn write_etc(state: &State, topo: &Topology) -> anyhow::Result<()> {
 
 /// Creates every GPU of `state` (which must already be saved); returns the TUN fds in GPU
 /// order. On error, what was created stays recorded in the state for removal.
-pub fn create_all(state: &State, topo: &Topology, offload: bool) -> anyhow::Result<Vec<OwnedFd>> {
+/// Builds every GPU: its TUN, and a watch on its interface (`links`), in GPU order.
+pub fn create_all(
+    state: &State,
+    topo: &Topology,
+    offload: bool,
+) -> anyhow::Result<(Vec<OwnedFd>, Vec<LinkWatch>)> {
     let mtu = topo.fabric.mtu;
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
     write_etc(state, topo)?;
-    let mut tuns: Vec<Option<OwnedFd>> = (0..state.gpus.len()).map(|_| None).collect();
+    let mut built: Vec<Option<(OwnedFd, LinkWatch)>> =
+        (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
-    let results: Vec<anyhow::Result<Vec<(usize, OwnedFd)>>> = thread::scope(|s| {
+    let results: Vec<anyhow::Result<Vec<(usize, (OwnedFd, LinkWatch))>>> = thread::scope(|s| {
         let handles: Vec<_> = (0..state.gpus.len())
             .step_by(chunk)
             .map(|start| {
@@ -182,14 +195,14 @@ pub fn create_all(state: &State, topo: &Topology, offload: bool) -> anyhow::Resu
             .collect()
     });
     for r in results {
-        for (i, fd) in r? {
-            tuns[i] = Some(fd);
+        for (i, gpu) in r? {
+            built[i] = Some(gpu);
         }
     }
-    Ok(tuns
+    Ok(built
         .into_iter()
         .map(|t| t.expect("every GPU built"))
-        .collect())
+        .unzip())
 }
 
 /// Opens a GPU's namespaces for entering (exec/run), checking they exist.
@@ -216,27 +229,6 @@ pub struct TunDrops {
     /// Written by the daemon (delivered), dropped by the GPU's kernel: the interface down,
     /// its backlog full.
     pub rx: u64,
-}
-
-/// A watch on each GPU's interface (`links::LinkWatch`, its MTU now `mtu`), opened from
-/// inside each one's namespace by one thread that enters them in turn.
-pub fn watch_links(gpus: &[GpuState], tun: &str, mtu: u32) -> io::Result<Vec<LinkWatch>> {
-    thread::scope(|s| {
-        s.spawn(|| {
-            gpus.iter()
-                .map(|g| {
-                    use std::os::fd::AsFd;
-                    let ns = fs::File::open(g.netns_path())?;
-                    sys::enter_netns(ns.as_fd())?;
-                    LinkWatch::open(tun, mtu).map_err(|e| {
-                        io::Error::new(e.kind(), format!("watching {tun} in {}: {e}", g.name))
-                    })
-                })
-                .collect()
-        })
-        .join()
-        .map_err(|_| io::Error::other("thread panicked"))?
-    })
 }
 
 /// Reads the TUN's kernel-side drop counters of every GPU in `gpus`, from inside each
