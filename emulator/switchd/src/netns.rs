@@ -52,12 +52,7 @@ fn mount_point(path: &Path) -> anyhow::Result<()> {
 }
 
 /// Builds one GPU in the calling thread, which it leaves in the GPU's namespaces.
-fn build_gpu(
-    state: &State,
-    g: &GpuState,
-    mtu: u32,
-    offload: bool,
-) -> anyhow::Result<(OwnedFd, LinkWatch)> {
+fn build_gpu(state: &State, g: &GpuState, mtu: u32, offload: bool) -> anyhow::Result<Built> {
     let netns = g.netns_path();
     mount_point(&netns)?;
     sys::unshare_net().context("unshare(net)")?;
@@ -155,7 +150,10 @@ fn write_etc(state: &State, topo: &Topology) -> anyhow::Result<()> {
 
 /// Creates every GPU of `state` (which must already be saved); returns the TUN fds in GPU
 /// order. On error, what was created stays recorded in the state for removal.
-/// Builds every GPU: its TUN, and a watch on its interface (`links`), in GPU order.
+/// A GPU built: its TUN, and a watch on its interface (`links`).
+type Built = (OwnedFd, LinkWatch);
+
+/// Builds every GPU, in GPU order.
 pub fn create_all(
     state: &State,
     topo: &Topology,
@@ -165,10 +163,9 @@ pub fn create_all(
     prepare_netns_dir()?;
     crate::state::prepare_fabric_dir(&state.fabric)?;
     write_etc(state, topo)?;
-    let mut built: Vec<Option<(OwnedFd, LinkWatch)>> =
-        (0..state.gpus.len()).map(|_| None).collect();
+    let mut built: Vec<Option<Built>> = (0..state.gpus.len()).map(|_| None).collect();
     let chunk = state.gpus.len().div_ceil(PARALLEL).max(1);
-    let results: Vec<anyhow::Result<Vec<(usize, (OwnedFd, LinkWatch))>>> = thread::scope(|s| {
+    let results: Vec<anyhow::Result<Vec<(usize, Built)>>> = thread::scope(|s| {
         let handles: Vec<_> = (0..state.gpus.len())
             .step_by(chunk)
             .map(|start| {
