@@ -14,6 +14,8 @@ struct MemPorts {
     inbox: Vec<std::collections::VecDeque<(StdDuration, Vec<u8>)>>,
     sent: Vec<(usize, StdDuration, Frame)>,
     done: Vec<(u64, bool)>,
+    /// Interface MTUs the GPUs' hosts set, handed over at the next wait.
+    mtus: Vec<(usize, u32)>,
 }
 
 impl MemPorts {
@@ -24,6 +26,7 @@ impl MemPorts {
             inbox: vec![Default::default(); n],
             sent: Vec::new(),
             done: Vec::new(),
+            mtus: Vec::new(),
         }
     }
 }
@@ -75,6 +78,10 @@ impl Ports for MemPorts {
 
     fn finished(&mut self, done: &mut Vec<(u64, bool)>) {
         done.append(&mut self.done);
+    }
+
+    fn mtu_changes(&mut self, out: &mut Vec<(usize, u32)>) {
+        out.append(&mut self.mtus);
     }
 }
 
@@ -1193,4 +1200,60 @@ fn shortest_gpu_path_is_through_one_leaf_or_one_link() {
     assert_eq!(shortest(ls), 800);
     let mesh = "[topology]\nkind = \"full-mesh\"\ngpus = 3\n[links.nic]\ndelay = \"2us\"\n";
     assert_eq!(shortest(mesh), 2000);
+}
+
+#[test]
+fn a_gpus_interface_mtu_is_followed_said_and_undone() {
+    let (mut dp, t) = plane(TWO);
+    // gpu1's host lowers its MTU; a change to a GPU that does not exist is ignored.
+    dp.ports.mtus = vec![(1, 1000), (7, 100)];
+    dp.step();
+    assert_eq!(
+        dp.model.gpu_mtu(closbox_fabric::topology::HostId(1)),
+        Some(1000)
+    );
+    assert_eq!(dp.status().gpu_mtus, [("gpu1".to_string(), 1000)]);
+    for (at, len) in [(5, 1000), (6, 1001), (7, 1400)] {
+        dp.ports.inbox[0].push_back((StdDuration::from_micros(at), udp(&t, 0, 1, len)));
+    }
+    for _ in 0..1000 {
+        dp.step();
+    }
+    let lens: Vec<usize> = dp.ports.sent.iter().map(|s| s.2.len()).collect();
+    assert_eq!(lens, [1000]);
+    let st = dp.status();
+    let drops: std::collections::BTreeMap<String, u64> = st.drops.iter().cloned().collect();
+    assert_eq!(drops["over_mtu"], 2);
+    let into1 = st.ports.iter().find(|p| p.port == "sw0->gpu1").unwrap();
+    assert_eq!(into1.drops_over_mtu, 2);
+    assert_eq!(into1.drops(), 2);
+    // The same MTU again says nothing; back to the fabric's, said and undone.
+    dp.ports.mtus = vec![(1, 1000)];
+    dp.step();
+    dp.ports.mtus = vec![(1, 1500)];
+    dp.step();
+    let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
+    assert_eq!(
+        whats,
+        [
+            "gpu1 interface mtu 1000 (was 1500; the fabric's 1500): its NIC drops frames longer than 1000 bytes (over_mtu)",
+            "gpu1 interface mtu 1500 (was 1000): the fabric's again",
+        ]
+    );
+    assert!(dp.status().gpu_mtus.is_empty());
+    dp.ports.inbox[0].push_back((dp.ports.elapsed, udp(&t, 0, 1, 1400)));
+    for _ in 0..1000 {
+        dp.step();
+    }
+    assert_eq!(dp.ports.sent.len(), 2);
+    // A raised MTU is listed too (its longer frames are dropped where they enter).
+    dp.ports.mtus = vec![(0, 9000)];
+    dp.step();
+    assert_eq!(dp.status().gpu_mtus, [("gpu0".to_string(), 9000)]);
+    assert!(dp
+        .events
+        .last()
+        .unwrap()
+        .what
+        .contains("its frames longer than 1500 bytes are dropped where they enter"));
 }
