@@ -830,6 +830,47 @@ fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
     f.down();
 }
 
+/// A GPU that deletes its own interface (`ip link del cb0`, a NIC pulled out): every read
+/// of its TUN fails from then on, and the daemon spun on them, writing a warning per
+/// read (180 MB of log in a second, a CPU at 100 %). Its port is now closed once, said in
+/// the log and the events, and the rest of the fabric carries on; `down` leaves nothing.
+#[test]
+fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-del", "[topology]\nkind = \"single-switch\"\ngpus = 3\n");
+    let out = f.exec("gpu1", &["ip", "link", "del", "cb0"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", "1", "gpu1"]);
+    assert!(
+        !out.status.success(),
+        "gpu1 has no interface: {:?}",
+        text(&out)
+    );
+    let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", "2", "gpu2"]);
+    assert!(
+        out.status.success(),
+        "the others carry on: {:?}",
+        text(&out)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let log = std::fs::read_to_string("/run/closbox/logs/lt-del.log").expect("the daemon's log");
+    assert_eq!(
+        log.matches("port closed").count(),
+        1,
+        "said once: {}",
+        &log[..log.len().min(4000)]
+    );
+    let events = text(&closbox(&["events", "lt-del"])).0;
+    assert!(
+        events.contains("gpu1's port closed: reading its TUN failed"),
+        "{events}"
+    );
+    f.down();
+}
+
 #[test]
 fn up_refuses_what_cannot_fit_before_creating_anything() {
     let _s = serial();

@@ -186,7 +186,8 @@ pub trait Ports {
     /// may have input (a wake-up with none is fine: the loop looks at its control queue).
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()>;
     /// One packet (a frame the fabric carries) from `port` and the wall time it was read
-    /// (frames cut from one super-packet share it); `Ok(None)` when it has none.
+    /// (frames cut from one super-packet share it); `Ok(None)` when it has none. An error
+    /// closes the port for good: it is not waited on or read again.
     fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>>;
     /// Packets due now, each to its port at its wall time `due` (the buffers are the
     /// ports' now; `out` is left empty). Writes may happen later, on other threads, and
@@ -557,8 +558,15 @@ impl<P: Ports> DataPlane<P> {
                 }
                 Ok(None) => return,
                 Err(e) => {
+                    // The port is closed (`Ports::recv`): said once, in the log of events.
                     self.io_errors += 1;
-                    tracing::warn!("reading the port of GPU {host}: {e}");
+                    let name = self.topo.hosts.get(host).map_or("?", |h| h.name.as_str());
+                    let what = format!(
+                        "{name}'s port closed: reading its TUN failed: {e} (its interface deleted inside its namespace?); frames to it fail as I/O errors"
+                    );
+                    tracing::warn!("fabric {}: {what}", self.name);
+                    let now = self.fabric_now(self.ports.now());
+                    self.log_event(now, what);
                     return;
                 }
             }

@@ -772,9 +772,14 @@ impl<P: Ports> DataPlane<P> {
                     "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its frames longer than {fabric} bytes are dropped where they enter (over_mtu)"
                 ),
             };
-            self.log(now, StdDuration::ZERO, what, None);
+            self.log_event(now, what);
         }
         self.mtu_changes = changes;
+    }
+
+    /// Adds `what`, which the fabric did of its own at fabric time `at`, to the event log.
+    pub(super) fn log_event(&mut self, at: Instant, what: String) {
+        self.log(at, StdDuration::ZERO, what, None);
     }
 
     /// Adds to the event log what happened at fabric time `at`, `ago` of wall time ago,

@@ -57,6 +57,9 @@ pub struct TunPorts {
     links: Vec<LinkWatch>,
     link_buf: Vec<u8>,
     mtu_changed: Vec<(usize, u32)>,
+    /// Ports whose TUN failed a read (its device deleted inside the GPU's namespace
+    /// makes every read fail): no longer waited on or read.
+    closed: Vec<bool>,
 }
 
 /// Buffers super-packets are read into (offload): those whose frames may still be held,
@@ -236,6 +239,7 @@ impl TunPorts {
             links: Vec::new(),
             link_buf: Vec::new(),
             mtu_changed: Vec::new(),
+            closed: Vec::new(),
         })
     }
 
@@ -333,48 +337,9 @@ impl TunPorts {
             self.inline_done.extend((0..n).map(|_| (0, true)));
         }
     }
-}
 
-impl Ports for TunPorts {
-    fn count(&self) -> usize {
-        self.tuns.len()
-    }
-
-    fn now(&self) -> StdInstant {
-        StdInstant::now()
-    }
-
-    fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
-        // Frames already cut and waiting: no sleeping, and their ports are ready.
-        let timeout = if self.rx_waiting > 0 {
-            StdDuration::ZERO
-        } else {
-            timeout
-        };
-        self.tokens.clear();
-        self.tokens
-            .extend(self.epoll.wait(Some(timeout.as_nanos() as u64))?);
-        for k in 0..self.tokens.len() {
-            let t = self.tokens[k];
-            if t == WAKE_TOKEN {
-                self.wake.drain();
-            } else if t & LINK_TOKEN != 0 {
-                self.read_link((t & !LINK_TOKEN) as usize);
-            } else {
-                ready.push(t as usize);
-            }
-        }
-        if self.rx_waiting > 0 {
-            for (p, q) in self.rx_frames.iter().enumerate() {
-                if !q.is_empty() && !ready.contains(&p) {
-                    ready.push(p);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>> {
+    /// The next frame from `port` (`Ports::recv`).
+    fn read_frame(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>> {
         if let Some(f) = self.rx_frames[port].pop_front() {
             if self.rx_frames[port].is_empty() {
                 self.rx_waiting -= 1;
@@ -434,6 +399,63 @@ impl Ports for TunPorts {
             self.read_bufs.used(buf);
         }
         Ok(first.map(|f| (f, at)))
+    }
+}
+
+impl Ports for TunPorts {
+    fn count(&self) -> usize {
+        self.tuns.len()
+    }
+
+    fn now(&self) -> StdInstant {
+        StdInstant::now()
+    }
+
+    fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
+        // Frames already cut and waiting: no sleeping, and their ports are ready.
+        let timeout = if self.rx_waiting > 0 {
+            StdDuration::ZERO
+        } else {
+            timeout
+        };
+        self.tokens.clear();
+        self.tokens
+            .extend(self.epoll.wait(Some(timeout.as_nanos() as u64))?);
+        for k in 0..self.tokens.len() {
+            let t = self.tokens[k];
+            if t == WAKE_TOKEN {
+                self.wake.drain();
+            } else if t & LINK_TOKEN != 0 {
+                self.read_link((t & !LINK_TOKEN) as usize);
+            } else {
+                ready.push(t as usize);
+            }
+        }
+        if self.rx_waiting > 0 {
+            for (p, q) in self.rx_frames.iter().enumerate() {
+                if !q.is_empty() && !ready.contains(&p) {
+                    ready.push(p);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, port: usize) -> io::Result<Option<(Frame, StdInstant)>> {
+        if self.closed.get(port).copied().unwrap_or(false) {
+            return Ok(None);
+        }
+        let got = self.read_frame(port);
+        if got.is_err() {
+            // A TUN read fails only for good (its device was deleted: EBADFD): the port
+            // is closed, or the level-triggered wait would report it ready for ever.
+            if self.closed.len() < self.tuns.len() {
+                self.closed.resize(self.tuns.len(), false);
+            }
+            self.closed[port] = true;
+            let _ = self.epoll.remove(self.tuns[port].as_fd());
+        }
+        got
     }
 
     fn send(&mut self, out: &mut Vec<Outgoing>) {
