@@ -868,6 +868,27 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         events.contains("gpu1's port closed: reading its TUN failed"),
         "{events}"
     );
+    // A GPU whose host removed the qdisc that paces its non-TCP packets gets it back at
+    // the next change of its link (a change of rates alone failed on the missing
+    // classes, and pacing stayed off).
+    let out = f.exec("gpu2", &["tc", "qdisc", "del", "dev", "cb0", "root"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox(&[
+        "link", "set", "-f", "lt-del", "gpu2", "sw0", "--rate", "100Mbit",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let mut classes = String::new();
+    for _ in 0..50 {
+        classes = text(&f.exec("gpu2", &["tc", "class", "show", "dev", "cb0"])).0;
+        if classes.contains("rate 100Mbit") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        classes.contains("htb") && classes.contains("rate 100Mbit"),
+        "{classes}"
+    );
     f.down();
 }
 

@@ -389,8 +389,11 @@ impl Pacer {
                         let done = std::fs::File::open(g.netns_path())
                             .and_then(|ns| sys::enter_netns(ns.as_fd()))
                             .and_then(|()| {
-                                if rates_only {
-                                    set_rates(&tun, p)
+                                // Rates alone where the classes are as laid; laid anew
+                                // where they are not (the GPU's host removed or replaced
+                                // its qdisc: `tc qdisc del dev cb0 root`).
+                                if rates_only && set_rates(&tun, p).is_ok() {
+                                    Ok(())
                                 } else {
                                     reinstall(&tun, p)
                                 }
