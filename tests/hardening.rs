@@ -833,14 +833,28 @@ fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
 /// A GPU that deletes its own interface (`ip link del cb0`, a NIC pulled out): every read
 /// of its TUN fails from then on, and the daemon spun on them, writing a warning per
 /// read (180 MB of log in a second, a CPU at 100 %). Its port is now closed once, said in
-/// the log and the events, and the rest of the fabric carries on; `down` leaves nothing.
+/// the log and the events, and the rest of the fabric carries on; `down` leaves nothing,
+/// also of a TUN that a GPU moved into the host's namespace.
 #[test]
 fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
     let _s = serial();
     if !root_or_skip() {
         return;
     }
-    let f = TestFabric::up("lt-del", "[topology]\nkind = \"single-switch\"\ngpus = 3\n");
+    let f = TestFabric::up("lt-del", "[topology]\nkind = \"single-switch\"\ngpus = 4\n");
+    // gpu3 moves its interface into the host's namespace (root in a GPU may): the TUN
+    // went with the GPU's namespace before; there it would outlive `down` (persistent).
+    let host_tuns = || {
+        let out = Command::new("ip")
+            .args(["-d", "-o", "link", "show", "type", "tun"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = host_tuns();
+    let out = f.exec("gpu3", &["ip", "link", "set", "cb0", "netns", "1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_ne!(host_tuns(), before, "gpu3's TUN is in the host now");
     let out = f.exec("gpu1", &["ip", "link", "del", "cb0"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", "1", "gpu1"]);
@@ -890,6 +904,7 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         "{classes}"
     );
     f.down();
+    assert_eq!(host_tuns(), before, "gpu3's TUN went with the fabric");
 }
 
 #[test]

@@ -326,7 +326,18 @@ pub fn run_fabric(
     st.phase = Phase::Stopping;
     let _ = st.save();
     tracing::info!("fabric {name}: stopping; removing what up made");
+    let moved = netns::moved_tuns(&st, &tuns);
     let result = teardown(&st);
     drop(tuns);
+    for (gpu, err) in moved {
+        match err {
+            None => {
+                tracing::info!("fabric {name}: {gpu}'s TUN, moved out of its namespace, removed")
+            }
+            Some(e) => tracing::warn!(
+                "fabric {name}: {gpu}'s TUN was moved out of its namespace and may be left: {e}"
+            ),
+        }
+    }
     result
 }

@@ -228,6 +228,27 @@ pub struct TunDrops {
     pub rx: u64,
 }
 
+/// TUNs that a process in their GPU moved out of its namespace (`ip link set cb0 netns
+/// 1`, which root in a GPU may do), made to go with their descriptor: the others go with
+/// their namespaces at teardown, these would outlive it (persistent, in another
+/// namespace). Each such GPU, with the error if it could not be done. `tuns[i]` is GPU
+/// `i`'s; a device already deleted is skipped.
+pub fn moved_tuns(state: &State, tuns: &[OwnedFd]) -> Vec<(String, Option<String>)> {
+    use std::os::fd::AsFd;
+    let mut moved = Vec::new();
+    for (g, tun) in state.gpus.iter().zip(tuns) {
+        let (Ok(now), Ok(home)) = (sys::tun_netns(tun.as_fd()), sys::netns_id(&g.netns_path()))
+        else {
+            continue;
+        };
+        if now != home {
+            let err = sys::tun_not_persistent(tun.as_fd()).err();
+            moved.push((g.name.clone(), err.map(|e| e.to_string())));
+        }
+    }
+    moved
+}
+
 /// Reads the TUN's kernel-side drop counters of every GPU in `gpus`, from inside each
 /// one's namespace: one thread enters them in turn (a thread per GPU cost a status of
 /// 1,024 GPUs ~0.5 s, and made the daemon map and unmap a stack for each).

@@ -83,6 +83,31 @@ pub fn tun_create(name: &str, offload: bool) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The network namespace TUN `fd`'s device is in now (`TUNGETDEVNETNS`), as the
+/// (device, inode) pair that names a namespace; an error once the device is gone.
+pub fn tun_netns(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
+    // SAFETY: TUNGETDEVNETNS takes no argument and returns a new descriptor.
+    let ns = cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNGETDEVNETNS as _) })?;
+    // SAFETY: the kernel just opened it for us; nobody else owns it.
+    let ns = unsafe { OwnedFd::from_raw_fd(ns) };
+    let st = rustix::fs::fstat(&ns)?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// The (device, inode) pair of the namespace file at `path` (a pinned namespace, or
+/// `/proc/self/ns/net`), as `tun_netns` gives it.
+pub fn netns_id(path: &Path) -> io::Result<(u64, u64)> {
+    let st = rustix::fs::stat(path)?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// Makes TUN `fd`'s device go when `fd` is closed (it was made persistent).
+pub fn tun_not_persistent(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: TUNSETPERSIST takes an integer argument.
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETPERSIST as _, 0 as libc::c_ulong) })?;
+    Ok(())
+}
+
 /// Creates TUN interface `name` (blocking, not persistent) with the virtio-net header and
 /// checksum and TSO offload: the kernel hands over and takes super-packets of up to 64 KiB,
 /// each behind a 10-byte `virtio_net_hdr`. For the bare relay of `make bench-live`
