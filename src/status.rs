@@ -624,6 +624,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             thousands(p.load_drops)
         );
     }
+    if !s.closed_ports.is_empty() {
+        let _ = writeln!(
+            o,
+            "  WARNING   port closed: {} (reading the TUN failed: its interface deleted inside the GPU's namespace?); nothing from it enters the fabric, frames to it fail as I/O errors (`closbox events`)",
+            s.closed_ports.join(", ")
+        );
+    }
     if s.io_errors > 0 {
         let _ = writeln!(o, "  io errors {}", thousands(s.io_errors));
     }

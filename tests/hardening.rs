@@ -882,6 +882,9 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         events.contains("gpu1's port closed: reading its TUN failed"),
         "{events}"
     );
+    assert_eq!(f.status()["closed_ports"], serde_json::json!(["gpu1"]));
+    let said = text(&closbox(&["status", "lt-del"])).0;
+    assert!(said.contains("WARNING   port closed: gpu1"), "{said}");
     // A GPU whose host removed the qdisc that paces its non-TCP packets gets it back at
     // the next change of its link (a change of rates alone failed on the missing
     // classes, and pacing stayed off).

@@ -310,6 +310,8 @@ pub struct DataPlane<P: Ports> {
     /// one changes), and the changes taken from the ports, reused.
     gpu_mtus: Vec<u32>,
     mtu_changes: Vec<(usize, u32)>,
+    /// GPUs whose port closed (a read of it failed: `Ports::recv`), in the order they did.
+    closed: Vec<usize>,
 }
 
 impl<P: Ports> std::fmt::Debug for DataPlane<P> {
@@ -381,6 +383,7 @@ impl<P: Ports> DataPlane<P> {
             route_epoch: 0,
             gpu_mtus: Vec::new(),
             mtu_changes: Vec::new(),
+            closed: Vec::new(),
         }
     }
 
@@ -567,6 +570,9 @@ impl<P: Ports> DataPlane<P> {
                     tracing::warn!("fabric {}: {what}", self.name);
                     let now = self.fabric_now(self.ports.now());
                     self.log_event(now, what);
+                    if !self.closed.contains(&host) {
+                        self.closed.push(host);
+                    }
                     return;
                 }
             }

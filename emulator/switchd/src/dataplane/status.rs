@@ -226,6 +226,11 @@ pub struct Status {
     /// frames are dropped where they enter the fabric (both `over_mtu`).
     #[serde(default)]
     pub gpu_mtus: Vec<(String, u32)>,
+    /// GPUs whose port the data plane closed because reading their TUN failed (its
+    /// interface deleted inside the GPU's namespace): nothing from them enters the fabric,
+    /// frames to them fail as I/O errors.
+    #[serde(default)]
+    pub closed_ports: Vec<String>,
 }
 
 impl Status {
@@ -768,6 +773,11 @@ impl<P: Ports> DataPlane<P> {
                 .enumerate()
                 .filter(|&(_, &m)| m != 0 && m != self.topo.fabric.mtu)
                 .map(|(h, &m)| (self.topo.hosts[h].name.clone(), m))
+                .collect(),
+            closed_ports: self
+                .closed
+                .iter()
+                .map(|&h| self.topo.hosts[h].name.clone())
                 .collect(),
         }
     }
