@@ -394,6 +394,10 @@ pub(crate) enum Command {
         /// GPUs: "all", ranks and ranges ("0-3,6") or names; rank i runs on the i-th.
         #[arg(long, default_value = "all")]
         gpus: String,
+        /// Ranks on the first N GPUs, as mpirun's `-np N` (which is taken too): `--gpus
+        /// 0-(N-1)`.
+        #[arg(short = 'n', long = "np", value_name = "N", conflicts_with = "gpus")]
+        np: Option<usize>,
         /// Stop the job after this many seconds, or 1.5m, 2h (exit 124).
         #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
@@ -862,6 +866,11 @@ pub(crate) fn join_negative_values(
         if s == "--" {
             out.push(a);
             break;
+        }
+        // mpirun's single-dash `-np N`, which clap would read as `-n p`.
+        if s == "-np" && cmd.get_name() == "mpirun" {
+            out.push("--np".into());
+            continue;
         }
         if let Some(name) = s.strip_prefix("--").filter(|n| !n.contains('=')) {
             let takes_value = cmd

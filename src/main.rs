@@ -313,6 +313,7 @@ fn main() -> ExitCode {
         Command::Mpirun {
             fabric,
             gpus,
+            np,
             timeout,
             implementation,
             mca,
@@ -323,6 +324,7 @@ fn main() -> ExitCode {
         } => mpirun::mpirun(mpirun::MpirunArgs {
             fabric: fabric.as_ref(),
             gpus: &gpus,
+            np,
             timeout,
             implementation,
             mca: &mca,
@@ -599,5 +601,32 @@ mod tests {
         ] {
             assert_eq!(join(args), args, "{args:?}");
         }
+    }
+
+    #[test]
+    fn mpirun_takes_np_as_mpirun_does_and_leaves_the_programs_alone() {
+        use clap::{CommandFactory, Parser};
+        let cmd = crate::Cli::command();
+        let parse = |args: &[&str]| {
+            let joined =
+                crate::join_negative_values(&cmd, args.iter().map(|a| (*a).into()).collect());
+            crate::Cli::try_parse_from(joined)
+        };
+        for args in [
+            &["closbox", "mpirun", "-np", "4", "prog", "-np", "9"][..],
+            &["closbox", "mpirun", "-n", "4", "--", "prog", "-np", "9"],
+            &["closbox", "mpirun", "--np", "4", "prog", "-np", "9"],
+        ] {
+            match parse(args).map(|c| c.command) {
+                Ok(crate::Command::Mpirun { np, cmd, .. }) => {
+                    assert_eq!(np, Some(4), "{args:?}");
+                    assert_eq!(cmd, ["prog", "-np", "9"], "{args:?}");
+                }
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+        // Not with --gpus; and only mpirun's.
+        assert!(parse(&["closbox", "mpirun", "-np", "2", "--gpus", "0,3", "prog"]).is_err());
+        assert!(parse(&["closbox", "run", "-np", "2", "prog"]).is_err());
     }
 }

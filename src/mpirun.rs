@@ -69,6 +69,8 @@ impl MpiImpl {
 pub struct MpirunArgs<'a> {
     pub fabric: Option<&'a FabricName>,
     pub gpus: &'a str,
+    /// `-np N`: the first N GPUs instead of `gpus`.
+    pub np: Option<usize>,
     pub timeout: Option<Duration>,
     /// None: detected (`MpiImpl::detect`).
     pub implementation: Option<MpiImpl>,
@@ -305,7 +307,16 @@ impl Drop for MpiJobDir {
 pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox mpirun")?;
     let st = resolve(a.fabric)?;
-    let sel = select(&st, a.gpus)?;
+    let sel = match a.np {
+        None => select(&st, a.gpus)?,
+        Some(n) if (1..=st.gpus.len()).contains(&n) => (0..n).collect(),
+        Some(n) => bail!(
+            "-np {n}: fabric {} has {} GPUs, and closbox runs one rank per GPU (1 to {})",
+            st.fabric,
+            st.gpus.len(),
+            st.gpus.len()
+        ),
+    };
     let imp = a.implementation.unwrap_or_else(MpiImpl::detect);
     let launcher = match imp.launcher() {
         Ok(l) => l,
