@@ -624,6 +624,23 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
             thousands(p.load_drops)
         );
     }
+    if !s.icmp_limited.is_empty() {
+        let total: u64 = s.icmp_limited.iter().map(|(_, n)| n).sum();
+        let each: Vec<String> = s
+            .icmp_limited
+            .iter()
+            .take(8)
+            .map(|(sw, n)| format!("{sw} {}", thousands(*n)))
+            .collect();
+        let more = s.icmp_limited.len().saturating_sub(8);
+        let _ = writeln!(
+            o,
+            "  switches  {} ICMP answers held back by the switches' icmp_rate ({}{}): pings to switches and traceroute's time exceeded beyond it go unanswered",
+            thousands(total),
+            each.join(", "),
+            if more > 0 { format!(" and {more} more") } else { String::new() }
+        );
+    }
     if !s.closed_ports.is_empty() {
         let _ = writeln!(
             o,

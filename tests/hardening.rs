@@ -657,6 +657,27 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
                 || l.ends_with("gpu0 > leaf0 > spine1 > leaf1"))),
         "{flows}"
     );
+    // Its control plane polices what it answers (`icmp_rate`, 1,000 a second, bursts of
+    // 50): 500 datagrams to spine0 sent at once get the burst and what a few ms allow.
+    let flood = "import socket\n\
+                 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                 for _ in range(500): u.sendto(b'x', ('spine0', 9))\n";
+    let out = f.exec("gpu0", &["/usr/bin/python3", "-c", flood]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(300));
+    let v = f.status();
+    let limited = v["icmp_limited"]
+        .as_array()
+        .and_then(|l| l.iter().find(|e| e[0] == "spine0"))
+        .and_then(|e| e[1].as_u64())
+        .unwrap_or(0);
+    eprintln!("500 datagrams to spine0 at once: {limited} answers held back");
+    assert!((100..=450).contains(&limited), "{v}");
+    let said = text(&closbox(&["status", "lt-ttl"])).0;
+    assert!(
+        said.contains("ICMP answers held back by the switches' icmp_rate (spine0 "),
+        "{said}"
+    );
     let out = closbox(&["switch", "down", "spine1", "--fabric", "lt-ttl"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let (ok, said) = ping("spine1");

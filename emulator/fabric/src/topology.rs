@@ -166,7 +166,16 @@ pub struct SwitchParams {
     pub routing: Routing,
     /// Port count limit; `None` means unlimited.
     pub radix: Option<u32>,
+    /// ICMP answers a second of fabric time (echo replies, time exceeded, unreachables,
+    /// TCP resets) its control plane sends at most, in bursts of `ICMP_BURST`: a switch
+    /// polices what its CPU answers (CoPP; a Linux host's `icmp_msgs_per_sec`). 0: no
+    /// limit.
+    pub icmp_rate: u32,
 }
+
+/// Answers a switch sends back to back before `SwitchParams::icmp_rate` holds it (Linux's
+/// `icmp_msgs_burst`).
+pub const ICMP_BURST: u32 = 50;
 
 /// Settings of one link (both directions alike).
 #[derive(Clone, Copy, Debug, PartialEq)]

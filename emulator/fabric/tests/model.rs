@@ -611,6 +611,49 @@ fn a_gpu_with_a_lower_mtu_drops_longer_frames_as_they_arrive() {
     assert_eq!(run(&mut f).len(), 1);
 }
 
+/// A switch's control plane answers at most `icmp_rate` a second of fabric time, in bursts
+/// of 50 (`ICMP_BURST`): 200 packets expiring at leaf0 at once get 50 answers, 150 held
+/// back and counted; a second later the burst is there again; `icmp_rate = 0` answers
+/// every one.
+#[test]
+fn a_switch_polices_its_icmp_answers() {
+    for (rate, first, later) in [
+        ("", 50u64, 50u64),
+        ("icmp_rate = 10\n", 50, 10),
+        ("icmp_rate = 0\n", 200, 60),
+    ] {
+        let t = topo(&format!(
+            "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n[switches.leaf]\n{rate}"
+        ));
+        let mut f = Fabric::new(&t);
+        let expiring = |sport: u16| {
+            let mut p = build_udp(addr(&t, 0), addr(&t, 2), sport, 2, 0, 100);
+            packet::set_ttl(&mut p, 1);
+            p
+        };
+        for i in 0..200 {
+            assert_eq!(
+                f.send(Instant::ZERO, HostId(0), expiring(i)),
+                Verdict::Accepted
+            );
+        }
+        let answered = run(&mut f).iter().filter(|d| d.dst == HostId(0)).count() as u64;
+        assert_eq!(answered, first, "{rate:?}");
+        let leaf0 = t.switches.iter().position(|s| s.name == "leaf0").unwrap();
+        assert_eq!(f.icmp_limited()[leaf0], 200 - first, "{rate:?}");
+        // One second of fabric time later (at 10 a second, 10 more have come).
+        for i in 0..60 {
+            let _ = f.send(Instant::from_nanos(1_000_000_000), HostId(0), expiring(i));
+        }
+        let answered = run(&mut f).iter().filter(|d| d.dst == HostId(0)).count() as u64;
+        assert_eq!(answered, later, "{rate:?}");
+        let tot = f.totals(Instant::from_nanos(2_000_000_000));
+        assert_eq!(tot.drops.get(DropReason::TtlExpired), 260, "{tot:?}");
+        // What was held back never entered: the accounts balance.
+        assert_eq!(tot.sent, 260 + first + later, "{tot:?}");
+    }
+}
+
 fn trace_of(body: &str, seed: u64) -> Vec<(u64, u64, u32)> {
     let t = parse(
         &format!("[fabric]\nname = \"t\"\nseed = {seed}\n{body}"),

@@ -32,8 +32,13 @@ pub fn default_switch(tier: Tier) -> SwitchParams {
         },
         routing: Routing::Ecmp,
         radix: None,
+        icmp_rate: DEFAULT_ICMP_RATE,
     }
 }
+
+/// A switch's ICMP answers a second, by default: Linux's `icmp_msgs_per_sec` (switches'
+/// control-plane policers are set in the same range, hundreds to thousands a second).
+pub const DEFAULT_ICMP_RATE: u32 = 1000;
 
 /// A GPU's NIC queue, deep enough for what its TCP can have unsent: four connections'
 /// full send buffers (Linux's `tcp_wmem` maximum, 4 MiB). A host's qdisc pushes back on

@@ -799,6 +799,23 @@ gpus_per_leaf = 4
     }
 
     #[test]
+    fn icmp_rate_is_a_count_with_a_default() {
+        let e = err(&format!("{LS}[switches.spine]\nicmp_rate = -1\n"));
+        assert!(e.starts_with("t.toml:10:13"), "{e}");
+        assert!(
+            e.contains("`icmp_rate` = -1 is out of range 0..=1000000000"),
+            "{e}"
+        );
+        let e = err(&format!("{LS}[switches.spine]\nicmp_rate = \"1000/s\"\n"));
+        assert!(e.starts_with("t.toml:10:13"), "{e}");
+        let t = parse(&format!("{LS}[switches.spine]\nicmp_rate = 0\n"), "t.toml").unwrap();
+        for s in &t.switches {
+            let want = if s.tier == Tier::Spine { 0 } else { 1000 };
+            assert_eq!(s.params.icmp_rate, want, "{}", s.name);
+        }
+    }
+
+    #[test]
     fn custom_dangling_and_duplicate_names() {
         let base = "[fabric]\nname = \"c\"\n[topology]\nkind = \"custom\"\n[[host]]\nname = \"a\"\n[[host]]\nname = \"b\"\n[[switch]]\nname = \"s\"\ntier = \"leaf\"\n";
         let e = err(&format!("{base}[[link]]\na = \"a\"\nb = \"t\"\n"));

@@ -127,6 +127,7 @@ pub(super) struct RawSwitchTier {
     pub(super) ecn: Option<Spanned<RawEcn>>,
     pub(super) routing: Option<Spanned<String>>,
     pub(super) radix: Option<Spanned<i64>>,
+    pub(super) icmp_rate: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -179,5 +179,11 @@ pub(super) fn switch_tier(
             .as_ref()
             .map(|v| count(cx, v, "radix", 1, 65_536))
             .transpose()?,
+        icmp_rate: r
+            .icmp_rate
+            .as_ref()
+            .map(|v| count(cx, v, "icmp_rate", 0, 1_000_000_000))
+            .transpose()?
+            .unwrap_or(d.icmp_rate),
     })
 }

@@ -54,6 +54,7 @@ use forward::{ecmp_index, flow_key_mix, resilient_pick};
 use loads::{LoadState, LOAD_FLOW};
 use observe::{Flows, Taps};
 use ports::{count_lost, settle};
+use switches::{FabricClock, Policer};
 
 /// Why the fabric dropped a packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -372,6 +373,10 @@ pub struct Fabric {
     /// Each GPU's interface MTU where it differs from the fabric's (`set_gpu_mtu`): its
     /// NIC drops a longer frame as it arrives. Empty while every GPU has the fabric's.
     gpu_mtu: Vec<u32>,
+    /// Each switch's control-plane policer (`SwitchParams::icmp_rate`; `None`: no limit),
+    /// in switch order, and the fabric-time clock they read.
+    policers: Vec<Option<Policer>>,
+    policer_clock: FabricClock,
     l2_overhead: u32,
     slots: Vec<Option<InFlight>>,
     free: Vec<u32>,
@@ -511,6 +516,12 @@ impl Fabric {
                 rng: Rng::new(seed, v as u64),
             })
             .collect();
+        let policer_clock = FabricClock::default();
+        let policers = topo
+            .switches
+            .iter()
+            .map(|s| Policer::new(&s.params, &policer_clock))
+            .collect();
         Fabric {
             routes,
             ports,
@@ -519,6 +530,8 @@ impl Fabric {
             addr_base: u32::from(topo.fabric.pool.addr) + 1,
             mtu: topo.fabric.mtu,
             gpu_mtu: Vec::new(),
+            policers,
+            policer_clock,
             l2_overhead: topo.fabric.l2_overhead,
             slots: Vec::new(),
             free: Vec::new(),

@@ -1,10 +1,20 @@
 //! Packets addressed to a switch, and the switches' own answers: echo replies, resets,
 //! ICMP unreachable and time exceeded, routed back over the fabric like any packet.
 
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use governor::clock::{Clock, Reference};
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+
 use crate::frame::Frame;
 use crate::packet;
 use crate::routing::{scale_out_bfs, PortId, VertexIdx};
-use crate::topology::{HostId, SwitchId};
+use crate::topology::{HostId, SwitchId, SwitchParams, ICMP_BURST};
 use crate::units::Instant;
 
 use super::{charge, ecmp_index, flow_key_mix, DropReason, Fabric, InFlight, NO_LOAD, NO_PORT};
@@ -15,7 +25,94 @@ use super::{charge, ecmp_index, flow_key_mix, DropReason, Fabric, InFlight, NO_L
 /// daemon's memory bound (`plan::DaemonMemory`) counts them.
 const SWITCH_ROUTE_GROUPS: usize = 1 << 20;
 
+/// Fabric time as `governor`'s clock: the model sets it (`FabricClock::set`) before it asks
+/// a policer, so that policing follows fabric time and reads no clock of the box.
+#[derive(Clone, Debug, Default)]
+pub(super) struct FabricClock(Arc<AtomicU64>);
+
+/// A reading of `FabricClock`: fabric ns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) struct FabricNanos(u64);
+
+impl std::ops::Add<Nanos> for FabricNanos {
+    type Output = FabricNanos;
+    fn add(self, d: Nanos) -> FabricNanos {
+        FabricNanos(self.0.saturating_add(d.as_u64()))
+    }
+}
+
+impl Reference for FabricNanos {
+    fn duration_since(&self, earlier: Self) -> Nanos {
+        Nanos::from(self.0.saturating_sub(earlier.0))
+    }
+
+    fn saturating_sub(&self, d: Nanos) -> Self {
+        FabricNanos(self.0.checked_sub(d.as_u64()).unwrap_or(self.0))
+    }
+}
+
+impl Clock for FabricClock {
+    type Instant = FabricNanos;
+    fn now(&self) -> FabricNanos {
+        FabricNanos(self.0.load(Ordering::Relaxed))
+    }
+}
+
+impl FabricClock {
+    fn set(&self, now: Instant) {
+        self.0.store(now.as_nanos(), Ordering::Relaxed);
+    }
+}
+
+/// A switch's control-plane policer: its ICMP answers at most `icmp_rate` a second of
+/// fabric time, `ICMP_BURST` back to back (GCRA, `governor`).
+pub(super) struct Policer {
+    limiter: RateLimiter<NotKeyed, InMemoryState, FabricClock, NoOpMiddleware<FabricNanos>>,
+    /// Answers it held back.
+    pub(super) limited: u64,
+}
+
+impl Policer {
+    /// For a switch with `params` (`None` where it answers without limit).
+    pub(super) fn new(params: &SwitchParams, clock: &FabricClock) -> Option<Policer> {
+        let rate = NonZeroU32::new(params.icmp_rate)?;
+        let burst = NonZeroU32::new(ICMP_BURST).expect("a burst above 0");
+        let quota = Quota::per_second(rate).allow_burst(burst);
+        Some(Policer {
+            limiter: RateLimiter::direct_with_clock(quota, clock.clone()),
+            limited: 0,
+        })
+    }
+}
+
 impl Fabric {
+    /// Whether switch vertex `v`'s control plane may send an answer at `now`; one held
+    /// back is counted (`icmp_limited`).
+    fn may_answer(&mut self, now: Instant, v: VertexIdx) -> bool {
+        let Some(p) = self
+            .policers
+            .get_mut((v - self.hosts) as usize)
+            .and_then(Option::as_mut)
+        else {
+            return true;
+        };
+        self.policer_clock.set(now);
+        let ok = p.limiter.check().is_ok();
+        if !ok {
+            p.limited += 1;
+        }
+        ok
+    }
+
+    /// Per switch (in switch order), the ICMP answers its policer held back
+    /// (`SwitchParams::icmp_rate`).
+    pub fn icmp_limited(&self) -> Vec<u64> {
+        self.policers
+            .iter()
+            .map(|p| p.as_ref().map_or(0, |p| p.limited))
+            .collect()
+    }
+
     /// Toward switch vertex `to`: per vertex, its ports on a shortest path over the links
     /// that are up (GPUs do not forward). Empty toward a GPU (routes have those).
     pub(super) fn toward(&self, to: VertexIdx) -> Vec<Vec<PortId>> {
@@ -121,7 +218,11 @@ impl Fabric {
             return;
         };
         let bytes = request.data.to_vec();
-        let answer = match packet::to_switch(&bytes) {
+        let kind = packet::to_switch(&bytes);
+        if matches!(kind, packet::ToSwitch::Nothing) || !self.may_answer(now, v) {
+            return;
+        }
+        let answer = match kind {
             packet::ToSwitch::Echo => packet::echo_reply(from, &bytes),
             packet::ToSwitch::Reset => packet::tcp_reset(from, &bytes),
             packet::ToSwitch::Unreachable(code) => packet::unreachable(from, code, &bytes),
@@ -145,6 +246,9 @@ impl Fabric {
         let Some(bytes) = packet::time_exceeded(from, &quoted) else {
             return;
         };
+        if !self.may_answer(now, v) {
+            return;
+        }
         self.inject_from_switch(now, v, expired.src, Frame::from(bytes));
     }
 

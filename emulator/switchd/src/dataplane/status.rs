@@ -231,6 +231,10 @@ pub struct Status {
     /// frames to them fail as I/O errors.
     #[serde(default)]
     pub closed_ports: Vec<String>,
+    /// Switches whose control plane held back ICMP answers (`[switches.<tier>]
+    /// icmp_rate`), with how many: never sent, so in no other count.
+    #[serde(default)]
+    pub icmp_limited: Vec<(String, u64)>,
 }
 
 impl Status {
@@ -778,6 +782,14 @@ impl<P: Ports> DataPlane<P> {
                 .closed
                 .iter()
                 .map(|&h| self.topo.hosts[h].name.clone())
+                .collect(),
+            icmp_limited: self
+                .model
+                .icmp_limited()
+                .into_iter()
+                .enumerate()
+                .filter(|&(_, n)| n > 0)
+                .map(|(i, n)| (self.topo.switches[i].name.clone(), n))
                 .collect(),
         }
     }
