@@ -322,7 +322,7 @@ pub(crate) enum Command {
         after_help = "Examples:\n  closbox flows\n  closbox flows --top 5 --since 10ms\n  closbox flows --json"
     )]
     Flows {
-        /// Show this many flows.
+        /// Show this many flows (the heaviest; 0: all of them).
         #[arg(long, default_value_t = 20)]
         top: usize,
         /// Only flows with a packet in the last DURATION of fabric time.
@@ -368,7 +368,7 @@ pub(crate) enum Command {
         #[arg(long, value_enum, default_value = "queue")]
         metric: record::Metric,
         /// How many ports (those with the highest values).
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
         top: usize,
     },
     /// A live view of a fabric: health, leaf x spine uplink utilization, the busiest

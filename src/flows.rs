@@ -29,7 +29,9 @@ pub fn flows(
         f.flows.retain(|x| x.last_s >= from);
     }
     let total = f.flows.len();
-    f.flows.truncate(top);
+    if top > 0 {
+        f.flows.truncate(top);
+    }
     if json {
         // With `flows_total`: how many there were before --top.
         let mut v = serde_json::to_value(&f)?;

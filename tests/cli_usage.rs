@@ -172,3 +172,11 @@ fn every_fabric_command_takes_f() {
         assert!(said.contains("not up"), "{args:?}: {said}");
     }
 }
+
+#[test]
+fn a_plot_of_no_port_is_refused() {
+    usage_error(
+        &["plot", "q.csv", "-o", "q.svg", "--top", "0"],
+        "0 is not in 1..=1000",
+    );
+}

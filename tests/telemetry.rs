@@ -252,6 +252,17 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     assert_eq!(senders.len(), 7, "{senders:?}");
     let out = closbox(&["flows", "--fabric", "lt-cap", "--top", "7"]);
     eprintln!("{}", text(&out).0);
+    // `--top 0`: every flow, as many as its header counts.
+    let all = text(&closbox(&["flows", "--fabric", "lt-cap", "--top", "0"])).0;
+    let rows = all.lines().skip(2).filter(|l| !l.trim().is_empty()).count();
+    let total: usize = all
+        .split(" s: ")
+        .nth(1)
+        .and_then(|r| r.split(" flow").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {all}"));
+    assert!(rows == total && total > 7, "{all}");
+    assert!(!all.contains("heaviest shown"), "{all}");
 
     let (tx, dropped) = after;
     let path = file.to_str().unwrap();
