@@ -432,6 +432,12 @@ pub fn encode(s: &Status) -> String {
     );
     one(
         &mut reg,
+        "icmp_limited",
+        "ICMP answers the switches' control-plane policers held back (icmp_rate): never sent",
+        s.icmp_limited.iter().map(|(_, n)| n).sum(),
+    );
+    one(
+        &mut reg,
         "io_errors",
         "Failed TUN reads, writes and waits (a coalesced write counts once)",
         s.io_errors,
