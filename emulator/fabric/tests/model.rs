@@ -1561,6 +1561,48 @@ fn loads_conserved(f: &Fabric) {
     }
 }
 
+/// A load into a GPU whose host lowered its MTU below the load's packets: its NIC drops
+/// them (the load's `over_mtu`, the port's load drops); at the fabric's MTU again, they
+/// arrive.
+#[test]
+fn a_load_into_a_gpu_with_a_lower_mtu_is_dropped_at_its_nic() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    f.set_gpu_mtu(HostId(1), 900);
+    let spec = |id| LoadSpec {
+        duration: Some(Duration::from_nanos(100_000)),
+        ..match load(&t, id, "gpu0", "gpu1", 0.5, Pattern::Steady) {
+            Change::StartLoad(s) => s,
+            _ => unreachable!(),
+        }
+    };
+    assert!(f.apply(Instant::ZERO, Change::StartLoad(spec(1))));
+    let _ = run(&mut f);
+    let l = f.loads().into_iter().find(|l| l.spec.id == 1).unwrap();
+    assert!(l.counters.sent_packets > 0, "{l:?}");
+    assert_eq!(l.counters.delivered_packets, 0, "{l:?}");
+    assert_eq!(
+        l.counters.drops.get(DropReason::OverMtu),
+        l.counters.sent_packets
+    );
+    loads_conserved(&f);
+    let into1 = port(&t, &f, "sw0", "gpu1");
+    let now = f.now();
+    assert_eq!(
+        f.port_counters(now)[into1.0 as usize].load_drops,
+        l.counters.sent_packets
+    );
+    f.set_gpu_mtu(HostId(1), 1500);
+    let now = f.now();
+    assert!(f.apply(now, Change::StartLoad(spec(2))));
+    let _ = run(&mut f);
+    let l = f.loads().into_iter().find(|l| l.spec.id == 2).unwrap();
+    assert!(
+        l.counters.delivered_packets > 0 && l.counters.drops.total() == 0,
+        "{l:?}"
+    );
+}
+
 #[test]
 fn a_load_spreads_over_equal_cost_paths_and_takes_its_share_of_each_link() {
     let t = four_spines();

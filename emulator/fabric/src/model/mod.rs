@@ -763,10 +763,16 @@ impl Fabric {
                 self.load_in_transit -= 1;
                 let st = &self.loads[load as usize];
                 if v == st.gen.spec.to {
-                    let len = self.release(slot).len as u64;
+                    let len = self.release(slot).len;
                     let c = &mut self.loads[load as usize].counters;
+                    // A GPU whose host lowered its MTU drops longer frames (`set_gpu_mtu`).
+                    if self.gpu_mtu.get(v as usize).is_some_and(|&m| len > m) {
+                        c.drops.add(DropReason::OverMtu);
+                        self.ports[port.0 as usize].counters.load_drops += 1;
+                        continue;
+                    }
                     c.delivered_packets += 1;
-                    c.delivered_bytes += len;
+                    c.delivered_bytes += len as u64;
                 } else {
                     let _ = self.forward(t, v, slot);
                 }
