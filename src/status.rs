@@ -170,7 +170,7 @@ pub fn link_groups<'a>(
 fn dead_vertices<'a>(
     ports: impl IntoIterator<Item = (&'a str, bool)>,
     changed: &[closbox_switchd::dataplane::LinkStatus],
-) -> Vec<(String, usize, f64)> {
+) -> Vec<Dead> {
     let mut by: std::collections::BTreeMap<&str, (usize, bool)> = Default::default();
     for (port, up) in ports {
         let from = port.split("->").next().unwrap_or_default();
@@ -184,7 +184,7 @@ fn dead_vertices<'a>(
         .map(|(v, (n, _))| (v, n))
         .collect();
     dead.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-    let mut out: Vec<(String, usize, f64)> = Vec::new();
+    let mut out: Vec<Dead> = Vec::new();
     for (v, n) in dead {
         let links = changed
             .iter()
@@ -197,13 +197,39 @@ fn dead_vertices<'a>(
                 a
             }
         });
-        if others.all(|o| out.iter().any(|(d, ..)| d == o)) {
+        if others.all(|o| out.iter().any(|d| d.name == *o)) {
             continue;
         }
-        let since = links.filter_map(|l| l.down_since_s).fold(0.0, f64::max);
-        out.push((v.to_owned(), n, since));
+        let since = links
+            .clone()
+            .filter_map(|l| l.down_since_s)
+            .fold(0.0, f64::max);
+        let mut by: Vec<u64> = links.clone().flat_map(|l| l.down_by.clone()).collect();
+        if links.clone().any(|l| l.down_by_host) {
+            by.push(closbox_switchd::dataplane::HOST);
+        }
+        by.sort();
+        by.dedup();
+        out.push(Dead {
+            name: v.to_owned(),
+            links: n,
+            since,
+            by,
+        });
     }
     out
+}
+
+/// A switch or GPU whose every link is down (`dead_vertices`).
+#[derive(Debug, PartialEq)]
+struct Dead {
+    name: String,
+    /// How many links it has.
+    links: usize,
+    /// Fabric time (s) since which the last of them is down.
+    since: f64,
+    /// Who holds its links down (`LinkStatus::down_by`; `HOST`: the GPU's host).
+    by: Vec<u64>,
 }
 
 /// Runs of links a line of `status` or a bench footer names before "and N more".
@@ -279,7 +305,7 @@ fn render_loads(o: &mut String, loads: &[LoadInfo]) {
 }
 
 /// `dead`: `dead_vertices` of the status (before its ports were filtered).
-fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, f64)]) -> String {
+fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
     let _ = writeln!(
@@ -444,7 +470,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
         );
     }
     // A switch or GPU whose every link is down: one line, not its links'.
-    for (v, links, since) in dead {
+    for Dead {
+        name: v,
+        links,
+        since,
+        by,
+    } in dead
+    {
         let what = if st.gpus.iter().any(|g| g.name == *v) {
             "gpu    "
         } else {
@@ -452,24 +484,29 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[(String, usize, 
         };
         let _ = writeln!(
             o,
-            "  {what}   {v} DOWN since fabric time {since:.6} s ({})",
+            "  {what}   {v} DOWN since fabric time {since:.6} s ({}{})",
             if *links == 1 {
                 "its link".to_owned()
             } else {
                 format!("its {links} links")
+            },
+            match by.as_slice() {
+                [] => String::new(),
+                by => format!("; by {}", holders(by.iter().copied())),
             }
         );
     }
     let mut states = Vec::new();
     for l in &s.changed_links {
-        if !l.up && l.ends.iter().any(|e| dead.iter().any(|(v, ..)| v == e)) {
+        if !l.up && l.ends.iter().any(|e| dead.iter().any(|d| d.name == *e)) {
             continue;
         }
         let mut what = Vec::new();
         if !l.up {
-            let by = match l.down_by.as_slice() {
-                [] => String::new(),
-                by => format!(" (by {})", holders(by.iter().copied())),
+            let host = l.down_by_host.then_some(closbox_switchd::dataplane::HOST);
+            let by = match l.down_by.iter().copied().chain(host).collect::<Vec<_>>() {
+                by if by.is_empty() => String::new(),
+                by => format!(" (by {})", holders(by)),
             };
             what.push(format!(
                 "DOWN since fabric time {:.6} s{by}",
@@ -676,6 +713,7 @@ mod tests {
             b_to_a: None,
             ends: [a.to_owned(), b.to_owned()],
             down_by: Vec::new(),
+            down_by_host: a == "gpu1",
             degraded_by: Vec::new(),
         };
         let links = [
@@ -698,12 +736,17 @@ mod tests {
             .map(|(i, &(a, b, up))| link(a, b, up, i as f64))
             .collect();
         let dead = dead_vertices(ports.iter().map(|(p, up)| (p.as_str(), *up)), &changed);
+        let dead: Vec<(&str, usize, f64, &[u64])> = dead
+            .iter()
+            .map(|d| (d.name.as_str(), d.links, d.since, d.by.as_slice()))
+            .collect();
+        let host = closbox_switchd::dataplane::HOST;
         assert_eq!(
             dead,
             [
-                ("leaf1".to_owned(), 3, 6.0),
-                ("spine1".to_owned(), 2, 6.0),
-                ("gpu1".to_owned(), 1, 1.0)
+                ("leaf1", 3, 6.0, &[][..]),
+                ("spine1", 2, 6.0, &[]),
+                ("gpu1", 1, 1.0, &[host])
             ]
         );
         assert!(dead_vertices(ports.iter().map(|(p, _)| (p.as_str(), true)), &[]).is_empty());

@@ -851,6 +851,69 @@ fn packets_beyond_the_fabrics_mtu_are_dropped_and_said() {
     f.down();
 }
 
+/// A GPU whose host sets its interface down (`ip link set cb0 down`): a real switch sees
+/// that port's link go down. The fabric wrote frames into the downed TUN before, the
+/// writes failed (`gpu_kernel`, I/O errors) and `status` said nothing of a link. Now its
+/// link is down, held by its host: frames to it are dropped where the fabric drops on a
+/// dead link, `closbox gpu up` and `closbox reset` cannot bring it up, its host's `up`
+/// does.
+#[test]
+fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up(
+        "lt-ifdown",
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
+    );
+    let ping = |w: &str| {
+        let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", w, "gpu1"]);
+        out.status.success()
+    };
+    let cb0 = |how: &str| {
+        let out = f.exec("gpu1", &["ip", "link", "set", "cb0", how]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    };
+    cb0("down");
+    assert!(!ping("1"), "gpu1's interface is down");
+    let link = |st: &serde_json::Value| st["changed_links"][0].clone();
+    let st = f.status();
+    assert_eq!(link(&st)["up"], false, "{st}");
+    assert_eq!(link(&st)["down_by_host"], true, "{st}");
+    assert_eq!(st["io_errors"], 0, "not written into the downed TUN: {st}");
+    let (link_down, _) = f.drops("link_down");
+    let (no_route, v) = f.drops("no_route");
+    assert!(link_down + no_route >= 2, "dropped in the fabric: {v}");
+    let said = text(&closbox(&["status", "lt-ifdown"])).0;
+    assert!(
+        said.contains("gpu1 DOWN since fabric time") && said.contains("by its GPU's host"),
+        "{said}"
+    );
+    // Neither the operator nor a reset brings it up.
+    let out = closbox(&["gpu", "up", "-f", "lt-ifdown", "gpu1"]);
+    assert!(
+        text(&out).0.contains("held down by its GPU's host"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["reset", "lt-ifdown"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(link(&f.status())["down_by_host"], true);
+    // Its host does (once routes converged over it again: 10 ms at real time).
+    cb0("up");
+    assert!(ping("2"), "gpu1's interface is up again");
+    assert_eq!(f.status()["changed_links"], serde_json::json!([]));
+    let events = text(&closbox(&["events", "lt-ifdown"])).0;
+    for line in [
+        "gpu1's link down: its host set its interface down",
+        "gpu1's link up: its host set its interface up",
+    ] {
+        assert!(events.contains(line), "{line}: {events}");
+    }
+    f.down();
+}
+
 /// A GPU that deletes its own interface (`ip link del cb0`, a NIC pulled out): every read
 /// of its TUN fails from then on, and the daemon spun on them, writing a warning per
 /// read (180 MB of log in a second, a CPU at 100 %). Its port is now closed once, said in
@@ -903,7 +966,16 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         events.contains("gpu1's port closed: reading its TUN failed"),
         "{events}"
     );
-    assert_eq!(f.status()["closed_ports"], serde_json::json!(["gpu1"]));
+    let status = f.status();
+    assert_eq!(status["closed_ports"], serde_json::json!(["gpu1"]));
+    assert_eq!(
+        status["changed_links"][0]["down_by_host"], true,
+        "gpu1's link is down for good: {status}"
+    );
+    assert!(
+        events.contains("gpu1's interface is gone: deleted or moved out of its namespace"),
+        "{events}"
+    );
     let said = text(&closbox(&["status", "lt-del"])).0;
     assert!(said.contains("WARNING   port closed: gpu1"), "{said}");
     // A GPU whose host removed the qdisc that paces its non-TCP packets gets it back at

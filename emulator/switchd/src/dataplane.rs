@@ -25,6 +25,7 @@ use closbox_fabric::{Frame, HostId, Instant, TimeScale, Topology};
 
 use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
+use crate::links::HostLink;
 use crate::sys;
 
 mod changes;
@@ -35,7 +36,7 @@ mod tun;
 
 pub use changes::ends_early;
 use changes::Broken;
-pub use layers::holders;
+pub use layers::{holders, HOST};
 use status::CpuSample;
 pub use status::{
     behind_advice, stolen, CpuUse, DirectionStatus, FlowInfo, Flows, LateCause, Lateness,
@@ -202,9 +203,9 @@ pub trait Ports {
     fn thread_cpu(&self) -> Option<(u64, u64)> {
         None
     }
-    /// GPUs whose interface MTU their host changed since the last call, each with its
-    /// MTU now (`links`); nothing where no one watches them.
-    fn mtu_changes(&mut self, _out: &mut Vec<(usize, u32)>) {}
+    /// What GPUs' hosts did to their interfaces since the last call (`links`): a GPU's
+    /// index and a change each, in the order they came; nothing where no one watches.
+    fn link_changes(&mut self, _out: &mut Vec<(usize, HostLink)>) {}
 }
 
 /// A packet leaving the fabric.
@@ -306,10 +307,13 @@ pub struct DataPlane<P: Ports> {
     pacer: Option<crate::pace::Pacer>,
     /// The model's `route_epoch` the pacer last heard of.
     route_epoch: u64,
-    /// Each GPU's interface MTU as its host last set it (`Ports::mtu_changes`; 0 until
+    /// Each GPU's interface MTU as its host last set it (`Ports::link_changes`; 0 until
     /// one changes), and the changes taken from the ports, reused.
     gpu_mtus: Vec<u32>,
-    mtu_changes: Vec<(usize, u32)>,
+    link_changes: Vec<(usize, HostLink)>,
+    /// What each GPU's host last did to its interface: where down or deleted, its links
+    /// are held down by it (`Layers`).
+    host_did: Vec<changes::HostDid>,
     /// GPUs whose port closed (a read of it failed: `Ports::recv`), in the order they did.
     closed: Vec<usize>,
 }
@@ -382,7 +386,8 @@ impl<P: Ports> DataPlane<P> {
             pacer: None,
             route_epoch: 0,
             gpu_mtus: Vec::new(),
-            mtu_changes: Vec::new(),
+            link_changes: Vec::new(),
+            host_did: vec![changes::HostDid::Up; topo.hosts.len()],
             closed: Vec::new(),
         }
     }
@@ -538,9 +543,9 @@ impl<P: Ports> DataPlane<P> {
                 self.set_realtime(on);
             }
         }
-        self.ports.mtu_changes(&mut self.mtu_changes);
-        if !self.mtu_changes.is_empty() {
-            self.follow_mtus(woke);
+        self.ports.link_changes(&mut self.link_changes);
+        if !self.link_changes.is_empty() {
+            self.follow_links(woke);
         }
         for &port in &ready {
             self.read_port(port);
@@ -565,7 +570,7 @@ impl<P: Ports> DataPlane<P> {
                     self.io_errors += 1;
                     let name = self.topo.hosts.get(host).map_or("?", |h| h.name.as_str());
                     let what = format!(
-                        "{name}'s port closed: reading its TUN failed: {e} (its interface deleted inside its namespace?); frames to it fail as I/O errors"
+                        "{name}'s port closed: reading its TUN failed: {e} (its interface deleted inside its namespace?)"
                     );
                     tracing::warn!("fabric {}: {what}", self.name);
                     let now = self.fabric_now(self.ports.now());
@@ -573,6 +578,8 @@ impl<P: Ports> DataPlane<P> {
                     if !self.closed.contains(&host) {
                         self.closed.push(host);
                     }
+                    // Its links down for good (if the link watch has not said so first).
+                    self.host_sets(now, host, changes::HostDid::Deleted);
                     return;
                 }
             }

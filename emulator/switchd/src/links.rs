@@ -1,9 +1,11 @@
-//! What a GPU's host does to its own interface that the fabric follows: its MTU. A real
-//! NIC sized for a lowered MTU drops longer frames as they arrive, while a TUN takes
-//! whatever it is written. A netlink socket in each GPU's namespace hears of the change
-//! when `ip link set cb0 mtu N` makes it; the data plane tells the model
-//! (`Fabric::set_gpu_mtu`), whose port into that GPU then drops longer frames as its NIC
-//! would (`over_mtu`).
+//! What a GPU's host does to its own interface that the fabric follows: its MTU, and
+//! whether it is up. A real NIC sized for a lowered MTU drops longer frames as they
+//! arrive, while a TUN takes whatever it is written; a NIC set down is a link the switch
+//! sees go down, while a TUN set down only fails the writes into it. A netlink socket in
+//! each GPU's namespace hears of the change when `ip link set cb0 mtu N` (or `down`)
+//! makes it; the data plane tells the model: `Fabric::set_gpu_mtu`, whose port into that
+//! GPU then drops longer frames as its NIC would (`over_mtu`), or the GPU's links down,
+//! held by its host (`dataplane::layers`).
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -14,21 +16,40 @@ use crate::sys::RouteSocket;
 /// attributes is 1–2 KiB).
 pub const BUF: usize = 16 << 10;
 
+/// A change a GPU's host made to its interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostLink {
+    /// Its MTU is now this.
+    Mtu(u32),
+    /// It was set up (true) or down (false).
+    Up(bool),
+    /// It was deleted.
+    Deleted,
+}
+
 /// One GPU's interface, watched from inside its namespace.
 #[derive(Debug)]
 pub struct LinkWatch {
     sock: RouteSocket,
     index: u32,
     mtu: u32,
+    up: bool,
+    deleted: bool,
 }
 
 impl LinkWatch {
-    /// Watches interface `name`, whose MTU is `mtu` now, in the calling thread's network
+    /// Watches interface `name`, up and of MTU `mtu` now, in the calling thread's network
     /// namespace (opened where nothing else can change it meanwhile: the GPU's build).
     pub fn open(name: &str, mtu: u32) -> io::Result<LinkWatch> {
         let sock = RouteSocket::watch_links()?;
         let index = sock.if_index(name)?;
-        Ok(LinkWatch { sock, index, mtu })
+        Ok(LinkWatch {
+            sock,
+            index,
+            mtu,
+            up: true,
+            deleted: false,
+        })
     }
 
     fn ask(&self) -> io::Result<()> {
@@ -39,16 +60,17 @@ impl LinkWatch {
         self.sock.fd()
     }
 
-    /// Reads what the kernel said since the last call (`buf`: scratch of `BUF` bytes):
-    /// the interface's MTU if it is not what the last call returned. Where messages were
-    /// lost (the socket's buffer overflowed), asks again.
-    pub fn drain(&mut self, buf: &mut [u8]) -> io::Result<Option<u32>> {
+    /// Reads what the kernel said since the last call (`buf`: scratch of `BUF` bytes) and
+    /// adds to `out` what differs from what earlier calls reported: the interface's MTU,
+    /// whether it is up. Where messages were lost (the socket's buffer overflowed), asks
+    /// again.
+    pub fn drain(&mut self, buf: &mut [u8], out: &mut Vec<HostLink>) -> io::Result<()> {
         let mut latest = None;
         loop {
             match self.sock.try_recv(buf) {
                 Ok(Some(n)) => {
-                    if let Some(m) = link_mtu(&buf[..n.min(buf.len())], self.index) {
-                        latest = Some(m);
+                    if let Some(s) = link_state(&buf[..n.min(buf.len())], self.index) {
+                        latest = Some(s);
                     }
                 }
                 Ok(None) => break,
@@ -56,8 +78,35 @@ impl LinkWatch {
                 Err(e) => return Err(e),
             }
         }
-        Ok(latest.filter(|&m| m != self.mtu).inspect(|&m| self.mtu = m))
+        let Some(s) = latest.filter(|_| !self.deleted) else {
+            return Ok(());
+        };
+        if s.deleted {
+            self.deleted = true;
+            out.push(HostLink::Deleted);
+            return Ok(());
+        }
+        if let Some(m) = s.mtu.filter(|&m| m != self.mtu) {
+            self.mtu = m;
+            out.push(HostLink::Mtu(m));
+        }
+        if s.up != self.up {
+            self.up = s.up;
+            out.push(HostLink::Up(s.up));
+        }
+        Ok(())
     }
+}
+
+/// What the last link message about an interface says of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkState {
+    /// Its MTU, where the message gives it.
+    pub mtu: Option<u32>,
+    /// Administratively up (`IFF_UP`).
+    pub up: bool,
+    /// Deleted (`RTM_DELLINK`).
+    pub deleted: bool,
 }
 
 /// An `RTM_GETLINK` request for interface `index`: a netlink header and an `ifinfomsg`.
@@ -72,10 +121,10 @@ fn get_link(index: u32) -> [u8; 32] {
     m
 }
 
-/// The MTU that the last `RTM_NEWLINK` message about interface `index` in `buf` (one
-/// netlink datagram, perhaps several messages) gives; `None` if none does. Short or
-/// malformed messages end the walk.
-pub fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
+/// What the last `RTM_NEWLINK` or `RTM_DELLINK` message about interface `index` in `buf`
+/// (one netlink datagram, perhaps several messages) says; `None` if none is about it.
+/// Short or malformed messages end the walk.
+pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
     const NLMSG_HDR: usize = 16;
     const IFINFOMSG: usize = 16;
     let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
@@ -88,10 +137,19 @@ pub fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
             break;
         }
         let msg = &buf[at..at + len];
-        if u16_at(msg, 4) == libc::RTM_NEWLINK
+        let kind = u16_at(msg, 4);
+        if (kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK)
             && msg.len() >= NLMSG_HDR + IFINFOMSG
             && u32_at(msg, NLMSG_HDR + 4) == index
         {
+            // ifinfomsg: family, pad, type (2), index (4), flags (4), change (4).
+            let flags = u32_at(msg, NLMSG_HDR + 8);
+            let deleted = kind == libc::RTM_DELLINK;
+            let mut s = LinkState {
+                mtu: None,
+                up: !deleted && flags & libc::IFF_UP as u32 != 0,
+                deleted,
+            };
             let mut a = NLMSG_HDR + IFINFOMSG;
             while a + 4 <= msg.len() {
                 let alen = u16_at(msg, a) as usize;
@@ -100,10 +158,11 @@ pub fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
                 }
                 // The type's top bits are flags (nested, byte order).
                 if u16_at(msg, a + 2) & 0x3fff == libc::IFLA_MTU && alen >= 8 {
-                    found = Some(u32_at(msg, a + 4));
+                    s.mtu = Some(u32_at(msg, a + 4));
                 }
                 a += (alen + 3) & !3;
             }
+            found = Some(s);
         }
         at += (len + 3) & !3;
     }
@@ -114,11 +173,21 @@ pub fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
 mod tests {
     use super::*;
 
-    /// An RTM_NEWLINK message for `index` with the given (type, payload) attributes.
+    /// The MTU that `link_state` reads.
+    fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
+        link_state(buf, index).and_then(|s| s.mtu)
+    }
+
+    /// An RTM_NEWLINK message for `index`, up, with the given (type, payload) attributes.
     fn newlink(index: u32, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+        message(libc::RTM_NEWLINK, index, libc::IFF_UP as u32, attrs)
+    }
+
+    fn message(kind: u16, index: u32, flags: u32, attrs: &[(u16, &[u8])]) -> Vec<u8> {
         let mut m = vec![0u8; 32];
-        m[4..6].copy_from_slice(&libc::RTM_NEWLINK.to_ne_bytes());
+        m[4..6].copy_from_slice(&kind.to_ne_bytes());
         m[20..24].copy_from_slice(&index.to_ne_bytes());
+        m[24..28].copy_from_slice(&flags.to_ne_bytes());
         for (ty, data) in attrs {
             m.extend_from_slice(&((4 + data.len()) as u16).to_ne_bytes());
             m.extend_from_slice(&ty.to_ne_bytes());
@@ -165,6 +234,42 @@ mod tests {
         assert_eq!(link_mtu(&liar, 7), None);
         liar[0..4].copy_from_slice(&4u32.to_ne_bytes());
         assert_eq!(link_mtu(&liar, 7), None);
+    }
+
+    #[test]
+    fn whether_the_interface_is_up_is_read_from_its_flags() {
+        let mtu = 1500u32.to_ne_bytes();
+        let attrs: &[(u16, &[u8])] = &[(libc::IFLA_MTU, &mtu)];
+        let up = LinkState {
+            mtu: Some(1500),
+            up: true,
+            deleted: false,
+        };
+        let up_flags = (libc::IFF_UP | libc::IFF_RUNNING) as u32;
+        let set_down = libc::IFF_POINTOPOINT as u32;
+        assert_eq!(
+            link_state(&message(libc::RTM_NEWLINK, 7, up_flags, attrs), 7),
+            Some(up)
+        );
+        let down = link_state(&message(libc::RTM_NEWLINK, 7, set_down, attrs), 7);
+        assert_eq!(down, Some(LinkState { up: false, ..up }));
+        // Deleted: down, whatever its flags said.
+        let gone = link_state(&message(libc::RTM_DELLINK, 7, up_flags, &[]), 7);
+        let deleted = LinkState {
+            mtu: None,
+            up: false,
+            deleted: true,
+        };
+        assert_eq!(gone, Some(deleted));
+        // Another kind of message about it (an address's): nothing.
+        assert_eq!(
+            link_state(&message(libc::RTM_NEWADDR, 7, 0, attrs), 7),
+            None
+        );
+        // Down then up again in one datagram: the last one wins.
+        let mut both = message(libc::RTM_NEWLINK, 7, set_down, attrs);
+        both.extend(message(libc::RTM_NEWLINK, 7, up_flags, attrs));
+        assert_eq!(link_state(&both, 7), Some(up));
     }
 
     #[test]

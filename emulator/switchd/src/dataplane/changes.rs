@@ -7,6 +7,8 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::model::Change;
 use closbox_fabric::Instant;
 
+use crate::links::HostLink;
+
 use super::{
     layers, DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING,
     SHORT_LOAD_PACKETS,
@@ -737,44 +739,124 @@ impl<P: Ports> DataPlane<P> {
         done
     }
 
-    /// GPUs whose host changed their interface's MTU (`mtu_changes`): the model's port
-    /// into each follows (its NIC drops longer frames), and the event log says so.
-    pub(super) fn follow_mtus(&mut self, wall: StdInstant) {
+    /// What GPUs' hosts did to their interfaces (`link_changes`), in order: the model
+    /// follows (`follow_mtu`, `host_sets`) and the event log says so.
+    pub(super) fn follow_links(&mut self, wall: StdInstant) {
         let now = self.fabric_now(wall);
-        let fabric = self.topo.fabric.mtu;
-        let mut changes = std::mem::take(&mut self.mtu_changes);
-        for (gpu, mtu) in changes.drain(..) {
+        let mut changes = std::mem::take(&mut self.link_changes);
+        for (gpu, change) in changes.drain(..) {
             if gpu >= self.topo.hosts.len() {
                 continue;
             }
-            if self.gpu_mtus.len() < self.topo.hosts.len() {
-                self.gpu_mtus.resize(self.topo.hosts.len(), 0);
+            match change {
+                HostLink::Mtu(mtu) => self.follow_mtu(now, gpu, mtu),
+                HostLink::Up(true) => self.host_sets(now, gpu, HostDid::Up),
+                HostLink::Up(false) => self.host_sets(now, gpu, HostDid::Down),
+                HostLink::Deleted => self.host_sets(now, gpu, HostDid::Deleted),
             }
-            let was = match self.gpu_mtus[gpu] {
-                0 => fabric,
-                m => m,
-            };
-            self.gpu_mtus[gpu] = mtu;
-            if mtu == was {
-                continue;
-            }
-            self.model
-                .set_gpu_mtu(closbox_fabric::topology::HostId(gpu as u32), mtu);
-            let name = &self.topo.hosts[gpu].name;
-            let what = match mtu.cmp(&fabric) {
-                std::cmp::Ordering::Less => format!(
-                    "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its NIC drops frames longer than {mtu} bytes (over_mtu)"
-                ),
-                std::cmp::Ordering::Equal => {
-                    format!("{name} interface mtu {mtu} (was {was}): the fabric's again")
-                }
-                std::cmp::Ordering::Greater => format!(
-                    "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its frames longer than {fabric} bytes are dropped where they enter (over_mtu)"
-                ),
-            };
-            self.log_event(now, what);
         }
-        self.mtu_changes = changes;
+        self.link_changes = changes;
+    }
+
+    /// GPU `gpu`'s host set its interface's MTU to `mtu`: the model's port into it
+    /// follows (its NIC drops longer frames).
+    fn follow_mtu(&mut self, now: Instant, gpu: usize, mtu: u32) {
+        let fabric = self.topo.fabric.mtu;
+        if self.gpu_mtus.len() < self.topo.hosts.len() {
+            self.gpu_mtus.resize(self.topo.hosts.len(), 0);
+        }
+        let was = match self.gpu_mtus[gpu] {
+            0 => fabric,
+            m => m,
+        };
+        self.gpu_mtus[gpu] = mtu;
+        if mtu == was {
+            return;
+        }
+        self.model
+            .set_gpu_mtu(closbox_fabric::topology::HostId(gpu as u32), mtu);
+        let name = &self.topo.hosts[gpu].name;
+        let what = match mtu.cmp(&fabric) {
+            std::cmp::Ordering::Less => format!(
+                "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its NIC drops frames longer than {mtu} bytes (over_mtu)"
+            ),
+            std::cmp::Ordering::Equal => {
+                format!("{name} interface mtu {mtu} (was {was}): the fabric's again")
+            }
+            std::cmp::Ordering::Greater => format!(
+                "{name} interface mtu {mtu} (was {was}; the fabric's {fabric}): its frames longer than {fabric} bytes are dropped where they enter (over_mtu)"
+            ),
+        };
+        self.log_event(now, what);
+    }
+
+    /// GPU `gpu`'s host set its interface down (or deleted it) or up again: its links
+    /// (NIC, scale-up) go down as a NIC's would, held by the host (`Layers`: nobody else
+    /// brings them up), or it lets go of them. Frames on their way to it are then dropped
+    /// as `link_down` where the fabric would, not written to a TUN that refuses them.
+    pub(super) fn host_sets(&mut self, now: Instant, gpu: usize, did: HostDid) {
+        use closbox_fabric::routing::PortId;
+        use closbox_fabric::topology::Vertex;
+        use layers::Outcome;
+        if self.host_did.len() < self.topo.hosts.len() {
+            self.host_did.resize(self.topo.hosts.len(), HostDid::Up);
+        }
+        // Nothing new (a deletion of a downed interface keeps it down for good), or
+        // after its interface went.
+        let was = self.host_did[gpu];
+        if was == HostDid::Deleted || (was == HostDid::Up) == (did == HostDid::Up) {
+            if (was, did) == (HostDid::Down, HostDid::Deleted) {
+                // (`ip link del` sets it down first.)
+                self.host_did[gpu] = did;
+                let name = &self.topo.hosts[gpu].name;
+                self.log_event(now, format!("{name}'s interface is gone: {GONE}"));
+            }
+            return;
+        }
+        self.host_did[gpu] = did;
+        let up = did == HostDid::Up;
+        let v = Vertex::Host(closbox_fabric::topology::HostId(gpu as u32));
+        let links: Vec<u32> = (0..self.topo.links.len() as u32)
+            .filter(|&l| {
+                let link = &self.topo.links[l as usize];
+                link.a == v || link.b == v
+            })
+            .collect();
+        let holder = layers::Holder::host(gpu);
+        let (mut done, mut notes) = (0, Notes::default());
+        for &l in &links {
+            let change = if up {
+                Change::LinkUp(l)
+            } else {
+                Change::LinkDown(l)
+            };
+            let model = &self.model;
+            let outcome = self.layers.take(holder, &change, |l, end| {
+                model.original_of(PortId(2 * l + end as u32))
+            });
+            match outcome {
+                Outcome::AsIs => done += usize::from(self.apply_change(now, change)),
+                Outcome::HeldDown(by) => {
+                    notes.held += 1;
+                    notes.held_by.extend(by);
+                }
+                o => unreachable!("{o:?} for a link's up or down"),
+            }
+        }
+        let name = &self.topo.hosts[gpu].name;
+        let n = links.len();
+        let them = if n == 1 {
+            "link".into()
+        } else {
+            format!("{n} links")
+        };
+        let what = match did {
+            HostDid::Down => format!("{name}'s {them} down: its host set its interface down (held down until it sets it up)"),
+            HostDid::Deleted => format!("{name}'s {them} down for good: its interface is gone: {GONE}"),
+            HostDid::Up => format!("{name}'s {them} up: its host set its interface up"),
+        };
+        let what = what + &notes.said(n, done, None);
+        self.log_event(now, what);
     }
 
     /// Adds `what`, which the fabric did of its own at fabric time `at`, to the event log.
@@ -804,6 +886,18 @@ impl<P: Ports> DataPlane<P> {
         }
         event
     }
+}
+
+/// What a GPU whose interface is gone has: its links down for good.
+const GONE: &str = "deleted or moved out of its namespace, or its TUN failed; its links stay down until `closbox down`";
+
+/// What a GPU's host did to its interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HostDid {
+    Up,
+    Down,
+    /// Deleted it (or its TUN failed): down for good.
+    Deleted,
 }
 
 /// Why a step's changes did less than it says, for its event's line.

@@ -9,6 +9,10 @@
 //! changes the link's own values and takes the fields it sets from every degrade (it
 //! shows at once, and a later repair does not bring an older degrade of them back); an
 //! up or reset by hand ends every timeline's hold on the link.
+//!
+//! A GPU's host holds its links down while its interface is down (`links`): nobody else
+//! can bring them up, neither the hand nor a scenario nor `closbox reset`, since the
+//! fabric's side cannot make a NIC that its host set down carry frames.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -41,6 +45,29 @@ const HAND: Holder = Holder {
     timeline: 0,
     fault: 0,
 };
+
+/// The timeline that stands for the GPUs' hosts: a GPU's holds its links down while its
+/// interface is down (its fault: the GPU's index). Never a scenario's number.
+pub const HOST: u64 = u64::MAX;
+
+impl Holder {
+    /// GPU `gpu`'s host.
+    pub(super) fn host(gpu: usize) -> Holder {
+        Holder {
+            timeline: HOST,
+            fault: gpu as u32,
+        }
+    }
+
+    fn is_host(self) -> bool {
+        self.timeline == HOST
+    }
+
+    /// A timeline's that no longer runs (see `Layers::live`); never the hand's or a host's.
+    fn ended(self, live: &BTreeSet<u64>) -> bool {
+        self.timeline != 0 && !self.is_host() && !live.contains(&self.timeline)
+    }
+}
 
 /// One field's values set by degrades, the latest last; one per holder.
 #[derive(Clone, Debug)]
@@ -198,8 +225,9 @@ impl Layers {
     ) -> Outcome {
         let t = t.into();
         let live = &self.live;
-        // What `t` lets go of when it repairs: its own, and what ended timelines left.
-        let gone = |u: Holder| u == t || (u.timeline != 0 && !live.contains(&u.timeline));
+        // What `t` lets go of when it repairs: its own, and what ended timelines left
+        // (a host, only its own: setting its interface up does not mend a cable).
+        let gone = |u: Holder| u == t || (!t.is_host() && u.ended(live));
         match *change {
             Change::LinkDown(l) => {
                 self.down.entry(l).or_default().insert(t);
@@ -210,7 +238,8 @@ impl Layers {
                     return Outcome::AsIs;
                 };
                 if t == HAND {
-                    holders.clear();
+                    // All but the hosts'.
+                    holders.retain(|u| u.is_host());
                 } else {
                     holders.retain(|&u| !gone(u));
                 }
@@ -401,7 +430,7 @@ impl Layers {
             return;
         }
         let live = &self.live;
-        let ended = |u: Holder| u.timeline != 0 && !live.contains(&u.timeline);
+        let ended = |u: Holder| u.ended(live);
         for d in self.degrades.values_mut().flatten() {
             d.compact(ended);
         }
@@ -430,12 +459,17 @@ impl Layers {
         }
     }
 
-    /// The timelines holding link `l` down (0: by hand).
+    /// The timelines holding link `l` down (0: by hand), not counting its GPU's host.
     pub(super) fn down_by(&self, l: u32) -> Vec<u64> {
         self.down.get(&l).map_or_else(Vec::new, |h| {
             let by: BTreeSet<u64> = h.iter().map(|h| h.timeline).collect();
-            by.into_iter().collect()
+            by.into_iter().filter(|&t| t != HOST).collect()
         })
+    }
+
+    /// Whether its GPU's host holds link `l` down.
+    pub(super) fn down_by_host(&self, l: u32) -> bool {
+        self.down_holders(l).any(Holder::is_host)
     }
 
     /// The timelines whose degrades of link `l` are in place.
@@ -447,9 +481,18 @@ impl Layers {
         by.into_iter().collect()
     }
 
-    /// Forgets every hold (a fabric reset).
+    /// Forgets every hold but the GPUs' hosts' (a fabric reset: what a host did to its
+    /// own interface is its to undo).
     pub(super) fn clear(&mut self) {
-        *self = Layers::default();
+        let mut down = std::mem::take(&mut self.down);
+        for holders in down.values_mut() {
+            holders.retain(|u| u.is_host());
+        }
+        down.retain(|_, holders| !holders.is_empty());
+        *self = Layers {
+            down,
+            ..Layers::default()
+        };
     }
 
     /// What link `l`'s direction leaving `end` should be now: its own values under the
@@ -485,27 +528,35 @@ impl Layers {
     }
 }
 
-/// "timeline 2", "timelines 2, 3", "hand", "hand and timeline 2": who holds a link
-/// (0: by hand), in that order.
+/// "timeline 2", "timelines 2, 3", "hand", "hand and timeline 2", "its GPU's host, whose
+/// interface is down": who holds a link (0: by hand; `HOST`: its GPU's host), in that
+/// order.
 pub fn holders(ids: impl IntoIterator<Item = u64>) -> String {
     let mut hand = false;
+    let mut host = false;
     let mut timelines = Vec::new();
     for t in ids {
         match t {
             0 => hand = true,
+            HOST => host = true,
             t => timelines.push(t.to_string()),
         }
     }
-    let scenarios = match timelines.len() {
-        0 => None,
-        1 => Some(format!("timeline {}", timelines[0])),
-        _ => Some(format!("timelines {}", timelines.join(", "))),
-    };
-    match (hand, scenarios) {
-        (true, None) => "hand".into(),
-        (true, Some(s)) => format!("hand and {s}"),
-        (false, Some(s)) => s,
-        (false, None) => "nobody".into(),
+    let mut who = Vec::new();
+    if hand {
+        who.push("hand".to_owned());
+    }
+    match timelines.len() {
+        0 => {}
+        1 => who.push(format!("timeline {}", timelines[0])),
+        _ => who.push(format!("timelines {}", timelines.join(", "))),
+    }
+    if host {
+        who.push("its GPU's host, whose interface is down".to_owned());
+    }
+    match who.is_empty() {
+        true => "nobody".into(),
+        false => who.join(" and "),
     }
 }
 
@@ -575,6 +626,35 @@ mod tests {
         );
         l.take(5, &Change::LinkDown(3), original);
         assert_eq!(l.take(HAND, &Change::LinkUp(3), original), Outcome::AsIs);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn a_gpus_host_holds_its_links_down_against_everyone_else() {
+        let mut l = Layers::default();
+        l.begin(1);
+        let host = Holder::host(3);
+        assert_eq!(l.take(host, &Change::LinkDown(9), original), Outcome::AsIs);
+        l.take(1, &Change::LinkDown(9), original);
+        // Neither a scenario's up nor the hand's brings it up, nor a fabric reset.
+        let held = Outcome::HeldDown([HOST].into());
+        assert_eq!(l.take(1, &Change::LinkUp(9), original), held);
+        l.take(HAND, &Change::LinkDown(9), original);
+        assert_eq!(l.take(HAND, &Change::LinkUp(9), original), held);
+        l.end_unless(|_| false);
+        l.take(2, &Change::LinkDown(9), original);
+        l.clear();
+        assert!(l.held_down(9) && l.down_by_host(9));
+        assert!(l.down_by(9).is_empty(), "{:?}", l.down_by(9));
+        // Another GPU's host's up is not its own.
+        let other = Holder::host(4);
+        assert_eq!(l.take(other, &Change::LinkUp(9), original), held);
+        // Its own up: the link comes up, unless someone took it down meanwhile.
+        l.take(HAND, &Change::LinkDown(9), original);
+        let by_hand = Outcome::HeldDown([0].into());
+        assert_eq!(l.take(host, &Change::LinkUp(9), original), by_hand);
+        assert!(!l.down_by_host(9));
+        assert_eq!(l.take(HAND, &Change::LinkUp(9), original), Outcome::AsIs);
         assert!(l.is_empty());
     }
 
@@ -749,5 +829,12 @@ mod tests {
         assert_eq!(holders([2, 3]), "timelines 2, 3");
         assert_eq!(holders([0]), "hand");
         assert_eq!(holders([0, 4]), "hand and timeline 4");
+        let host = "its GPU's host, whose interface is down";
+        assert_eq!(holders([HOST]), host);
+        assert_eq!(
+            holders([0, 2, HOST]),
+            format!("hand and timeline 2 and {host}")
+        );
+        assert_eq!(holders([]), "nobody");
     }
 }

@@ -96,6 +96,10 @@ pub struct LinkStatus {
     /// lets go, or by hand.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub down_by: Vec<u64>,
+    /// Held down by its GPU's host too: its interface is down (or gone). Only the host
+    /// brings it up, by setting its interface up.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub down_by_host: bool,
     /// The scenarios' timelines whose degrades are in place on it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub degraded_by: Vec<u64>,
@@ -731,6 +735,7 @@ impl<P: Ports> DataPlane<P> {
                         [a, b]
                     },
                     down_by: self.layers.down_by(l.link),
+                    down_by_host: self.layers.down_by_host(l.link),
                     degraded_by: self.layers.degraded_by(l.link),
                 })
                 .collect(),

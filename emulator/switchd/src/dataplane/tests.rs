@@ -15,7 +15,7 @@ struct MemPorts {
     sent: Vec<(usize, StdDuration, Frame)>,
     done: Vec<(u64, bool)>,
     /// Interface MTUs the GPUs' hosts set, handed over at the next wait.
-    mtus: Vec<(usize, u32)>,
+    links: Vec<(usize, HostLink)>,
 }
 
 impl MemPorts {
@@ -26,7 +26,7 @@ impl MemPorts {
             inbox: vec![Default::default(); n],
             sent: Vec::new(),
             done: Vec::new(),
-            mtus: Vec::new(),
+            links: Vec::new(),
         }
     }
 }
@@ -80,8 +80,8 @@ impl Ports for MemPorts {
         done.append(&mut self.done);
     }
 
-    fn mtu_changes(&mut self, out: &mut Vec<(usize, u32)>) {
-        out.append(&mut self.mtus);
+    fn link_changes(&mut self, out: &mut Vec<(usize, HostLink)>) {
+        out.append(&mut self.links);
     }
 }
 
@@ -315,7 +315,7 @@ fn holds_follow_the_fabric_under_random_changes() {
             let from = (a == "leaf0" && rng.below(3) == 0).then(|| "leaf0".to_owned());
             let (a, b) = (a.to_owned(), b.to_owned());
             let spine = format!("spine{}", rng.below(2));
-            match rng.below(9) {
+            match rng.below(11) {
                 0 => ChangeRequest::LinkDown { a, b, index: None },
                 1 => ChangeRequest::LinkUp { a, b, index: None },
                 2 => ChangeRequest::LinkSet {
@@ -343,7 +343,13 @@ fn holds_follow_the_fabric_under_random_changes() {
                 7 => ChangeRequest::Partition {
                     groups: vec![vec![format!("gpu{}", rng.below(4))]],
                 },
-                _ => ChangeRequest::Heal,
+                8 => ChangeRequest::Heal,
+                9 => ChangeRequest::GpuDown {
+                    name: "gpu0".into(),
+                },
+                _ => ChangeRequest::GpuUp {
+                    name: "gpu0".into(),
+                },
             }
         };
         for _ in 0..200 {
@@ -363,7 +369,11 @@ fn holds_follow_the_fabric_under_random_changes() {
                     let t = rng.below(dp.timelines as u32 + 1) as u64;
                     dp.cancel((rng.below(5) != 0).then_some(t));
                 }
-                _ => {}
+                _ => {
+                    // gpu0's host sets its interface down or up.
+                    let up = rng.below(2) == 0;
+                    dp.ports.links.push((0, HostLink::Up(up)));
+                }
             }
             let until = dp.ports.elapsed + StdDuration::from_micros(rng.below(3_000) as u64);
             while dp.ports.elapsed < until {
@@ -383,7 +393,12 @@ fn holds_follow_the_fabric_under_random_changes() {
                 }
             }
         }
+        // A reset leaves what gpu0's host did; its up undoes it.
         dp.change(&ChangeRequest::Reset).unwrap();
+        let host_holds = dp.status().changed_links.iter().all(|l| l.down_by_host);
+        assert!(host_holds, "seed {seed}: {:?}", dp.status().changed_links);
+        dp.ports.links.push((0, HostLink::Up(true)));
+        dp.step();
         assert!(dp.status().changed_links.is_empty(), "seed {seed}");
         assert!(dp.status().partition.is_empty(), "seed {seed}");
         assert!(dp.layers.is_empty(), "seed {seed}");
@@ -1203,10 +1218,79 @@ fn shortest_gpu_path_is_through_one_leaf_or_one_link() {
 }
 
 #[test]
+fn a_gpu_whose_host_sets_its_interface_down_has_its_links_down_until_it_sets_it_up() {
+    let (mut dp, t) = plane(TWO);
+    dp.ports.links = vec![(1, HostLink::Up(false))];
+    dp.step();
+    let st = dp.status();
+    assert_eq!(st.changed_links.len(), 1);
+    let l = &st.changed_links[0];
+    assert!(!l.up && l.down_by_host && l.down_by.is_empty(), "{l:?}");
+    // Frames to it are dropped where the fabric would, as a link down.
+    dp.ports.inbox[0].push_back((StdDuration::from_micros(5), udp(&t, 0, 1, 500)));
+    for _ in 0..1000 {
+        dp.step();
+    }
+    assert!(dp.ports.sent.is_empty());
+    let drops: std::collections::BTreeMap<String, u64> = dp.status().drops.into_iter().collect();
+    assert_eq!(drops["link_down"], 1);
+    // Neither the hand nor a reset brings it up; the host does.
+    let up = dp.change(&ChangeRequest::GpuUp {
+        name: "gpu1".into(),
+    });
+    assert!(up.unwrap()[0]
+        .what
+        .ends_with("(held down by its GPU's host, whose interface is down)"));
+    dp.change(&ChangeRequest::Reset).unwrap();
+    assert!(!dp.status().changed_links[0].up);
+    // Down by hand meanwhile: the host's up leaves it to the hand.
+    dp.change(&ChangeRequest::GpuDown {
+        name: "gpu1".into(),
+    })
+    .unwrap();
+    dp.ports.links = vec![(1, HostLink::Up(true))];
+    dp.step();
+    assert!(!dp.status().changed_links[0].up);
+    dp.change(&ChangeRequest::GpuUp {
+        name: "gpu1".into(),
+    })
+    .unwrap();
+    assert!(dp.status().changed_links.is_empty());
+    // (Once routes have converged over it.)
+    for _ in 0..1000 {
+        dp.step();
+    }
+    dp.ports.inbox[0].push_back((dp.ports.elapsed, udp(&t, 0, 1, 500)));
+    for _ in 0..1000 {
+        dp.step();
+    }
+    assert_eq!(dp.ports.sent.len(), 1, "{:?}", dp.status().drops);
+    // Deleted: down for good, said once.
+    dp.ports.links = vec![(1, HostLink::Deleted), (1, HostLink::Up(true))];
+    dp.step();
+    assert!(!dp.status().changed_links[0].up);
+    let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
+    let host: Vec<&str> = whats
+        .iter()
+        .copied()
+        .filter(|w| w.contains("its host") || w.contains("is gone"))
+        .collect();
+    assert_eq!(
+        host,
+        [
+            "gpu1's link down: its host set its interface down (held down until it sets it up)",
+            "gpu1's link up: its host set its interface up (held down by hand)",
+            "gpu1's link down for good: its interface is gone: deleted or moved out of its namespace, or its TUN failed; its links stay down until `closbox down`",
+        ],
+        "{whats:#?}"
+    );
+}
+
+#[test]
 fn a_gpus_interface_mtu_is_followed_said_and_undone() {
     let (mut dp, t) = plane(TWO);
     // gpu1's host lowers its MTU; a change to a GPU that does not exist is ignored.
-    dp.ports.mtus = vec![(1, 1000), (7, 100)];
+    dp.ports.links = vec![(1, HostLink::Mtu(1000)), (7, HostLink::Mtu(100))];
     dp.step();
     assert_eq!(
         dp.model.gpu_mtu(closbox_fabric::topology::HostId(1)),
@@ -1228,9 +1312,9 @@ fn a_gpus_interface_mtu_is_followed_said_and_undone() {
     assert_eq!(into1.drops_over_mtu, 2);
     assert_eq!(into1.drops(), 2);
     // The same MTU again says nothing; back to the fabric's, said and undone.
-    dp.ports.mtus = vec![(1, 1000)];
+    dp.ports.links = vec![(1, HostLink::Mtu(1000))];
     dp.step();
-    dp.ports.mtus = vec![(1, 1500)];
+    dp.ports.links = vec![(1, HostLink::Mtu(1500))];
     dp.step();
     let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
     assert_eq!(
@@ -1247,7 +1331,7 @@ fn a_gpus_interface_mtu_is_followed_said_and_undone() {
     }
     assert_eq!(dp.ports.sent.len(), 2);
     // A raised MTU is listed too (its longer frames are dropped where they enter).
-    dp.ports.mtus = vec![(0, 9000)];
+    dp.ports.links = vec![(0, HostLink::Mtu(9000))];
     dp.step();
     assert_eq!(dp.status().gpu_mtus, [("gpu0".to_string(), 9000)]);
     assert!(dp

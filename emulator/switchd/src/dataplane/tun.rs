@@ -9,7 +9,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::Frame;
 
 use super::{Outgoing, Ports, DATAPLANE_NICE, LINK_TOKEN, WAKE_TOKEN};
-use crate::links::{self, LinkWatch};
+use crate::links::{self, HostLink, LinkWatch};
 use crate::sys::{self, Epoll, EventFd};
 
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
@@ -56,7 +56,7 @@ pub struct TunPorts {
     /// they say, and the MTU changes heard and not taken yet.
     links: Vec<LinkWatch>,
     link_buf: Vec<u8>,
-    mtu_changed: Vec<(usize, u32)>,
+    link_changed: Vec<(usize, HostLink)>,
     /// Ports whose TUN failed a read (its device deleted inside the GPU's namespace
     /// makes every read fail): no longer waited on or read.
     closed: Vec<bool>,
@@ -238,12 +238,12 @@ impl TunPorts {
             inline_done: Vec::new(),
             links: Vec::new(),
             link_buf: Vec::new(),
-            mtu_changed: Vec::new(),
+            link_changed: Vec::new(),
             closed: Vec::new(),
         })
     }
 
-    /// Follows each GPU's interface MTU, `watches[i]` GPU `i`'s (`Ports::mtu_changes`).
+    /// Follows each GPU's interface, `watches[i]` GPU `i`'s (`Ports::link_changes`).
     pub fn watch_links(mut self, watches: Vec<LinkWatch>) -> io::Result<TunPorts> {
         for (i, w) in watches.iter().enumerate() {
             self.epoll.add(w.fd(), LINK_TOKEN | i as u64)?;
@@ -259,11 +259,13 @@ impl TunPorts {
         let Some(w) = self.links.get_mut(i) else {
             return;
         };
-        match w.drain(&mut self.link_buf) {
-            Ok(Some(mtu)) => self.mtu_changed.push((i, mtu)),
-            Ok(None) => {}
+        let mut heard = Vec::new();
+        let r = w.drain(&mut self.link_buf, &mut heard);
+        self.link_changed.extend(heard.into_iter().map(|c| (i, c)));
+        match r {
+            Ok(()) => {}
             Err(e) => {
-                tracing::warn!("port {i}: no longer following its interface's MTU: {e}");
+                tracing::warn!("port {i}: no longer following its interface (MTU, up): {e}");
                 let _ = self.epoll.remove(w.fd());
             }
         }
@@ -510,8 +512,8 @@ impl Ports for TunPorts {
         sys::thread_cpu_ns().ok()
     }
 
-    fn mtu_changes(&mut self, out: &mut Vec<(usize, u32)>) {
-        out.append(&mut self.mtu_changed);
+    fn link_changes(&mut self, out: &mut Vec<(usize, HostLink)>) {
+        out.append(&mut self.link_changed);
     }
 }
 
