@@ -911,6 +911,37 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
     ] {
         assert!(events.contains(line), "{line}: {events}");
     }
+    // Renamed (down, renamed, up: as `ip` allows it), its pacing still follows its link,
+    // and its counters are still read (both found it by its name before).
+    for args in [
+        &["ip", "link", "set", "cb0", "down"][..],
+        &["ip", "link", "set", "cb0", "name", "eth7"],
+        &["ip", "link", "set", "eth7", "up"],
+    ] {
+        let out = f.exec("gpu1", args);
+        assert!(out.status.success(), "{args:?}: {:?}", text(&out));
+    }
+    let out = closbox(&[
+        "link",
+        "set",
+        "-f",
+        "lt-ifdown",
+        "gpu1",
+        "sw0",
+        "--rate",
+        "100Mbit",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let mut classes = String::new();
+    for _ in 0..50 {
+        classes = text(&f.exec("gpu1", &["tc", "class", "show", "dev", "eth7"])).0;
+        if classes.contains("rate 100Mbit") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(classes.contains("rate 100Mbit"), "{classes}");
+    assert!(f.status()["gpu_rx_dropped"].is_u64(), "{}", f.status());
     f.down();
 }
 
@@ -968,6 +999,8 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
     );
     let status = f.status();
     assert_eq!(status["closed_ports"], serde_json::json!(["gpu1"]));
+    // The others' TUN counters are still read (one missing interface hid them all).
+    assert!(status["gpu_rx_dropped"].is_u64(), "{status}");
     assert_eq!(
         status["changed_links"][0]["down_by_host"], true,
         "gpu1's link is down for good: {status}"

@@ -154,7 +154,13 @@ pub const MAX_REQUEST: u64 = 4 << 20;
 const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Starts serving; the listener thread lives as long as the process.
-pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
+/// Serves fabric `state`'s control socket; `ifindex`: each GPU's interface's index.
+pub fn serve(
+    state: State,
+    ifindex: Vec<u32>,
+    ctl: Sender<Ctl>,
+    wake: Arc<EventFd>,
+) -> anyhow::Result<()> {
     let path = state.fabric.control_path();
     let _ = std::fs::remove_file(&path);
     // The socket is born 0600 (no window in which others could connect); its directory
@@ -164,7 +170,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
     crate::sys::umask(old);
     let listener = bound.with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-    let shared = Arc::new((state, Mutex::new(ctl), wake));
+    let shared = Arc::new((state, ifindex, Mutex::new(ctl), wake));
     let clients = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
@@ -179,7 +185,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                 let spawned = std::thread::Builder::new()
                     .name("control-client".into())
                     .spawn(move || {
-                        let (state, ctl, wake) = &*shared;
+                        let (state, ifindex, ctl, wake) = &*shared;
                         let request = read_request(&mut conn);
                         tracing::debug!("control: {request:?}");
                         match request {
@@ -248,7 +254,7 @@ pub fn serve(state: State, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Resu
                             _ => {}
                         }
                         let answer = match request {
-                            Ok(Request::Status) => status(state, ctl, wake),
+                            Ok(Request::Status) => status(state, ifindex, ctl, wake),
                             Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
                                 .and_then(|r| r.map_err(|e| e.to_string()))
                                 .map_or_else(Reply::error, |events| Reply::Changed { events }),
@@ -539,7 +545,7 @@ fn ask<T>(
         .map_err(|_| "the data plane did not answer within 5 s".into())
 }
 
-fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
+fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
     let (tx, rx) = mpsc::channel();
     if ctl
         .lock()
@@ -554,9 +560,10 @@ fn status(state: &State, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
         Ok(s) => s,
         Err(_) => return Reply::error("the data plane did not answer within 5 s"),
     };
-    if let Ok(d) = crate::netns::tun_dropped(&state.gpus, &state.tun) {
-        s.tun_tx_dropped = Some(d.iter().map(|d| d.tx).sum());
-        s.gpu_rx_dropped = Some(d.iter().map(|d| d.rx).sum());
+    // (Of the interfaces still there: a GPU's host may have deleted its own.)
+    if let Ok(d) = crate::netns::tun_dropped(&state.gpus, ifindex) {
+        s.tun_tx_dropped = Some(d.iter().flatten().map(|d| d.tx).sum());
+        s.gpu_rx_dropped = Some(d.iter().flatten().map(|d| d.rx).sum());
     }
     Reply::Status(Box::new(s))
 }

@@ -33,6 +33,7 @@ use anyhow::{anyhow, bail, Context};
 use closbox_fabric::{TimeScale, Topology};
 
 use crate::dataplane::{Ctl, DataPlane, TunPorts};
+use crate::links::LinkWatch;
 use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, TUN_NAME};
 use crate::sys::EventFd;
 
@@ -263,8 +264,10 @@ pub fn run_fabric(
     };
     // Non-TCP senders held to their links' rates (see `pace`): a host without htb or u32
     // keeps going without.
-    let pacer = match pace::install_all(&st, topo)
-        .and_then(|plans| Ok(pace::Pacer::start(&st, topo, plans)?))
+    // Each GPU's interface by its index (its host may rename it).
+    let ifindex: Vec<u32> = watches.iter().map(LinkWatch::index).collect();
+    let pacer = match pace::install_all(&st, topo, &ifindex)
+        .and_then(|plans| Ok(pace::Pacer::start(&st, topo, plans, ifindex.clone())?))
     {
         Ok(p) => Some(p),
         Err(e) => {
@@ -281,7 +284,7 @@ pub fn run_fabric(
         .realtime(sched.realtime)
         .idle_poll(sched.idle_poll)
         .pacer(pacer);
-    control::serve(st.clone(), ctl_tx.clone(), Arc::clone(&wake))?;
+    control::serve(st.clone(), ifindex, ctl_tx.clone(), Arc::clone(&wake))?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;
         metrics::serve(listener, ctl_tx.clone(), Arc::clone(&wake))?;

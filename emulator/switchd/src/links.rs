@@ -52,6 +52,12 @@ impl LinkWatch {
         })
     }
 
+    /// The interface's index: it keeps it when its host renames it (`ip link set cb0
+    /// name eth0`), so the daemon finds it by this, never by its name.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
     fn ask(&self) -> io::Result<()> {
         self.sock.send(&get_link(self.index))
     }

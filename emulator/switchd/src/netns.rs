@@ -249,20 +249,26 @@ pub fn moved_tuns(state: &State, tuns: &[OwnedFd]) -> Vec<(String, Option<String
     moved
 }
 
-/// Reads the TUN's kernel-side drop counters of every GPU in `gpus`, from inside each
-/// one's namespace: one thread enters them in turn (a thread per GPU cost a status of
+/// Reads the TUN's kernel-side drop counters of every GPU in `gpus` (interface
+/// `ifindex[i]` of GPU `i`; none where it is gone), from inside each one's namespace: one
+/// thread enters them in turn (a thread per GPU cost a status of
 /// 1,024 GPUs ~0.5 s, and made the daemon map and unmap a stack for each).
-pub fn tun_dropped(gpus: &[GpuState], tun: &str) -> io::Result<Vec<TunDrops>> {
+pub fn tun_dropped(gpus: &[GpuState], ifindex: &[u32]) -> io::Result<Vec<Option<TunDrops>>> {
     thread::scope(|s| {
         s.spawn(|| {
             gpus.iter()
-                .map(|g| {
+                .zip(ifindex)
+                .map(|(g, &i)| {
                     use std::os::fd::AsFd;
                     let ns = fs::File::open(g.netns_path())?;
                     sys::enter_netns(ns.as_fd())?;
+                    // By its index: its host may have renamed it, or deleted it (then
+                    // none: its counters went with it).
+                    let Ok(name) = sys::if_name(i) else {
+                        return Ok(None);
+                    };
                     let dev = fs::read_to_string("/proc/thread-self/net/dev")?;
-                    parse_tun_drops(&dev, tun)
-                        .ok_or_else(|| io::Error::other(format!("{tun} not in /proc/net/dev")))
+                    Ok(parse_tun_drops(&dev, &name))
                 })
                 .collect()
         })

@@ -152,11 +152,12 @@ impl Plan {
 /// raised rate lays the qdisc anew.
 const HELD_OVER_NS: u64 = 1_000_000;
 
-/// Installs `plan` on interface `dev` of the calling thread's network namespace,
-/// replacing whatever root qdisc it had.
-pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
+/// Installs `plan` on interface `ifindex` of the calling thread's network namespace,
+/// replacing whatever root qdisc it had. (By its index, which a rename keeps: a GPU's host
+/// may rename its interface.)
+pub fn install(ifindex: u32, plan: &Plan) -> io::Result<()> {
     let mut nl = Netlink::open()?;
-    let ifindex = nl.sock.if_index(dev)? as i32;
+    let ifindex = ifindex as i32;
     // The root qdisc, 1:, htb; unclassified packets to the default class.
     let mut a = Attrs::default();
     a.put(TCA_KIND, b"htb\0");
@@ -178,23 +179,21 @@ pub fn install(dev: &str, plan: &Plan) -> io::Result<()> {
     nl.flush()
 }
 
-/// Lays `plan` anew on `dev`: the root qdisc is deleted first (a replace of an htb root
-/// by an htb with the same handle is taken as a change of it, which keeps its filters).
-/// A root already gone (a GPU's program may delete it) is not an error.
-pub fn reinstall(dev: &str, plan: &Plan) -> io::Result<()> {
+/// Lays `plan` anew on interface `ifindex`: the root qdisc is deleted first (a replace of
+/// an htb root by an htb with the same handle is taken as a change of it, which keeps its
+/// filters). A root already gone (a GPU's program may delete it) is not an error.
+pub fn reinstall(ifindex: u32, plan: &Plan) -> io::Result<()> {
     let mut nl = Netlink::open()?;
-    let ifindex = nl.sock.if_index(dev)? as i32;
-    nl.request(RTM_DELQDISC, 0, tcmsg(ifindex, 0, TC_H_ROOT, 0), &[]);
+    nl.request(RTM_DELQDISC, 0, tcmsg(ifindex as i32, 0, TC_H_ROOT, 0), &[]);
     let _ = nl.flush();
-    install(dev, plan)
+    install(ifindex, plan)
 }
 
 /// Changes the rates of the classes `install` made for `plan` (the same classes, new
 /// rates): what they hold stays queued.
-pub fn set_rates(dev: &str, plan: &Plan) -> io::Result<()> {
+pub fn set_rates(ifindex: u32, plan: &Plan) -> io::Result<()> {
     let mut nl = Netlink::open()?;
-    let ifindex = nl.sock.if_index(dev)? as i32;
-    classes(&mut nl, ifindex, plan);
+    classes(&mut nl, ifindex as i32, plan);
     nl.flush()
 }
 
@@ -355,12 +354,17 @@ fn merge(todo: &mut Vec<(usize, bool)>, more: Vec<(usize, bool)>) {
 }
 
 impl Pacer {
-    /// Starts the thread for the plans `install_all` installed.
-    pub fn start(state: &State, topo: &Topology, plans: Vec<Plan>) -> io::Result<Pacer> {
+    /// Starts the thread for the plans `install_all` installed on the interfaces
+    /// `ifindex` (a GPU's each).
+    pub fn start(
+        state: &State,
+        topo: &Topology,
+        plans: Vec<Plan>,
+        ifindex: Vec<u32>,
+    ) -> io::Result<Pacer> {
         let (tx, rx) = mpsc::channel::<Change>();
         let mut plans = Plans::new(topo, plans);
         let gpus = state.gpus.clone();
-        let tun = state.tun.clone();
         // The thread goes back here after each change: a namespace is not held by it
         // once its GPU's fabric is down.
         let home = std::fs::File::open("/proc/thread-self/ns/net")?;
@@ -392,10 +396,10 @@ impl Pacer {
                                 // Rates alone where the classes are as laid; laid anew
                                 // where they are not (the GPU's host removed or replaced
                                 // its qdisc: `tc qdisc del dev cb0 root`).
-                                if rates_only && set_rates(&tun, p).is_ok() {
+                                if rates_only && set_rates(ifindex[i], p).is_ok() {
                                     Ok(())
                                 } else {
-                                    reinstall(&tun, p)
+                                    reinstall(ifindex[i], p)
                                 }
                             });
                         if let Err(e) = done {
@@ -425,10 +429,10 @@ impl Pacer {
     }
 }
 
-/// Installs every GPU's plan, at the topology's link rates and time scale (once `up` has
-/// settled it), and returns the plans. Each worker thread moves between the GPUs'
-/// namespaces.
-pub fn install_all(state: &State, topo: &Topology) -> anyhow::Result<Vec<Plan>> {
+/// Installs every GPU's plan on its interface (`ifindex`, a GPU's each), at the
+/// topology's link rates and time scale (once `up` has settled it), and returns the
+/// plans. Each worker thread moves between the GPUs' namespaces.
+pub fn install_all(state: &State, topo: &Topology, ifindex: &[u32]) -> anyhow::Result<Vec<Plan>> {
     let routes = Routes::new(topo);
     let k = topo.fabric.time_scale.get();
     let plans: Vec<Plan> = (0..state.gpus.len())
@@ -444,14 +448,15 @@ pub fn install_all(state: &State, topo: &Topology) -> anyhow::Result<Vec<Plan>> 
             .gpus
             .chunks(chunk)
             .zip(plans.chunks(chunk))
-            .map(|(gpus, plans)| {
+            .zip(ifindex.chunks(chunk))
+            .map(|((gpus, plans), ifindex)| {
                 s.spawn(move || -> anyhow::Result<()> {
-                    for (g, p) in gpus.iter().zip(plans) {
+                    for ((g, p), &i) in gpus.iter().zip(plans).zip(ifindex) {
                         let ns = std::fs::File::open(g.netns_path())
                             .with_context(|| format!("opening {}", g.netns_path().display()))?;
                         sys::enter_netns(ns.as_fd())
                             .with_context(|| format!("entering {}", g.netns))?;
-                        install(&state.tun, p).with_context(|| {
+                        install(i, p).with_context(|| {
                             format!(
                                 "{}: an htb qdisc on {} (pacing its non-TCP packets)",
                                 g.name, state.tun

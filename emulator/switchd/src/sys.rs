@@ -802,6 +802,19 @@ pub fn clock_anchor_ns() -> (i128, i128) {
     )
 }
 
+/// The name of interface `index` in the calling thread's network namespace (which may
+/// have been renamed since it was made).
+pub fn if_name(index: u32) -> io::Result<String> {
+    use rustix::net::{socket_with, AddressFamily, SocketFlags, SocketType};
+    let fd = socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    Ok(rustix::net::netdevice::index_to_name(&fd, index)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
