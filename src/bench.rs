@@ -36,14 +36,29 @@ pub struct Target<'a> {
 }
 
 impl Target<'_> {
-    /// The fabric, the selected GPUs and the chaos timeline (checked) of a job.
+    /// The fabric, the selected GPUs (two or more: `one` says why a job needs them) and
+    /// the chaos timeline (checked) of a job.
     fn open(
         &self,
         what: &str,
+        one: &str,
     ) -> anyhow::Result<(State, Vec<usize>, Option<crate::chaos::Timeline>)> {
         closbox_switchd::require_root(what)?;
         let st = live::resolve(self.fabric)?;
         let sel = live::select(&st, self.gpus)?;
+        if let [gpu] = sel[..] {
+            // `--gpus 3` reads as "three GPUs" to many; it is GPU 3 alone, whose
+            // collectives are a local copy (algbw of thousands of GB/s, no packet).
+            let n = st.gpus.len();
+            let first = match self.gpus.parse::<usize>() {
+                Ok(k) if (2..=n).contains(&k) => format!("--gpus 0-{} for the first {k}, ", k - 1),
+                _ => String::new(),
+            };
+            return Err(crate::usage(format!(
+                "--gpus {} selects one GPU ({}): {one}; select two or more ({first}--gpus all for all {n})",
+                self.gpus, st.gpus[gpu].name
+            )));
+        }
         let timeline = self
             .chaos
             .map(|f| crate::chaos::Timeline::load(&st, f))
@@ -758,7 +773,10 @@ fn enough_memory(per_rank: u64, ranks: usize, what: &str) -> anyhow::Result<()> 
 }
 
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
-    let (st, sel, timeline) = a.target.open("closbox bench")?;
+    let (st, sel, timeline) = a.target.open(
+        "closbox bench",
+        "a collective over one rank sends nothing through the fabric",
+    )?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     // Validated here, before any agent starts, by the agents' own rules.
     let spec = a
@@ -1063,13 +1081,10 @@ impl Sweep {
 }
 
 pub fn train(a: TrainArgs) -> anyhow::Result<()> {
-    let (st, sel, timeline) = a.target.open("closbox train")?;
-    if sel.len() < 2 {
-        return Err(crate::usage(format!(
-            "--gpus selects {}: data-parallel training needs 2 GPUs or more (one GPU has no gradients to exchange)",
-            plural(sel.len(), "GPU")
-        )));
-    }
+    let (st, sel, timeline) = a.target.open(
+        "closbox train",
+        "data-parallel training needs 2 GPUs or more (one GPU has no gradients to exchange)",
+    )?;
     let (topo, ranks) = topology_of(&st, &sel)?;
     enough_memory(
         closbox_agents::train::memory_floor(a.model_bytes, a.bucket_bytes),

@@ -1002,11 +1002,20 @@ fn bench_and_train_through_the_fabric() {
         Some(2),
         "bad usage, as clap's own errors"
     );
-    // One GPU has nothing to exchange: no "0.0 % scaling efficiency" from it.
+    // One GPU has nothing to exchange: no "0.0 % scaling efficiency" from it, nor an
+    // AllReduce "of 1,188 GB/s" (`--gpus 3` is GPU 3, not three GPUs: said).
     let out = closbox(&["train", "--fabric", "lt-bench", "--gpus", "1"]);
     assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
     assert!(
         text(&out).1.contains("needs 2 GPUs or more"),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["bench", "--fabric", "lt-bench", "--gpus", "3"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("--gpus 3 selects one GPU (gpu3)")
+            && text(&out).1.contains("--gpus 0-2 for the first 3"),
         "{:?}",
         text(&out)
     );
