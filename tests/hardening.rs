@@ -1036,6 +1036,46 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
     assert_eq!(host_tuns(), before, "gpu3's TUN went with the fabric");
 }
 
+/// A GPU that moves its interface out of its namespace, then a daemon killed before its
+/// teardown (SIGKILL: nothing of it runs): the TUN, persistent, outlived `down` in the
+/// host's namespace. Once moved it is made to go with its descriptor, which the kernel
+/// closes however the daemon ends.
+#[test]
+fn a_moved_interface_goes_even_when_the_daemon_is_killed() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let host_tuns = || {
+        let out = Command::new("ip")
+            .args(["-d", "-o", "link", "show", "type", "tun"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = host_tuns();
+    let f = TestFabric::up(
+        "lt-moved",
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
+    );
+    let out = f.exec("gpu1", &["ip", "link", "set", "cb0", "netns", "1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_ne!(host_tuns(), before, "gpu1's TUN is in the host now");
+    // Once the daemon has heard of it (its link down for good).
+    let mut st = serde_json::Value::Null;
+    for _ in 0..50 {
+        st = f.status();
+        if st["changed_links"][0]["down_by_host"] == true {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(st["changed_links"][0]["down_by_host"], true, "{st}");
+    assert_eq!(kill(f.daemon_pid() as i32, "KILL"), 0);
+    f.down();
+    assert_eq!(host_tuns(), before, "gpu1's TUN went with the daemon");
+}
+
 #[test]
 fn up_refuses_what_cannot_fit_before_creating_anything() {
     let _s = serial();

@@ -503,6 +503,15 @@ fn lock_holder(file: &fs::File) -> Option<u32> {
 
 /// What a process is, for deciding whether closbox may signal it: the closbox command it
 /// runs (`up`, `down`, …), if it is a closbox binary at all.
+/// Whether process `pid` is exiting: it still is, but has no executable any more (a
+/// process's memory, and with it its executable, goes before its open files; kernel
+/// threads hold no locks).
+fn exiting(pid: u32) -> bool {
+    let exe = fs::read_link(format!("/proc/{pid}/exe"));
+    matches!(exe, Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        && Path::new(&format!("/proc/{pid}")).exists()
+}
+
 fn closbox_command(pid: u32) -> Option<String> {
     let link = format!("/proc/{pid}/exe");
     let exe = fs::read_link(&link).ok()?;
@@ -932,6 +941,18 @@ fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
             return match FabricLock::acquire_within(name, DAEMON_GRACE + KILL_WAIT)? {
                 Some(l) => Ok(Taken::Lock(l, DownHow::NotRunning)),
                 None => bail!("fabric {name} is held by `closbox {other}` (pid {pid}), which did not finish within 15 s"),
+            };
+        }
+        // A process on its way out (killed, or ending) has let go of its memory, and so
+        // of its executable, before its files: its lock goes when its descriptors are
+        // closed, which for a daemon's TUNs takes milliseconds each. Waited for.
+        None if exiting(pid) => {
+            return match FabricLock::acquire_within(name, KILL_WAIT)? {
+                Some(l) => Ok(Taken::Lock(l, DownHow::NotRunning)),
+                None => bail!(
+                    "fabric {name}'s lock is held by pid {pid}, which is exiting and did not let go of it within {} s; nothing was removed",
+                    KILL_WAIT.as_secs()
+                ),
             };
         }
         None => bail!(

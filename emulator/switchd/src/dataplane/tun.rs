@@ -261,6 +261,15 @@ impl TunPorts {
         };
         let mut heard = Vec::new();
         let r = w.drain(&mut self.link_buf, &mut heard);
+        if heard.contains(&HostLink::Deleted) {
+            // Gone from its namespace: deleted, or moved out (`ip link set cb0 netns 1`),
+            // where it would outlive the fabric (persistent) if the daemon were killed
+            // before its teardown: it now goes when its descriptor closes, however the
+            // daemon ends. (A deleted one refuses: EBADFD, nothing to do.)
+            if let Some(tun) = self.tuns.get(i) {
+                let _ = sys::tun_not_persistent(tun.as_fd());
+            }
+        }
         self.link_changed.extend(heard.into_iter().map(|c| (i, c)));
         match r {
             Ok(()) => {}
