@@ -872,7 +872,11 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
         out.status.success()
     };
     let cb0 = |how: &str| {
-        let out = f.exec("gpu1", &["ip", "link", "set", "cb0", how]);
+        let args = match how {
+            "carrier" => vec!["ip", "link", "set", "cb0", "carrier", "off"],
+            how => vec!["ip", "link", "set", "cb0", how],
+        };
+        let out = f.exec("gpu1", &args);
         assert!(out.status.success(), "{:?}", text(&out));
     };
     cb0("down");
@@ -911,6 +915,18 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
     ] {
         assert!(events.contains(line), "{line}: {events}");
     }
+    // Its carrier off (a NIC whose link is lost) likewise, and on again.
+    cb0("carrier");
+    let st = f.status();
+    assert_eq!(link(&st)["down_by_host"], true, "{st}");
+    let out = f.exec("gpu1", &["ip", "link", "set", "cb0", "carrier", "on"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(ping("2"), "gpu1's carrier is on again");
+    let events = text(&closbox(&["events", "lt-ifdown"])).0;
+    assert!(
+        events.contains("gpu1's link down: its host set its interface's carrier off"),
+        "{events}"
+    );
     // Renamed (down, renamed, up: as `ip` allows it), its pacing still follows its link,
     // and its counters are still read (both found it by its name before).
     for args in [

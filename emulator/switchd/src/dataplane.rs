@@ -25,7 +25,7 @@ use closbox_fabric::{Frame, HostId, Instant, TimeScale, Topology};
 
 use crate::chaos::{self, ChangeRequest, Event};
 use crate::histogram::{Histogram, Recent};
-use crate::links::HostLink;
+use crate::links::{HostLink, IfState};
 use crate::sys;
 
 mod changes;
@@ -313,7 +313,7 @@ pub struct DataPlane<P: Ports> {
     link_changes: Vec<(usize, HostLink)>,
     /// What each GPU's host last did to its interface: where down or deleted, its links
     /// are held down by it (`Layers`).
-    host_did: Vec<changes::HostDid>,
+    host_if: Vec<IfState>,
     /// GPUs whose port closed (a read of it failed: `Ports::recv`), in the order they did.
     closed: Vec<usize>,
 }
@@ -387,7 +387,7 @@ impl<P: Ports> DataPlane<P> {
             route_epoch: 0,
             gpu_mtus: Vec::new(),
             link_changes: Vec::new(),
-            host_did: vec![changes::HostDid::Up; topo.hosts.len()],
+            host_if: vec![IfState::Up; topo.hosts.len()],
             closed: Vec::new(),
         }
     }
@@ -579,7 +579,7 @@ impl<P: Ports> DataPlane<P> {
                         self.closed.push(host);
                     }
                     // Its links down for good (if the link watch has not said so first).
-                    self.host_sets(now, host, changes::HostDid::Deleted);
+                    self.host_sets(now, host, IfState::Gone);
                     return;
                 }
             }

@@ -21,10 +21,20 @@ pub const BUF: usize = 16 << 10;
 pub enum HostLink {
     /// Its MTU is now this.
     Mtu(u32),
-    /// It was set up (true) or down (false).
-    Up(bool),
-    /// It was deleted.
-    Deleted,
+    /// It is now in this state.
+    State(IfState),
+}
+
+/// Whether a GPU's interface carries frames, as its host left it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IfState {
+    Up,
+    /// Set down (`ip link set cb0 down`).
+    Down,
+    /// Up, with its carrier off (`ip link set cb0 carrier off`): a NIC whose link is lost.
+    NoCarrier,
+    /// Deleted, or moved to another namespace: gone from the GPU's for good.
+    Gone,
 }
 
 /// One GPU's interface, watched from inside its namespace.
@@ -33,8 +43,7 @@ pub struct LinkWatch {
     sock: RouteSocket,
     index: u32,
     mtu: u32,
-    up: bool,
-    deleted: bool,
+    state: IfState,
 }
 
 impl LinkWatch {
@@ -47,8 +56,7 @@ impl LinkWatch {
             sock,
             index,
             mtu,
-            up: true,
-            deleted: false,
+            state: IfState::Up,
         })
     }
 
@@ -84,21 +92,17 @@ impl LinkWatch {
                 Err(e) => return Err(e),
             }
         }
-        let Some(s) = latest.filter(|_| !self.deleted) else {
+        let Some(s) = latest.filter(|_| self.state != IfState::Gone) else {
             return Ok(());
         };
-        if s.deleted {
-            self.deleted = true;
-            out.push(HostLink::Deleted);
-            return Ok(());
-        }
-        if let Some(m) = s.mtu.filter(|&m| m != self.mtu) {
+        if let Some(m) = s.mtu.filter(|&m| m != self.mtu && !s.deleted) {
             self.mtu = m;
             out.push(HostLink::Mtu(m));
         }
-        if s.up != self.up {
-            self.up = s.up;
-            out.push(HostLink::Up(s.up));
+        let state = s.state();
+        if state != self.state {
+            self.state = state;
+            out.push(HostLink::State(state));
         }
         Ok(())
     }
@@ -111,8 +115,21 @@ pub struct LinkState {
     pub mtu: Option<u32>,
     /// Administratively up (`IFF_UP`).
     pub up: bool,
+    /// With its carrier (`IFF_LOWER_UP`).
+    pub carrier: bool,
     /// Deleted (`RTM_DELLINK`).
     pub deleted: bool,
+}
+
+impl LinkState {
+    pub fn state(&self) -> IfState {
+        match (self.deleted, self.up, self.carrier) {
+            (true, ..) => IfState::Gone,
+            (false, false, _) => IfState::Down,
+            (false, true, false) => IfState::NoCarrier,
+            (false, true, true) => IfState::Up,
+        }
+    }
 }
 
 /// An `RTM_GETLINK` request for interface `index`: a netlink header and an `ifinfomsg`.
@@ -154,6 +171,7 @@ pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
             let mut s = LinkState {
                 mtu: None,
                 up: !deleted && flags & libc::IFF_UP as u32 != 0,
+                carrier: !deleted && flags & libc::IFF_LOWER_UP as u32 != 0,
                 deleted,
             };
             let mut a = NLMSG_HDR + IFINFOMSG;
@@ -249,24 +267,30 @@ mod tests {
         let up = LinkState {
             mtu: Some(1500),
             up: true,
+            carrier: true,
             deleted: false,
         };
-        let up_flags = (libc::IFF_UP | libc::IFF_RUNNING) as u32;
+        let up_flags = (libc::IFF_UP | libc::IFF_RUNNING | libc::IFF_LOWER_UP) as u32;
         let set_down = libc::IFF_POINTOPOINT as u32;
+        let no_carrier = libc::IFF_UP as u32;
+        let read = |kind, flags| link_state(&message(kind, 7, flags, attrs), 7).unwrap();
+        assert_eq!(read(libc::RTM_NEWLINK, up_flags), up);
+        assert_eq!(up.state(), IfState::Up);
+        assert_eq!(read(libc::RTM_NEWLINK, set_down).state(), IfState::Down);
         assert_eq!(
-            link_state(&message(libc::RTM_NEWLINK, 7, up_flags, attrs), 7),
-            Some(up)
+            read(libc::RTM_NEWLINK, no_carrier).state(),
+            IfState::NoCarrier
         );
-        let down = link_state(&message(libc::RTM_NEWLINK, 7, set_down, attrs), 7);
-        assert_eq!(down, Some(LinkState { up: false, ..up }));
-        // Deleted: down, whatever its flags said.
+        // Deleted: gone, whatever its flags said.
         let gone = link_state(&message(libc::RTM_DELLINK, 7, up_flags, &[]), 7);
         let deleted = LinkState {
             mtu: None,
             up: false,
+            carrier: false,
             deleted: true,
         };
         assert_eq!(gone, Some(deleted));
+        assert_eq!(deleted.state(), IfState::Gone);
         // Another kind of message about it (an address's): nothing.
         assert_eq!(
             link_state(&message(libc::RTM_NEWADDR, 7, 0, attrs), 7),

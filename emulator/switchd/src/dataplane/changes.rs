@@ -7,7 +7,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::model::Change;
 use closbox_fabric::Instant;
 
-use crate::links::HostLink;
+use crate::links::{HostLink, IfState};
 
 use super::{
     layers, DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING,
@@ -750,9 +750,7 @@ impl<P: Ports> DataPlane<P> {
             }
             match change {
                 HostLink::Mtu(mtu) => self.follow_mtu(now, gpu, mtu),
-                HostLink::Up(true) => self.host_sets(now, gpu, HostDid::Up),
-                HostLink::Up(false) => self.host_sets(now, gpu, HostDid::Down),
-                HostLink::Deleted => self.host_sets(now, gpu, HostDid::Deleted),
+                HostLink::State(state) => self.host_sets(now, gpu, state),
             }
         }
         self.link_changes = changes;
@@ -790,31 +788,39 @@ impl<P: Ports> DataPlane<P> {
         self.log_event(now, what);
     }
 
-    /// GPU `gpu`'s host set its interface down (or deleted it) or up again: its links
-    /// (NIC, scale-up) go down as a NIC's would, held by the host (`Layers`: nobody else
-    /// brings them up), or it lets go of them. Frames on their way to it are then dropped
-    /// as `link_down` where the fabric would, not written to a TUN that refuses them.
-    pub(super) fn host_sets(&mut self, now: Instant, gpu: usize, did: HostDid) {
+    /// GPU `gpu`'s host left its interface in `state`: set down, its carrier off, gone
+    /// (deleted or moved away), or up again. Its links (NIC, scale-up) go down as a NIC's
+    /// would, held by the host (`Layers`: nobody else brings them up), or it lets go of
+    /// them. Frames on their way to it are then dropped as `link_down` where the fabric
+    /// would, not written to a TUN that refuses them.
+    pub(super) fn host_sets(&mut self, now: Instant, gpu: usize, state: IfState) {
         use closbox_fabric::routing::PortId;
         use closbox_fabric::topology::Vertex;
         use layers::Outcome;
-        if self.host_did.len() < self.topo.hosts.len() {
-            self.host_did.resize(self.topo.hosts.len(), HostDid::Up);
+        if self.host_if.len() < self.topo.hosts.len() {
+            self.host_if.resize(self.topo.hosts.len(), IfState::Up);
         }
-        // Nothing new (a deletion of a downed interface keeps it down for good), or
-        // after its interface went.
-        let was = self.host_did[gpu];
-        if was == HostDid::Deleted || (was == HostDid::Up) == (did == HostDid::Up) {
-            if (was, did) == (HostDid::Down, HostDid::Deleted) {
-                // (`ip link del` sets it down first.)
-                self.host_did[gpu] = did;
-                let name = &self.topo.hosts[gpu].name;
-                self.log_event(now, format!("{name}'s interface is gone: {GONE}"));
-            }
+        let was = self.host_if[gpu];
+        if was == state || was == IfState::Gone {
             return;
         }
-        self.host_did[gpu] = did;
-        let up = did == HostDid::Up;
+        self.host_if[gpu] = state;
+        let name = &self.topo.hosts[gpu].name;
+        if was != IfState::Up && state != IfState::Up {
+            // From one way of down to another: its links stay down (`ip link del` sets
+            // an interface down first).
+            let now_so = match state {
+                IfState::Gone => format!("gone: {GONE}"),
+                IfState::Down => "set down by its host".into(),
+                _ => "up, without its carrier".into(),
+            };
+            self.log_event(
+                now,
+                format!("{name}'s interface is {now_so} (its links stay down)"),
+            );
+            return;
+        }
+        let up = state == IfState::Up;
         let v = Vertex::Host(closbox_fabric::topology::HostId(gpu as u32));
         let links: Vec<u32> = (0..self.topo.links.len() as u32)
             .filter(|&l| {
@@ -850,10 +856,12 @@ impl<P: Ports> DataPlane<P> {
         } else {
             format!("{n} links")
         };
-        let what = match did {
-            HostDid::Down => format!("{name}'s {them} down: its host set its interface down (held down until it sets it up)"),
-            HostDid::Deleted => format!("{name}'s {them} down for good: its interface is gone: {GONE}"),
-            HostDid::Up => format!("{name}'s {them} up: its host set its interface up"),
+        let what = match (state, was) {
+            (IfState::Down, _) => format!("{name}'s {them} down: its host set its interface down (held down until it sets it up)"),
+            (IfState::NoCarrier, _) => format!("{name}'s {them} down: its host set its interface's carrier off (held down until it is on again)"),
+            (IfState::Gone, _) => format!("{name}'s {them} down for good: its interface is gone: {GONE}"),
+            (IfState::Up, IfState::NoCarrier) => format!("{name}'s {them} up: its interface's carrier is on again"),
+            (IfState::Up, _) => format!("{name}'s {them} up: its host set its interface up"),
         };
         let what = what + &notes.said(n, done, None);
         self.log_event(now, what);
@@ -890,15 +898,6 @@ impl<P: Ports> DataPlane<P> {
 
 /// What a GPU whose interface is gone has: its links down for good.
 const GONE: &str = "deleted or moved out of its namespace, or its TUN failed; its links stay down until `closbox down`";
-
-/// What a GPU's host did to its interface.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum HostDid {
-    Up,
-    Down,
-    /// Deleted it (or its TUN failed): down for good.
-    Deleted,
-}
 
 /// Why a step's changes did less than it says, for its event's line.
 #[derive(Default)]

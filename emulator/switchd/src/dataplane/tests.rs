@@ -371,8 +371,12 @@ fn holds_follow_the_fabric_under_random_changes() {
                 }
                 _ => {
                     // gpu0's host sets its interface down or up.
-                    let up = rng.below(2) == 0;
-                    dp.ports.links.push((0, HostLink::Up(up)));
+                    let state = match rng.below(3) {
+                        0 => IfState::Up,
+                        1 => IfState::Down,
+                        _ => IfState::NoCarrier,
+                    };
+                    dp.ports.links.push((0, HostLink::State(state)));
                 }
             }
             let until = dp.ports.elapsed + StdDuration::from_micros(rng.below(3_000) as u64);
@@ -397,7 +401,7 @@ fn holds_follow_the_fabric_under_random_changes() {
         dp.change(&ChangeRequest::Reset).unwrap();
         let host_holds = dp.status().changed_links.iter().all(|l| l.down_by_host);
         assert!(host_holds, "seed {seed}: {:?}", dp.status().changed_links);
-        dp.ports.links.push((0, HostLink::Up(true)));
+        dp.ports.links.push((0, HostLink::State(IfState::Up)));
         dp.step();
         assert!(dp.status().changed_links.is_empty(), "seed {seed}");
         assert!(dp.status().partition.is_empty(), "seed {seed}");
@@ -1220,7 +1224,7 @@ fn shortest_gpu_path_is_through_one_leaf_or_one_link() {
 #[test]
 fn a_gpu_whose_host_sets_its_interface_down_has_its_links_down_until_it_sets_it_up() {
     let (mut dp, t) = plane(TWO);
-    dp.ports.links = vec![(1, HostLink::Up(false))];
+    dp.ports.links = vec![(1, HostLink::State(IfState::Down))];
     dp.step();
     let st = dp.status();
     assert_eq!(st.changed_links.len(), 1);
@@ -1250,7 +1254,7 @@ fn a_gpu_whose_host_sets_its_interface_down_has_its_links_down_until_it_sets_it_
         name: "gpu1".into(),
     })
     .unwrap();
-    dp.ports.links = vec![(1, HostLink::Up(true))];
+    dp.ports.links = vec![(1, HostLink::State(IfState::Up))];
     dp.step();
     assert!(!dp.status().changed_links[0].up);
     dp.change(&ChangeRequest::GpuUp {
@@ -1268,7 +1272,10 @@ fn a_gpu_whose_host_sets_its_interface_down_has_its_links_down_until_it_sets_it_
     }
     assert_eq!(dp.ports.sent.len(), 1, "{:?}", dp.status().drops);
     // Deleted: down for good, said once.
-    dp.ports.links = vec![(1, HostLink::Deleted), (1, HostLink::Up(true))];
+    dp.ports.links = vec![
+        (1, HostLink::State(IfState::Gone)),
+        (1, HostLink::State(IfState::Up)),
+    ];
     dp.step();
     assert!(!dp.status().changed_links[0].up);
     let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
@@ -1285,6 +1292,35 @@ fn a_gpu_whose_host_sets_its_interface_down_has_its_links_down_until_it_sets_it_
             "gpu1's link down for good: its interface is gone: deleted or moved out of its namespace, or its TUN failed; its links stay down until `closbox down`",
         ],
         "{whats:#?}"
+    );
+}
+
+#[test]
+fn a_gpu_whose_carrier_is_off_has_its_links_down_until_it_is_on() {
+    let (mut dp, _t) = plane(TWO);
+    let state = |dp: &mut DataPlane<MemPorts>, s| {
+        dp.ports.links = vec![(1, HostLink::State(s))];
+        dp.step();
+        dp.status()
+            .changed_links
+            .iter()
+            .all(|l| !l.up && l.down_by_host)
+            && !dp.status().changed_links.is_empty()
+    };
+    assert!(state(&mut dp, IfState::NoCarrier));
+    // Set down as well, then up without its carrier: down all along.
+    assert!(state(&mut dp, IfState::Down));
+    assert!(state(&mut dp, IfState::NoCarrier));
+    assert!(!state(&mut dp, IfState::Up));
+    let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
+    assert_eq!(
+        whats,
+        [
+            "gpu1's link down: its host set its interface's carrier off (held down until it is on again)",
+            "gpu1's interface is set down by its host (its links stay down)",
+            "gpu1's interface is up, without its carrier (its links stay down)",
+            "gpu1's link up: its interface's carrier is on again",
+        ]
     );
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::Frame;
 
 use super::{Outgoing, Ports, DATAPLANE_NICE, LINK_TOKEN, WAKE_TOKEN};
-use crate::links::{self, HostLink, LinkWatch};
+use crate::links::{self, HostLink, IfState, LinkWatch};
 use crate::sys::{self, Epoll, EventFd};
 
 /// The daemon's ports: a TUN per GPU, waited on with epoll (nanosecond timeouts), and an
@@ -261,7 +261,7 @@ impl TunPorts {
         };
         let mut heard = Vec::new();
         let r = w.drain(&mut self.link_buf, &mut heard);
-        if heard.contains(&HostLink::Deleted) {
+        if heard.contains(&HostLink::State(IfState::Gone)) {
             // Gone from its namespace: deleted, or moved out (`ip link set cb0 netns 1`),
             // where it would outlive the fabric (persistent) if the daemon were killed
             // before its teardown: it now goes when its descriptor closes, however the
