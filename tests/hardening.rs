@@ -1048,6 +1048,14 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         classes.contains("htb") && classes.contains("rate 100Mbit"),
         "{classes}"
     );
+    // The pacer leaves the GPUs whose interface is gone alone (it warned "No such
+    // device" for each at every change of the fabric).
+    let log = std::fs::read_to_string("/run/closbox/logs/lt-del.log").expect("the daemon's log");
+    assert!(
+        !log.contains("gpu1: pacing") && !log.contains("gpu3: pacing"),
+        "{}",
+        &log[log.len().saturating_sub(4000)..]
+    );
     f.down();
     assert_eq!(host_tuns(), before, "gpu3's TUN went with the fabric");
 }

@@ -255,6 +255,9 @@ enum Change {
     Rate(u32, u64),
     /// Routes converged over the links marked up.
     Routes(Vec<bool>),
+    /// GPU `.0`'s interface is gone (deleted, or moved out of its namespace): nothing to
+    /// pace there any more.
+    Gone(usize),
 }
 
 /// The pacer thread's view: the links' rates and states, and each GPU's plan.
@@ -265,6 +268,8 @@ struct Plans {
     plans: Vec<Plan>,
     /// Per link: the GPUs whose classes it is in.
     users: HashMap<u32, Vec<usize>>,
+    /// GPUs whose interface is gone.
+    gone: Vec<bool>,
 }
 
 impl Plans {
@@ -273,6 +278,7 @@ impl Plans {
             topo: topo.clone(),
             time_scale: topo.fabric.time_scale.get(),
             rates: topo.links.iter().map(|l| l.params.rate.bps()).collect(),
+            gone: vec![false; plans.len()],
             plans,
             users: HashMap::new(),
         };
@@ -293,9 +299,22 @@ impl Plans {
     }
 
     /// Applies `change`; the GPUs whose qdisc must change, and whether only its rates
-    /// did and may change in place (else its classes and filters are laid anew).
+    /// did and may change in place (else its classes and filters are laid anew). Never
+    /// a GPU whose interface is gone.
     fn apply(&mut self, change: Change) -> Vec<(usize, bool)> {
+        let mut out = self.changed_by(change);
+        out.retain(|&(i, _)| !self.gone.get(i).copied().unwrap_or(false));
+        out
+    }
+
+    fn changed_by(&mut self, change: Change) -> Vec<(usize, bool)> {
         match change {
+            Change::Gone(i) => {
+                if let Some(g) = self.gone.get_mut(i) {
+                    *g = true;
+                }
+                Vec::new()
+            }
             Change::Rate(link, bps) => {
                 let Some(r) = self.rates.get_mut(link as usize) else {
                     return Vec::new();
@@ -381,7 +400,7 @@ impl Pacer {
                     for change in std::iter::once(first).chain(rx.try_iter()) {
                         match change {
                             Change::Routes(up) => routes = Some(up),
-                            rate => merge(&mut todo, plans.apply(rate)),
+                            other => merge(&mut todo, plans.apply(other)),
                         }
                     }
                     if let Some(up) = routes {
@@ -402,11 +421,20 @@ impl Pacer {
                                     reinstall(ifindex[i], p)
                                 }
                             });
-                        if let Err(e) = done {
-                            tracing::warn!(
+                        match done {
+                            Ok(()) => {}
+                            // Deleted, or moved away, before the data plane said so.
+                            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {
+                                plans.apply(Change::Gone(i));
+                                tracing::info!(
+                                    "{}: its interface is gone; its pacing with it",
+                                    g.name
+                                );
+                            }
+                            Err(e) => tracing::warn!(
                                 "{}: pacing its non-TCP packets after a change of the fabric: {e}",
                                 g.name
-                            );
+                            ),
                         }
                         if let Err(e) = sys::enter_netns(home.as_fd()) {
                             tracing::warn!("pacer: back to the daemon's namespace: {e}");
@@ -426,6 +454,11 @@ impl Pacer {
     /// Routes converged over the links for which `up[link]` holds.
     pub fn routes(&self, up: Vec<bool>) {
         let _ = self.0.send(Change::Routes(up));
+    }
+
+    /// GPU `gpu`'s interface is gone: no more pacing (or warnings) for it.
+    pub fn gone(&self, gpu: usize) {
+        let _ = self.0.send(Change::Gone(gpu));
     }
 }
 
@@ -777,6 +810,12 @@ mod tests {
             (12_500_000, 25_000_000)
         );
         assert_eq!(p.apply(Change::Routes(all)), vec![]);
+        // a's interface gone: nothing more is laid there (it warned at every change).
+        assert_eq!(p.apply(Change::Gone(0)), vec![]);
+        let mut up = vec![true; t.links.len()];
+        up[1] = false;
+        assert_eq!(p.apply(Change::Routes(up)), vec![(1, true)]);
+        assert_eq!(p.apply(Change::Rate(0, 1_000_000)), vec![]);
     }
 
     #[test]

@@ -805,6 +805,9 @@ impl<P: Ports> DataPlane<P> {
             return;
         }
         self.host_if[gpu] = state;
+        if let (IfState::Gone, Some(p)) = (state, &self.pacer) {
+            p.gone(gpu);
+        }
         let name = &self.topo.hosts[gpu].name;
         if was != IfState::Up && state != IfState::Up {
             // From one way of down to another: its links stay down (`ip link del` sets
