@@ -52,6 +52,7 @@ impl LinkWatch {
     pub fn open(name: &str, mtu: u32) -> io::Result<LinkWatch> {
         let sock = RouteSocket::watch_links()?;
         let index = sock.if_index(name)?;
+        sock.only_link(index)?;
         Ok(LinkWatch {
             sock,
             index,
@@ -300,6 +301,48 @@ mod tests {
         let mut both = message(libc::RTM_NEWLINK, 7, set_down, attrs);
         both.extend(message(libc::RTM_NEWLINK, 7, up_flags, attrs));
         assert_eq!(link_state(&both, 7), Some(up));
+    }
+
+    /// In a network namespace of its own (root only: skipped otherwise), a watch of `lo`
+    /// hears of `lo` and of nothing about another interface, however often it changes.
+    #[test]
+    fn a_watch_hears_of_its_interface_only() {
+        if !crate::sys::is_root() {
+            eprintln!("skipped: needs root (a network namespace)");
+            return;
+        }
+        std::thread::spawn(|| {
+            crate::sys::unshare_net().expect("unshare(net)");
+            // Forked from this thread, `ip` runs in its namespace.
+            let ip = |args: &str| {
+                let out = std::process::Command::new("ip")
+                    .args(args.split(' '))
+                    .output()
+                    .expect("ip");
+                assert!(out.status.success(), "ip {args}: {out:?}");
+            };
+            // Up, as a GPU's interface is when its watch opens.
+            ip("link set lo up");
+            let mut w = LinkWatch::open("lo", 65536).expect("a watch of lo");
+            ip("link add cbt0 type veth peer name cbt1");
+            for mtu in [1400, 1500, 1400, 9000] {
+                ip(&format!("link set cbt0 mtu {mtu}"));
+            }
+            ip("link set cbt1 up");
+            let mut buf = vec![0u8; BUF];
+            let mut heard = Vec::new();
+            // Nothing queued for the watch: the other interface's news were dropped.
+            assert_eq!(w.sock.try_recv(&mut buf).expect("recv"), None);
+            ip("link set lo mtu 1500");
+            w.drain(&mut buf, &mut heard).expect("drain");
+            assert_eq!(heard, [HostLink::Mtu(1500)]);
+            ip("link set lo down");
+            heard.clear();
+            w.drain(&mut buf, &mut heard).expect("drain");
+            assert_eq!(heard, [HostLink::State(IfState::Down)]);
+        })
+        .join()
+        .expect("the test's thread");
     }
 
     #[test]
