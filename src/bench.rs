@@ -131,6 +131,10 @@ struct Now {
     topo: Topology,
     /// Links down.
     down: Vec<u32>,
+    /// The GPUs whose own host holds their links down (its interface down or gone), and
+    /// those links.
+    host_down: Vec<String>,
+    host_held: Vec<u32>,
     /// Ports (b→a directions) whose rate and delay differ from their link's a→b ones.
     reverse: Vec<(u32, closbox_fabric::Bandwidth, closbox_fabric::Duration)>,
     /// The load each port carries from running synthetic loads (port, bit/s on the wire).
@@ -143,6 +147,8 @@ fn fabric_now(st: &State, topo: &Topology) -> Now {
     let mut now = Now {
         topo: topo.clone(),
         down: Vec::new(),
+        host_down: Vec::new(),
+        host_held: Vec::new(),
         reverse: Vec::new(),
         background: Vec::new(),
         partition: Vec::new(),
@@ -170,6 +176,16 @@ fn fabric_now(st: &State, topo: &Topology) -> Now {
             }
             if !l.up {
                 now.down.push(l.id);
+            }
+            if l.down_by_host {
+                now.host_held.push(l.id);
+                let gpu = l
+                    .ends
+                    .iter()
+                    .find(|e| st.gpus.iter().any(|g| &g.name == *e));
+                if let Some(g) = gpu.filter(|g| !now.host_down.contains(g)) {
+                    now.host_down.push(g.clone());
+                }
             }
         }
         now.partition = s.partition;
@@ -212,16 +228,27 @@ fn predictor_now(
         .iter()
         .map(|&l| closbox_switchd::chaos::link_name(&now.topo, l))
         .collect();
+    let others = now.down.iter().any(|l| !now.host_held.contains(l));
     let mut p = Predictor::with_links_down(&now.topo, ranks, channels, now.down);
     if let Some((a, b)) = p.unreachable() {
+        // Links a GPU's own host holds down come up only when it says so.
+        let hosts = match now.host_down.as_slice() {
+            [] => String::new(),
+            [g] => format!("; {g}'s own host set its interface down (or its carrier off), and only it brings its links up (`closbox exec {g} ip link set cb0 up`)"),
+            gs => format!("; the hosts of {} set their interfaces down (or their carriers off), and only they bring their links up (`closbox exec GPU ip link set cb0 up`)", gs.join(", ")),
+        };
+        let bring = match (others, down_names.len()) {
+            (false, _) => "",
+            (true, 1) => "; bring it up (`closbox link up`, `closbox gpu up`, `closbox switch up`, `closbox link reset`)",
+            (true, _) => "; bring them up (`closbox link up`, `closbox gpu up`, `closbox switch up`, `closbox link reset`)",
+        };
         bail!(
-            "{} cannot reach {} on fabric {}: {} down ({}); bring {} up (`closbox link up`, `closbox gpu up`, `closbox switch up`, `closbox link reset`) or leave the GPUs cut off out with --gpus",
+            "{} cannot reach {} on fabric {}: {} down ({}){hosts}{bring}, or leave the GPUs cut off out with --gpus",
             names[a],
             names[b],
             st.fabric,
             if down_names.len() == 1 { "link" } else { "links" },
             down_names.join(", "),
-            if down_names.len() == 1 { "it" } else { "them" },
         );
     }
     for &(port, rate, delay) in &now.reverse {

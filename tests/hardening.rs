@@ -904,6 +904,17 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
     let out = closbox(&["reset", "lt-ifdown"]);
     assert!(out.status.success(), "{:?}", text(&out));
     assert_eq!(link(&f.status())["down_by_host"], true);
+    // `bench` refuses at once, naming who can bring it back.
+    let out = closbox(&["bench", "-f", "lt-ifdown", "--sizes", "1K"]);
+    assert!(
+        !out.status.success()
+            && text(&out)
+                .1
+                .contains("gpu1's own host set its interface down")
+            && !text(&out).1.contains("`closbox gpu up`"),
+        "{:?}",
+        text(&out)
+    );
     // Its host does (once routes converged over it again: 10 ms at real time).
     cb0("up");
     assert!(ping("2"), "gpu1's interface is up again");
