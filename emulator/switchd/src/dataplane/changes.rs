@@ -648,6 +648,8 @@ impl<P: Ports> DataPlane<P> {
                                 Some(name) => {
                                     notes.held_by_own.insert(name.clone());
                                 }
+                                // Fault 0: the timeline's own `[[event]]` steps of links.
+                                None if h.fault == 0 => notes.held_by_own_step = true,
                                 None => notes.held_by_other_fault = true,
                             }
                         }
@@ -912,6 +914,8 @@ struct Notes {
     /// spine0"), and whether faults of its own that name nothing hold some too.
     held_by_own: std::collections::BTreeSet<String>,
     held_by_other_fault: bool,
+    /// Whether a link-down step of its own (not a fault that repairs itself) holds some.
+    held_by_own_step: bool,
     /// Links left degraded by others.
     degraded: usize,
     degraded_by: std::collections::BTreeSet<u64>,
@@ -954,7 +958,10 @@ impl Notes {
                 if !named.is_empty() {
                     who.push(format!("{} of timeline {t}", named.join(" and ")));
                 }
-                if self.held_by_other_fault || named.is_empty() {
+                if self.held_by_own_step {
+                    who.push(format!("a link-down step of timeline {t}"));
+                }
+                if self.held_by_other_fault || (named.is_empty() && !self.held_by_own_step) {
                     who.push(format!("another fault of timeline {t}"));
                 }
             }

@@ -541,6 +541,31 @@ fn a_scenarios_own_steps_overlap_faithfully() {
     assert!(dp.layers.is_empty());
 }
 
+/// A link a scenario's own `link-down` step holds is said to be held by that step (it was
+/// "another fault of timeline 1", as for faults nobody named).
+#[test]
+fn a_hold_of_a_scenarios_own_link_step_is_named() {
+    let (mut dp, t) = plane(LS);
+    let timeline = run_scenario(
+        &mut dp,
+        &t,
+        "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine0\"\n\
+         [[event]]\nat = \"2ms\"\ndo = \"switch-down\"\nname = \"spine0\"\n\
+         [[event]]\nat = \"3ms\"\ndo = \"switch-up\"\nname = \"spine0\"\n",
+    );
+    while dp.ports.elapsed < StdDuration::from_micros(3_500) {
+        dp.step();
+    }
+    let held = format!("(1 of 2 held down by a link-down step of timeline {timeline})");
+    assert!(
+        dp.events
+            .iter()
+            .any(|e| e.what.starts_with("switch spine0 up") && e.what.ends_with(&held)),
+        "{:#?}",
+        dp.events
+    );
+}
+
 #[test]
 fn a_switch_going_down_is_one_event_that_says_what_was_down_already() {
     let (mut dp, _t) = plane(LS);
