@@ -583,7 +583,8 @@ pub(crate) enum UpDown {
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
     },
-    /// Every link of it comes back.
+    /// Every link of it comes back, whoever took it down, but a GPU's links its own host
+    /// holds down (its interface set down or its carrier off: `status` says so).
     Up {
         /// Its name, as `plan` and `status` show it (spine1, gpu3).
         name: String,
