@@ -153,8 +153,8 @@ pub const MAX_REQUEST: u64 = 4 << 20;
 /// The time a client has to send its whole request line.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Starts serving; the listener thread lives as long as the process.
-/// Serves fabric `state`'s control socket; `ifindex`: each GPU's interface's index.
+/// Starts serving fabric `state`'s control socket (`ifindex`: each GPU's interface's
+/// index); the listener thread lives as long as the process.
 pub fn serve(
     state: State,
     ifindex: Vec<u32>,

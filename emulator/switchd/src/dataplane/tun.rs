@@ -53,7 +53,7 @@ pub struct TunPorts {
     /// Writes done inline, not reported yet.
     inline_done: Vec<(u64, bool)>,
     /// Each GPU's interface (`watch_links`; empty: not followed), a buffer to read what
-    /// they say, and the MTU changes heard and not taken yet.
+    /// they say, and the changes heard and not taken yet.
     links: Vec<LinkWatch>,
     link_buf: Vec<u8>,
     link_changed: Vec<(usize, HostLink)>,
