@@ -986,17 +986,10 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
     let f = TestFabric::up("lt-del", "[topology]\nkind = \"single-switch\"\ngpus = 4\n");
     // gpu3 moves its interface into the host's namespace (root in a GPU may): the TUN
     // went with the GPU's namespace before; there it would outlive `down` (persistent).
-    let host_tuns = || {
-        let out = Command::new("ip")
-            .args(["-d", "-o", "link", "show", "type", "tun"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let before = host_tuns();
+    let before = host_tun_list();
     let out = f.exec("gpu3", &["ip", "link", "set", "cb0", "netns", "1"]);
     assert!(out.status.success(), "{:?}", text(&out));
-    assert_ne!(host_tuns(), before, "gpu3's TUN is in the host now");
+    assert_ne!(host_tun_list(), before, "gpu3's TUN is in the host now");
     let out = f.exec("gpu1", &["ip", "link", "del", "cb0"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", "1", "gpu1"]);
@@ -1068,7 +1061,7 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
         &log[log.len().saturating_sub(4000)..]
     );
     f.down();
-    assert_eq!(host_tuns(), before, "gpu3's TUN went with the fabric");
+    assert_eq!(host_tun_list(), before, "gpu3's TUN went with the fabric");
 }
 
 /// A GPU that moves its interface out of its namespace, then a daemon killed before its
@@ -1081,21 +1074,14 @@ fn a_moved_interface_goes_even_when_the_daemon_is_killed() {
     if !root_or_skip() {
         return;
     }
-    let host_tuns = || {
-        let out = Command::new("ip")
-            .args(["-d", "-o", "link", "show", "type", "tun"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let before = host_tuns();
+    let before = host_tun_list();
     let f = TestFabric::up(
         "lt-moved",
         "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
     );
     let out = f.exec("gpu1", &["ip", "link", "set", "cb0", "netns", "1"]);
     assert!(out.status.success(), "{:?}", text(&out));
-    assert_ne!(host_tuns(), before, "gpu1's TUN is in the host now");
+    assert_ne!(host_tun_list(), before, "gpu1's TUN is in the host now");
     // Once the daemon has heard of it (its link down for good).
     let mut st = serde_json::Value::Null;
     for _ in 0..50 {
@@ -1108,7 +1094,7 @@ fn a_moved_interface_goes_even_when_the_daemon_is_killed() {
     assert_eq!(st["changed_links"][0]["down_by_host"], true, "{st}");
     assert_eq!(kill(f.daemon_pid() as i32, "KILL"), 0);
     f.down();
-    assert_eq!(host_tuns(), before, "gpu1's TUN went with the daemon");
+    assert_eq!(host_tun_list(), before, "gpu1's TUN went with the daemon");
 }
 
 #[test]
@@ -1314,6 +1300,15 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     );
     assert!(closbox(&["status", "lt-ctl"]).status.success());
     f.down();
+}
+
+/// The TUN interfaces of the host's namespace, as `ip -d -o link` lists them.
+fn host_tun_list() -> String {
+    let out = Command::new("ip")
+        .args(["-d", "-o", "link", "show", "type", "tun"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// `kill -SIG pid` (the tests deny `unsafe`): its exit code.
