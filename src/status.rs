@@ -460,6 +460,25 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
             }
         );
     }
+    if !s.gpu_interfaces.is_empty() {
+        let list: Vec<String> = s
+            .gpu_interfaces
+            .iter()
+            .take(8)
+            .map(|(g, how)| format!("{g} {how}"))
+            .collect();
+        let more = s.gpu_interfaces.len().saturating_sub(8);
+        let _ = writeln!(
+            o,
+            "  interface set by their hosts: {}{} (their links held down until they are up again; gone: for good)",
+            list.join(", "),
+            if more > 0 {
+                format!(" (and {more} more)")
+            } else {
+                String::new()
+            }
+        );
+    }
     let giants = drops(s, "over_mtu");
     if giants > 0 {
         let _ = writeln!(
@@ -681,7 +700,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
     if !s.closed_ports.is_empty() {
         let _ = writeln!(
             o,
-            "  WARNING   port closed: {} (reading the TUN failed: its interface deleted inside the GPU's namespace?); nothing from it enters the fabric, frames to it fail as I/O errors (`closbox events`)",
+            "  WARNING   port closed: {} (reading the TUN failed: its interface deleted inside the GPU's namespace?); nothing from it enters the fabric, and its links are down for good (`closbox events`)",
             s.closed_ports.join(", ")
         );
     }

@@ -889,9 +889,16 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
     let (link_down, _) = f.drops("link_down");
     let (no_route, v) = f.drops("no_route");
     assert!(link_down + no_route >= 2, "dropped in the fabric: {v}");
+    assert_eq!(
+        st["gpu_interfaces"],
+        serde_json::json!([["gpu1", "down"]]),
+        "{st}"
+    );
     let said = text(&closbox(&["status", "lt-ifdown"])).0;
     assert!(
-        said.contains("gpu1 DOWN since fabric time") && said.contains("by its GPU's host"),
+        said.contains("gpu1 DOWN since fabric time")
+            && said.contains("by its GPU's host")
+            && said.contains("interface set by their hosts: gpu1 down"),
         "{said}"
     );
     // Neither the operator nor a reset brings it up.

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{DataPlane, Ports, WINDOW, WINDOW_SLOTS};
 use crate::histogram::Histogram;
+use crate::links::IfState;
 use crate::{chaos, sys};
 
 /// Most flows counted one by one (packets of more are counted as untracked).
@@ -232,9 +233,14 @@ pub struct Status {
     pub gpu_mtus: Vec<(String, u32)>,
     /// GPUs whose port the data plane closed because reading their TUN failed (its
     /// interface deleted inside the GPU's namespace): nothing from them enters the fabric,
-    /// frames to them fail as I/O errors.
+    /// and their links are down for good.
     #[serde(default)]
     pub closed_ports: Vec<String>,
+    /// GPUs whose host left their interface other than up, and how: "down" (set down),
+    /// "no-carrier" (up, its carrier off), "gone" (deleted or moved out of its namespace).
+    /// Their links are held down by their host (`LinkStatus::down_by_host`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_interfaces: Vec<(String, String)>,
     /// Switches whose control plane held back ICMP answers (`[switches.<tier>]
     /// icmp_rate`), with how many: never sent, so in no other count.
     #[serde(default)]
@@ -782,6 +788,20 @@ impl<P: Ports> DataPlane<P> {
                 .enumerate()
                 .filter(|&(_, &m)| m != 0 && m != self.topo.fabric.mtu)
                 .map(|(h, &m)| (self.topo.hosts[h].name.clone(), m))
+                .collect(),
+            gpu_interfaces: self
+                .host_if
+                .iter()
+                .enumerate()
+                .filter_map(|(h, s)| {
+                    let how = match s {
+                        IfState::Up => return None,
+                        IfState::Down => "down",
+                        IfState::NoCarrier => "no-carrier",
+                        IfState::Gone => "gone",
+                    };
+                    Some((self.topo.hosts[h].name.clone(), how.to_owned()))
+                })
                 .collect(),
             closed_ports: self
                 .closed

@@ -1333,10 +1333,14 @@ fn a_gpu_whose_carrier_is_off_has_its_links_down_until_it_is_on() {
             && !dp.status().changed_links.is_empty()
     };
     assert!(state(&mut dp, IfState::NoCarrier));
+    let how = |dp: &mut DataPlane<MemPorts>| dp.status().gpu_interfaces;
+    assert_eq!(how(&mut dp), [("gpu1".to_owned(), "no-carrier".to_owned())]);
     // Set down as well, then up without its carrier: down all along.
     assert!(state(&mut dp, IfState::Down));
+    assert_eq!(how(&mut dp), [("gpu1".to_owned(), "down".to_owned())]);
     assert!(state(&mut dp, IfState::NoCarrier));
     assert!(!state(&mut dp, IfState::Up));
+    assert!(how(&mut dp).is_empty());
     let whats: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
     assert_eq!(
         whats,
