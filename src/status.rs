@@ -232,6 +232,20 @@ struct Dead {
     by: Vec<u64>,
 }
 
+/// "gpu1 1000, gpu3 9000 (and 2 more)": GPUs with what their hosts set, the first 8.
+fn gpus_with<T: std::fmt::Display>(list: &[(String, T)]) -> String {
+    const SHOWN: usize = 8;
+    let shown: Vec<String> = list
+        .iter()
+        .take(SHOWN)
+        .map(|(g, v)| format!("{g} {v}"))
+        .collect();
+    match list.len().saturating_sub(SHOWN) {
+        0 => shown.join(", "),
+        more => format!("{} (and {more} more)", shown.join(", ")),
+    }
+}
+
 /// Runs of links a line of `status` or a bench footer names before "and N more".
 const SHOWN_LINK_RUNS: usize = 4;
 
@@ -441,42 +455,18 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
         );
     }
     if !s.gpu_mtus.is_empty() {
-        let list: Vec<String> = s
-            .gpu_mtus
-            .iter()
-            .take(8)
-            .map(|(g, m)| format!("{g} {m}"))
-            .collect();
-        let more = s.gpu_mtus.len().saturating_sub(8);
         let _ = writeln!(
             o,
-            "  mtu       fabric {}; set otherwise by their hosts: {}{}",
+            "  mtu       fabric {}; set otherwise by their hosts: {}",
             s.mtu,
-            list.join(", "),
-            if more > 0 {
-                format!(" (and {more} more)")
-            } else {
-                String::new()
-            }
+            gpus_with(&s.gpu_mtus)
         );
     }
     if !s.gpu_interfaces.is_empty() {
-        let list: Vec<String> = s
-            .gpu_interfaces
-            .iter()
-            .take(8)
-            .map(|(g, how)| format!("{g} {how}"))
-            .collect();
-        let more = s.gpu_interfaces.len().saturating_sub(8);
         let _ = writeln!(
             o,
-            "  interface set by their hosts: {}{} (their links held down until they are up again; gone: for good)",
-            list.join(", "),
-            if more > 0 {
-                format!(" (and {more} more)")
-            } else {
-                String::new()
-            }
+            "  interface set by their hosts: {} (their links held down until they are up again; gone: for good)",
+            gpus_with(&s.gpu_interfaces)
         );
     }
     let giants = drops(s, "over_mtu");
