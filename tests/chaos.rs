@@ -244,7 +244,10 @@ fn links_and_switches_go_down_and_come_back() {
     let events: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
     let what: Vec<&str> = events.iter().map(|e| e["what"].as_str().unwrap()).collect();
     assert_eq!(what.first(), Some(&"link leaf0-spine0 #0 down"));
-    assert_eq!(what.last(), Some(&"link gpu3-leaf1 #0 up (flap 2 of 2)"));
+    assert_eq!(
+        what.last(),
+        Some(&"link gpu3-leaf1 #0 up (flap 2 of 2); gpu3 got its carrier back")
+    );
     assert!(what.contains(&"link gpu3-leaf1 #0 reset to the topology's values"));
     assert_eq!(what.iter().filter(|w| w.contains("(flap")).count(), 4);
     // One event for a switch, saying which of its links were down already.

@@ -206,6 +206,11 @@ pub trait Ports {
     /// What GPUs' hosts did to their interfaces since the last call (`links`): a GPU's
     /// index and a change each, in the order they came; nothing where no one watches.
     fn link_changes(&mut self, _out: &mut Vec<(usize, HostLink)>) {}
+    /// The fabric's end of GPU `port`'s cable: off while every link of the GPU is down,
+    /// so that its interface loses its carrier as a NIC's does (`NO-CARRIER`: its stack
+    /// stops sending into it); on again when one comes back. Not a change its host made:
+    /// `link_changes` does not report it as one.
+    fn set_carrier(&mut self, _port: usize, _on: bool) {}
 }
 
 /// A packet leaving the fabric.
@@ -314,6 +319,13 @@ pub struct DataPlane<P: Ports> {
     /// What each GPU's host last did to its interface: where down or deleted, its links
     /// are held down by it (`Layers`).
     host_if: Vec<IfState>,
+    /// Each GPU's links (NIC, scale-up), the carrier the fabric gives its interface (off
+    /// while all are down: `sync_carriers`), and whether a link's state changed since.
+    gpu_links: Vec<Vec<u32>>,
+    carrier: Vec<bool>,
+    carrier_check: bool,
+    /// GPUs whose carrier loss the event log told (their carrier's return is told too).
+    carrier_said: Vec<bool>,
     /// GPUs whose port closed (a read of it failed: `Ports::recv`), in the order they did.
     closed: Vec<usize>,
 }
@@ -388,6 +400,10 @@ impl<P: Ports> DataPlane<P> {
             gpu_mtus: Vec::new(),
             link_changes: Vec::new(),
             host_if: vec![IfState::Up; topo.hosts.len()],
+            gpu_links: gpu_links(topo),
+            carrier: vec![true; topo.hosts.len()],
+            carrier_check: false,
+            carrier_said: vec![false; topo.hosts.len()],
             closed: Vec::new(),
         }
     }
@@ -507,6 +523,14 @@ impl<P: Ports> DataPlane<P> {
             return false;
         }
         self.follow_routes();
+        if self.carrier_check {
+            // (Changes log what they do to carriers themselves: this is a fallback.)
+            let said = self.sync_carriers();
+            if !said.is_empty() {
+                let now = self.fabric_now(self.ports.now());
+                self.log_event(now, said.trim_start_matches("; ").to_owned());
+            }
+        }
         self.sample_cpu(wall);
         self.rotate_window(wall);
         // No departure pending: sleep until input, or a second for housekeeping.
@@ -671,6 +695,22 @@ impl<P: Ports> DataPlane<P> {
         }
         true
     }
+}
+
+/// Each GPU's links (NIC, scale-up), by topology index.
+fn gpu_links(topo: &Topology) -> Vec<Vec<u32>> {
+    use closbox_fabric::topology::Vertex;
+    let mut links = vec![Vec::new(); topo.hosts.len()];
+    for (l, link) in topo.links.iter().enumerate() {
+        for end in [link.a, link.b] {
+            if let Vertex::Host(h) = end {
+                if let Some(v) = links.get_mut(h.0 as usize) {
+                    v.push(l as u32);
+                }
+            }
+        }
+    }
+    links
 }
 
 /// The shortest one-way latency from a GPU to another (link delays and switch latencies,

@@ -44,6 +44,16 @@ pub struct LinkWatch {
     index: u32,
     mtu: u32,
     state: IfState,
+    /// The carrier the fabric gives the interface (`fabric_carrier`): off while every
+    /// link of its GPU is down. A carrier off then is the fabric's doing, not the host's.
+    fabric_carrier: bool,
+    /// The sequence number of our last request (`RTM_GETLINK`), and whether its answer
+    /// is still to come: what was heard before it is not taken (`fabric_carrier`).
+    seq: u32,
+    awaiting: bool,
+    /// The last message heard said the carrier is on while the fabric has it off (its
+    /// host set it on: `ip link set cb0 carrier on`).
+    carrier_forced: bool,
 }
 
 impl LinkWatch {
@@ -58,6 +68,10 @@ impl LinkWatch {
             index,
             mtu,
             state: IfState::Up,
+            fabric_carrier: true,
+            seq: 0,
+            awaiting: false,
+            carrier_forced: false,
         })
     }
 
@@ -67,8 +81,38 @@ impl LinkWatch {
         self.index
     }
 
+    /// Asks for the interface's state now (an answer numbered `seq`).
     fn ask(&self) -> io::Result<()> {
-        self.sock.send(&get_link(self.index))
+        self.sock.send(&get_link(self.index, self.seq))
+    }
+
+    /// The fabric has just set the interface's carrier `on` or off (the GPU's links came
+    /// up, or all went down: `sys::tun_set_carrier`). The kernel's notices of that come
+    /// later, and any heard before now may tell of the carrier as it was before: read as
+    /// the host's doing, a notice from before a link came back up would hold it down. So
+    /// what was heard before is dropped and the state is asked for afresh (the kernel
+    /// answers a request as it is made, behind what it had queued); `out` gets what
+    /// differs from what was reported, as `drain`.
+    pub fn fabric_carrier(
+        &mut self,
+        on: bool,
+        buf: &mut [u8],
+        out: &mut Vec<HostLink>,
+    ) -> io::Result<()> {
+        self.fabric_carrier = on;
+        if self.state == IfState::Gone {
+            return Ok(());
+        }
+        self.seq = self.seq.wrapping_add(1).max(1);
+        self.awaiting = true;
+        self.ask()?;
+        self.drain(buf, out)
+    }
+
+    /// Whether the last message heard had the carrier on while the fabric has it off:
+    /// the host set it on (`ip link set cb0 carrier on`), and the fabric sets it off again.
+    pub fn carrier_forced_on(&self) -> bool {
+        self.carrier_forced
     }
 
     pub fn fd(&self) -> BorrowedFd<'_> {
@@ -77,16 +121,27 @@ impl LinkWatch {
 
     /// Reads what the kernel said since the last call (`buf`: scratch of `BUF` bytes) and
     /// adds to `out` what differs from what earlier calls reported: the interface's MTU,
-    /// whether it is up. Where messages were lost (the socket's buffer overflowed), asks
-    /// again.
+    /// whether it is up (its carrier off is the host's doing only while the fabric has it
+    /// on). Where messages were lost (the socket's buffer overflowed), asks again.
     pub fn drain(&mut self, buf: &mut [u8], out: &mut Vec<HostLink>) -> io::Result<()> {
         let mut latest = None;
         loop {
             match self.sock.try_recv(buf) {
                 Ok(Some(n)) => {
-                    if let Some(s) = link_state(&buf[..n.min(buf.len())], self.index) {
-                        latest = Some(s);
-                    }
+                    let (index, seq) = (self.index, self.seq);
+                    let awaiting = &mut self.awaiting;
+                    each_message(&buf[..n.min(buf.len())], index, |heard| match heard {
+                        // Before the answer to our request: only a deletion counts.
+                        Heard::Link(n, s) if *awaiting && n != seq && !s.deleted => {}
+                        Heard::Link(n, s) => {
+                            if n == seq {
+                                *awaiting = false;
+                            }
+                            latest = Some(s);
+                        }
+                        Heard::Error(n) if n == seq => *awaiting = false,
+                        Heard::Error(_) => {}
+                    });
                 }
                 Ok(None) => break,
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.ask()?,
@@ -100,7 +155,12 @@ impl LinkWatch {
             self.mtu = m;
             out.push(HostLink::Mtu(m));
         }
-        let state = s.state();
+        self.carrier_forced = !self.fabric_carrier && s.up && s.carrier;
+        let state = match s.state() {
+            // The fabric's own doing: to the host, the interface is up.
+            IfState::NoCarrier if !self.fabric_carrier => IfState::Up,
+            state => state,
+        };
         if state != self.state {
             self.state = state;
             out.push(HostLink::State(state));
@@ -133,27 +193,49 @@ impl LinkState {
     }
 }
 
-/// An `RTM_GETLINK` request for interface `index`: a netlink header and an `ifinfomsg`.
-fn get_link(index: u32) -> [u8; 32] {
+/// An `RTM_GETLINK` request for interface `index`, numbered `seq`: a netlink header and
+/// an `ifinfomsg`.
+fn get_link(index: u32, seq: u32) -> [u8; 32] {
     let mut m = [0u8; 32];
     m[0..4].copy_from_slice(&32u32.to_ne_bytes());
     m[4..6].copy_from_slice(&libc::RTM_GETLINK.to_ne_bytes());
     m[6..8].copy_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
-    // Sequence 0, port id 0 (the kernel's); ifinfomsg: family AF_UNSPEC, type 0, then
-    // the index.
+    m[8..12].copy_from_slice(&seq.to_ne_bytes());
+    // Port id 0 (the kernel's); ifinfomsg: family AF_UNSPEC, type 0, then the index.
     m[20..24].copy_from_slice(&index.to_ne_bytes());
     m
+}
+
+/// One message of a netlink datagram, as `each_message` reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Heard {
+    /// An `RTM_NEWLINK` or `RTM_DELLINK` about the interface, with its sequence number
+    /// (0 for the kernel's notices, a request's for its answer).
+    Link(u32, LinkState),
+    /// An error answering the request of this sequence number.
+    Error(u32),
 }
 
 /// What the last `RTM_NEWLINK` or `RTM_DELLINK` message about interface `index` in `buf`
 /// (one netlink datagram, perhaps several messages) says; `None` if none is about it.
 /// Short or malformed messages end the walk.
 pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
+    let mut found = None;
+    each_message(buf, index, |h| {
+        if let Heard::Link(_, s) = h {
+            found = Some(s);
+        }
+    });
+    found
+}
+
+/// Calls `f` with each message of `buf` (one netlink datagram) about interface `index`,
+/// and each error, in order. Short or malformed messages end the walk.
+fn each_message(buf: &[u8], index: u32, mut f: impl FnMut(Heard)) {
     const NLMSG_HDR: usize = 16;
     const IFINFOMSG: usize = 16;
     let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
     let u32_at = |b: &[u8], i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().expect("4"));
-    let mut found = None;
     let mut at = 0;
     while at + NLMSG_HDR <= buf.len() {
         let len = u32_at(buf, at) as usize;
@@ -162,7 +244,10 @@ pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
         }
         let msg = &buf[at..at + len];
         let kind = u16_at(msg, 4);
-        if (kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK)
+        let seq = u32_at(msg, 8);
+        if kind == libc::NLMSG_ERROR as u16 {
+            f(Heard::Error(seq));
+        } else if (kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK)
             && msg.len() >= NLMSG_HDR + IFINFOMSG
             && u32_at(msg, NLMSG_HDR + 4) == index
         {
@@ -187,16 +272,16 @@ pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
                 }
                 a += (alen + 3) & !3;
             }
-            found = Some(s);
+            f(Heard::Link(seq, s));
         }
         at += (len + 3) & !3;
     }
-    found
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     /// The MTU that `link_state` reads.
     fn link_mtu(buf: &[u8], index: u32) -> Option<u32> {
@@ -345,11 +430,82 @@ mod tests {
         .expect("the test's thread");
     }
 
+    /// In a network namespace of its own (root only), with a real TUN: the carrier the
+    /// fabric sets off is not its host's, even when the kernel's notice of an earlier
+    /// change is still queued; the host's own carrier changes are.
+    #[test]
+    fn a_carrier_the_fabric_sets_is_not_the_hosts() {
+        if !crate::sys::is_root() {
+            eprintln!("skipped: needs root (a network namespace)");
+            return;
+        }
+        std::thread::spawn(|| {
+            crate::sys::unshare_net().expect("unshare(net)");
+            let ip = |args: &str| {
+                let out = std::process::Command::new("ip")
+                    .args(args.split(' '))
+                    .output()
+                    .expect("ip");
+                assert!(out.status.success(), "ip {args}: {out:?}");
+            };
+            let tun = crate::sys::tun_create("cbt0", false).expect("a TUN");
+            ip("link set cbt0 up");
+            let mut w = LinkWatch::open("cbt0", 1500).expect("a watch");
+            let mut buf = vec![0u8; BUF];
+            let mut heard = Vec::new();
+            // The kernel tells of a carrier change up to a second later (linkwatch).
+            let settle = |w: &mut LinkWatch, heard: &mut Vec<HostLink>, buf: &mut [u8]| {
+                heard.clear();
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(1300);
+                while std::time::Instant::now() < until {
+                    w.drain(buf, heard).expect("drain");
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            };
+            let fabric =
+                |w: &mut LinkWatch, on: bool, heard: &mut Vec<HostLink>, buf: &mut [u8]| {
+                    crate::sys::tun_set_carrier(tun.as_fd(), on).expect("TUNSETCARRIER");
+                    heard.clear();
+                    w.fabric_carrier(on, buf, heard).expect("fabric_carrier");
+                };
+            fabric(&mut w, false, &mut heard, &mut buf);
+            assert!(heard.is_empty(), "{heard:?}");
+            settle(&mut w, &mut heard, &mut buf);
+            assert!(heard.is_empty(), "{heard:?}");
+            // Off, its notice left queued, then on: the stale notice is not the host's.
+            crate::sys::tun_set_carrier(tun.as_fd(), true).expect("on");
+            w.fabric_carrier = true;
+            fabric(&mut w, false, &mut heard, &mut buf);
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            fabric(&mut w, true, &mut heard, &mut buf);
+            assert!(heard.is_empty(), "{heard:?}");
+            settle(&mut w, &mut heard, &mut buf);
+            assert!(heard.is_empty(), "{heard:?}");
+            // The host's carrier off and on are its own.
+            ip("link set cbt0 carrier off");
+            settle(&mut w, &mut heard, &mut buf);
+            assert_eq!(heard, [HostLink::State(IfState::NoCarrier)]);
+            ip("link set cbt0 carrier on");
+            settle(&mut w, &mut heard, &mut buf);
+            assert_eq!(heard, [HostLink::State(IfState::Up)]);
+            // Its carrier on while the fabric has it off: said, for the fabric to undo.
+            fabric(&mut w, false, &mut heard, &mut buf);
+            assert!(!w.carrier_forced_on());
+            ip("link set cbt0 carrier on");
+            settle(&mut w, &mut heard, &mut buf);
+            assert!(heard.is_empty(), "{heard:?}");
+            assert!(w.carrier_forced_on());
+        })
+        .join()
+        .expect("the test's thread");
+    }
+
     #[test]
     fn the_request_asks_for_one_interface() {
-        let r = get_link(42);
+        let r = get_link(42, 7);
         assert_eq!(u32::from_ne_bytes(r[0..4].try_into().unwrap()), 32);
         assert_eq!(u16::from_ne_bytes([r[4], r[5]]), libc::RTM_GETLINK);
+        assert_eq!(u32::from_ne_bytes(r[8..12].try_into().unwrap()), 7);
         assert_eq!(u32::from_ne_bytes(r[20..24].try_into().unwrap()), 42);
     }
 }

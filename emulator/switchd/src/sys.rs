@@ -108,6 +108,18 @@ pub fn tun_not_persistent(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// `TUNSETCARRIER` (`_IOW('T', 226, int)`, Linux 5.0), which the libc crate lacks.
+const TUNSETCARRIER: libc::c_ulong = 0x4004_54e2;
+
+/// Sets TUN `fd`'s carrier: off, its interface shows `NO-CARRIER` and its stack stops
+/// sending into it, as a NIC whose cable is pulled; on again, it carries.
+pub fn tun_set_carrier(fd: BorrowedFd<'_>, on: bool) -> io::Result<()> {
+    let on = libc::c_int::from(on);
+    // SAFETY: TUNSETCARRIER reads an int we own.
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETCARRIER as _, &on) })?;
+    Ok(())
+}
+
 /// Creates TUN interface `name` (blocking, not persistent) with the virtio-net header and
 /// checksum and TSO offload: the kernel hands over and takes super-packets of up to 64 KiB,
 /// each behind a 10-byte `virtio_net_hdr`. For the bare relay of `make bench-live`

@@ -800,6 +800,12 @@ impl Fabric {
         self.converge_by(now);
     }
 
+    /// Whether link `l` is up (not down since a `Change::LinkDown`); a link that loses
+    /// every frame (`loss` 1) is up.
+    pub fn link_up(&self, l: u32) -> bool {
+        self.down_since[l as usize].is_none()
+    }
+
     /// GPU `gpu`'s interface MTU is now `mtu` (bytes of IP packet), as its host set it: a
     /// frame longer than that arriving at the GPU is dropped by its NIC (`OverMtu`, on the
     /// port into it), as a real NIC sized for its MTU drops it. Frames the GPU sends are

@@ -712,6 +712,7 @@ impl<P: Ports> DataPlane<P> {
             step.what
         };
         what += &notes.said(total, done, timeline);
+        what += &self.sync_carriers();
         self.log(now, StdDuration::ZERO, what, timeline)
     }
 
@@ -727,7 +728,9 @@ impl<P: Ports> DataPlane<P> {
             | Change::ResetLink(link) => Some(*link),
             _ => None,
         };
+        let up_down = matches!(change, Change::LinkUp(_) | Change::LinkDown(_));
         let done = self.model.apply(now, change);
+        self.carrier_check |= done && up_down;
         if let (true, Some(link), Some(p)) = (done, rated, &self.pacer) {
             // The pacer holds a GPU's sending to its NIC links: the rate of the direction
             // leaving the GPU (a change may have been made in the other one only).
@@ -797,7 +800,6 @@ impl<P: Ports> DataPlane<P> {
     /// would, not written to a TUN that refuses them.
     pub(super) fn host_sets(&mut self, now: Instant, gpu: usize, state: IfState) {
         use closbox_fabric::routing::PortId;
-        use closbox_fabric::topology::Vertex;
         use layers::Outcome;
         if self.host_if.len() < self.topo.hosts.len() {
             self.host_if.resize(self.topo.hosts.len(), IfState::Up);
@@ -826,13 +828,9 @@ impl<P: Ports> DataPlane<P> {
             return;
         }
         let up = state == IfState::Up;
-        let v = Vertex::Host(closbox_fabric::topology::HostId(gpu as u32));
-        let links: Vec<u32> = (0..self.topo.links.len() as u32)
-            .filter(|&l| {
-                let link = &self.topo.links[l as usize];
-                link.a == v || link.b == v
-            })
-            .collect();
+        // Its carrier follows its links again, or no longer (`sync_carriers`).
+        self.carrier_check = true;
+        let links = self.gpu_links[gpu].clone();
         let holder = layers::Holder::host(gpu);
         let (mut done, mut notes) = (0, Notes::default());
         for &l in &links {
@@ -868,8 +866,54 @@ impl<P: Ports> DataPlane<P> {
             (IfState::Up, IfState::NoCarrier) => format!("{name}'s {them} up: its interface's carrier is on again"),
             (IfState::Up, _) => format!("{name}'s {them} up: its host set its interface up"),
         };
-        let what = what + &notes.said(n, done, None);
+        let what = what + &notes.said(n, done, None) + &self.sync_carriers();
         self.log_event(now, what);
+    }
+
+    /// Gives each GPU's interface the carrier of its links (`Ports::set_carrier`): off
+    /// while every one is down (its cable pulled, its switch dead, `closbox gpu down`),
+    /// on while one is up. A link that loses every frame is up (a gray failure: no NIC
+    /// sees it). Left as its host set it where its host holds its carrier off (the same
+    /// flag) or it is gone. Returns what to add to the event that changed the links
+    /// ("; gpu1 lost its carrier …"), empty where none changed but by its host's doing.
+    pub(super) fn sync_carriers(&mut self) -> String {
+        self.carrier_check = false;
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for gpu in 0..self.topo.hosts.len() {
+            let host = self.host_if.get(gpu).copied().unwrap_or(IfState::Up);
+            if matches!(host, IfState::NoCarrier | IfState::Gone) || self.closed.contains(&gpu) {
+                continue;
+            }
+            let links = &self.gpu_links[gpu];
+            let carrier = links.is_empty() || links.iter().any(|&l| self.model.link_up(l));
+            if carrier == self.carrier[gpu] {
+                continue;
+            }
+            self.carrier[gpu] = carrier;
+            self.ports.set_carrier(gpu, carrier);
+            // Said where the fabric's links did it, not its host (whose down took them
+            // down, and whose up brings them back).
+            let name = self.topo.hosts[gpu].name.clone();
+            if !carrier && host == IfState::Up {
+                self.carrier_said[gpu] = true;
+                off.push(name);
+            } else if carrier && std::mem::take(&mut self.carrier_said[gpu]) {
+                on.push(name);
+            }
+        }
+        let its = |n: usize| if n == 1 { "its" } else { "their" };
+        let mut said = String::new();
+        if !off.is_empty() {
+            let its = its(off.len());
+            said += &format!(
+                "; {} lost {its} carrier (NO-CARRIER: none of {its} links is up)",
+                names_list(&off)
+            );
+        }
+        if !on.is_empty() {
+            said += &format!("; {} got {} carrier back", names_list(&on), its(on.len()));
+        }
+        said
     }
 
     /// Adds `what`, which the fabric did of its own at fabric time `at`, to the event log.
@@ -1008,4 +1052,14 @@ fn restore(l: u32, values: [layers::Values; 2]) -> Vec<Change> {
             buffer: Some(buffer),
         })
         .collect()
+}
+
+/// "gpu1", "gpu1 and gpu2", "gpu1, gpu2 and gpu3"; past 8, "gpu1, …, gpu8 and N more".
+fn names_list(names: &[String]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => one.clone(),
+        _ if names.len() > 8 => format!("{} and {} more", names[..8].join(", "), names.len() - 8),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
 }

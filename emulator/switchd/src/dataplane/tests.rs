@@ -16,6 +16,8 @@ struct MemPorts {
     done: Vec<(u64, bool)>,
     /// Interface MTUs the GPUs' hosts set, handed over at the next wait.
     links: Vec<(usize, HostLink)>,
+    /// The carriers the fabric set (`Ports::set_carrier`), in order.
+    carriers: Vec<(usize, bool)>,
 }
 
 impl MemPorts {
@@ -27,6 +29,7 @@ impl MemPorts {
             sent: Vec::new(),
             done: Vec::new(),
             links: Vec::new(),
+            carriers: Vec::new(),
         }
     }
 }
@@ -82,6 +85,10 @@ impl Ports for MemPorts {
 
     fn link_changes(&mut self, out: &mut Vec<(usize, HostLink)>) {
         out.append(&mut self.links);
+    }
+
+    fn set_carrier(&mut self, port: usize, on: bool) {
+        self.carriers.push((port, on));
     }
 }
 
@@ -202,10 +209,10 @@ fn a_flap_is_applied_on_schedule_in_fabric_time() {
     assert_eq!(
         whats,
         [
-            "link gpu0-sw0 #0 down (flap 1 of 2)",
-            "link gpu0-sw0 #0 up (flap 1 of 2)",
-            "link gpu0-sw0 #0 down (flap 2 of 2)",
-            "link gpu0-sw0 #0 up (flap 2 of 2)"
+            "link gpu0-sw0 #0 down (flap 1 of 2); gpu0 lost its carrier (NO-CARRIER: none of its links is up)",
+            "link gpu0-sw0 #0 up (flap 1 of 2); gpu0 got its carrier back",
+            "link gpu0-sw0 #0 down (flap 2 of 2); gpu0 lost its carrier (NO-CARRIER: none of its links is up)",
+            "link gpu0-sw0 #0 up (flap 2 of 2); gpu0 got its carrier back"
         ]
     );
     // On time to within the loop's 1 µs polling (0.1 µs of fabric time at k = 10).
@@ -1350,6 +1357,91 @@ fn a_gpu_whose_carrier_is_off_has_its_links_down_until_it_is_on() {
             "gpu1's interface is up, without its carrier (its links stay down)",
             "gpu1's link up: its interface's carrier is on again",
         ]
+    );
+}
+
+#[test]
+fn a_gpu_loses_its_carrier_while_all_its_links_are_down_and_not_by_its_host() {
+    // 2 leaves of 2 GPUs, 2 spines.
+    let (mut dp, _t) =
+        plane("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 2\ngpus_per_leaf = 2\n");
+    let apply = |dp: &mut DataPlane<MemPorts>, c: ChangeRequest| {
+        dp.change(&c).unwrap();
+        dp.step();
+        std::mem::take(&mut dp.ports.carriers)
+    };
+    let gpu = |name: &str| name.to_owned();
+    assert_eq!(
+        apply(&mut dp, ChangeRequest::GpuDown { name: gpu("gpu1") }),
+        [(1, false)]
+    );
+    assert_eq!(
+        apply(&mut dp, ChangeRequest::GpuUp { name: gpu("gpu1") }),
+        [(1, true)]
+    );
+    // Its leaf dead: both of its GPUs; a spine dead: none (their links are up).
+    assert_eq!(
+        apply(&mut dp, ChangeRequest::SwitchDown { name: gpu("leaf0") }),
+        [(0, false), (1, false)]
+    );
+    assert!(apply(
+        &mut dp,
+        ChangeRequest::SwitchDown {
+            name: gpu("spine0")
+        }
+    )
+    .is_empty());
+    assert_eq!(apply(&mut dp, ChangeRequest::Reset), [(0, true), (1, true)]);
+    // A link that loses every frame is up: no NIC sees a gray failure.
+    let lossy = ChangeRequest::LinkSet {
+        a: gpu("gpu2"),
+        b: gpu("leaf1"),
+        index: None,
+        rate_bps: None,
+        delay_ns: None,
+        loss: Some(1.0),
+        loss_burst: None,
+        buffer_bytes: None,
+        from: None,
+    };
+    assert!(apply(&mut dp, lossy).is_empty());
+    // Its host's carrier off is the same flag: the fabric leaves it to the host while it
+    // holds it, through the fabric's own down and up.
+    dp.ports.links = vec![(3, HostLink::State(IfState::NoCarrier))];
+    dp.step();
+    assert!(apply(&mut dp, ChangeRequest::GpuDown { name: gpu("gpu3") }).is_empty());
+    assert!(apply(&mut dp, ChangeRequest::GpuUp { name: gpu("gpu3") }).is_empty());
+    // Its host's carrier on while the fabric has its links down: off again.
+    dp.change(&ChangeRequest::GpuDown { name: gpu("gpu3") })
+        .unwrap();
+    dp.ports.links = vec![(3, HostLink::State(IfState::Up))];
+    dp.step();
+    assert_eq!(std::mem::take(&mut dp.ports.carriers), [(3, false)]);
+    // Set down by its host: off (it has no links up), and not said as the fabric's.
+    dp.ports.links = vec![(2, HostLink::State(IfState::Down))];
+    dp.step();
+    assert_eq!(std::mem::take(&mut dp.ports.carriers), [(2, false)]);
+    dp.ports.links = vec![(2, HostLink::State(IfState::Up))];
+    dp.step();
+    assert_eq!(std::mem::take(&mut dp.ports.carriers), [(2, true)]);
+    let said: Vec<&str> = dp
+        .events
+        .iter()
+        .map(|e| e.what.as_str())
+        .filter(|w| w.contains("carrier"))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "GPU gpu1 down (1 link, to leaf0); gpu1 lost its carrier (NO-CARRIER: none of its links is up)",
+            "GPU gpu1 up (1 link, to leaf0); gpu1 got its carrier back",
+            "switch leaf0 down (4 links, to gpu0, gpu1, spine0, spine1); gpu0 and gpu1 lost their carrier (NO-CARRIER: none of their links is up)",
+            "fabric reset: 5 links up; gpu0 and gpu1 got their carrier back",
+            "gpu3's link down: its host set its interface's carrier off (held down until it is on again)",
+            "gpu3's link up: its interface's carrier is on again (held down by hand); gpu3 lost its carrier (NO-CARRIER: none of its links is up)",
+        ],
+        "{:#?}",
+        dp.events
     );
 }
 

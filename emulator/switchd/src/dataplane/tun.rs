@@ -57,6 +57,9 @@ pub struct TunPorts {
     links: Vec<LinkWatch>,
     link_buf: Vec<u8>,
     link_changed: Vec<(usize, HostLink)>,
+    /// The carrier the fabric gives each GPU's interface (`Ports::set_carrier`; empty:
+    /// on for all).
+    carrier: Vec<bool>,
     /// Ports whose TUN failed a read (its device deleted inside the GPU's namespace
     /// makes every read fail): no longer waited on or read.
     closed: Vec<bool>,
@@ -239,6 +242,7 @@ impl TunPorts {
             links: Vec::new(),
             link_buf: Vec::new(),
             link_changed: Vec::new(),
+            carrier: Vec::new(),
             closed: Vec::new(),
         })
     }
@@ -253,14 +257,26 @@ impl TunPorts {
         Ok(self)
     }
 
-    /// Reads what GPU `i`'s link watch heard. A watch that fails is dropped from the
-    /// wait (it would wake it for ever), said once in the log.
+    /// Reads what GPU `i`'s link watch heard.
     fn read_link(&mut self, i: usize) {
         let Some(w) = self.links.get_mut(i) else {
             return;
         };
         let mut heard = Vec::new();
         let r = w.drain(&mut self.link_buf, &mut heard);
+        if w.carrier_forced_on() && self.carrier.get(i) == Some(&false) {
+            // Its host set the carrier on while every link of the GPU is down: the
+            // cable is the fabric's (a host cannot plug one in by command).
+            if let Some(tun) = self.tuns.get(i) {
+                let _ = sys::tun_set_carrier(tun.as_fd(), false);
+            }
+        }
+        self.take_heard(i, heard, r);
+    }
+
+    /// Takes what GPU `i`'s link watch heard (`r`: how reading it went). A watch that
+    /// fails is dropped from the wait (it would wake it for ever), said once in the log.
+    fn take_heard(&mut self, i: usize, heard: Vec<HostLink>, r: io::Result<()>) {
         if heard.contains(&HostLink::State(IfState::Gone)) {
             // Gone from its namespace: deleted, or moved out (`ip link set cb0 netns 1`),
             // where it would outlive the fabric (persistent) if the daemon were killed
@@ -271,10 +287,9 @@ impl TunPorts {
             }
         }
         self.link_changed.extend(heard.into_iter().map(|c| (i, c)));
-        match r {
-            Ok(()) => {}
-            Err(e) => {
-                tracing::warn!("port {i}: no longer following its interface (MTU, up): {e}");
+        if let Err(e) = r {
+            tracing::warn!("port {i}: no longer following its interface (MTU, up): {e}");
+            if let Some(w) = self.links.get(i) {
                 let _ = self.epoll.remove(w.fd());
             }
         }
@@ -523,6 +538,25 @@ impl Ports for TunPorts {
 
     fn link_changes(&mut self, out: &mut Vec<(usize, HostLink)>) {
         out.append(&mut self.link_changed);
+    }
+
+    fn set_carrier(&mut self, port: usize, on: bool) {
+        if port >= self.tuns.len() || self.closed.get(port) == Some(&true) {
+            return;
+        }
+        if self.carrier.len() < self.tuns.len() {
+            self.carrier.resize(self.tuns.len(), true);
+        }
+        self.carrier[port] = on;
+        if let Err(e) = sys::tun_set_carrier(self.tuns[port].as_fd(), on) {
+            // Its interface deleted (EBADFD): nothing to carry.
+            tracing::debug!("port {port}: setting its carrier: {e}");
+        }
+        if let Some(w) = self.links.get_mut(port) {
+            let mut heard = Vec::new();
+            let r = w.fabric_carrier(on, &mut self.link_buf, &mut heard);
+            self.take_heard(port, heard, r);
+        }
     }
 }
 
