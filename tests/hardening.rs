@@ -979,6 +979,82 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
     f.down();
 }
 
+/// A GPU whose links are all down (`closbox gpu down`, its leaf dead, a flap) kept its
+/// interface's carrier: `ip link` in it said all was well while nothing it sent got
+/// anywhere. Its carrier now goes and comes back with its links, as a NIC's with its
+/// cable pulled, without passing for its host's doing, however fast the links flap; a
+/// carrier its host sets on meanwhile is set off again.
+#[test]
+fn a_gpu_whose_links_are_all_down_loses_its_carrier() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up(
+        "lt-carrier",
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
+    );
+    let carrier = || text(&f.exec("gpu1", &["cat", "/sys/class/net/cb0/carrier"])).0;
+    let ok = |args: &[&str]| {
+        let out = closbox(args);
+        assert!(out.status.success(), "{args:?}: {:?}", text(&out));
+    };
+    ok(&["gpu", "down", "-f", "lt-carrier", "gpu1"]);
+    assert_eq!(carrier().trim(), "0");
+    // The kernel tells of a carrier change up to a second later: not the host's.
+    std::thread::sleep(Duration::from_millis(1500));
+    // (Lists left out of the JSON when empty, flags when false.)
+    let none = |v: &serde_json::Value| v.is_null() || v == &serde_json::json!([]);
+    let st = f.status();
+    assert!(none(&st["gpu_interfaces"]), "{st}");
+    assert_ne!(st["changed_links"][0]["down_by_host"], true, "{st}");
+    // Its host sets it on: the cable is the fabric's.
+    let out = f.exec("gpu1", &["ip", "link", "set", "cb0", "carrier", "on"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let mut now = String::new();
+    for _ in 0..30 {
+        now = carrier();
+        if now.trim() == "0" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(now.trim(), "0", "set off again");
+    ok(&["gpu", "up", "-f", "lt-carrier", "gpu1"]);
+    assert_eq!(carrier().trim(), "1");
+    // A thousand flaps of its link, 0.3 ms down and 0.2 ms up: no hold of its host's
+    // made up from the kernel's late notices, its carrier on at the end, pings go.
+    ok(&[
+        "link",
+        "flap",
+        "-f",
+        "lt-carrier",
+        "gpu1",
+        "sw0",
+        "--down",
+        "300us",
+        "--up",
+        "200us",
+        "--count",
+        "1000",
+    ]);
+    std::thread::sleep(Duration::from_millis(2000));
+    let st = f.status();
+    assert!(none(&st["gpu_interfaces"]), "{st}");
+    assert!(none(&st["changed_links"]), "{st}");
+    assert_eq!(carrier().trim(), "1");
+    let out = f.exec("gpu0", &["ping", "-c", "2", "-i", "0.2", "-W", "2", "gpu1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let events = text(&closbox(&["events", "lt-carrier"])).0;
+    assert!(
+        events.contains("GPU gpu1 down (1 link, to sw0); gpu1 lost its carrier")
+            && events.contains("gpu1 got its carrier back")
+            && !events.contains("its host"),
+        "{events}"
+    );
+    f.down();
+}
+
 /// A GPU that deletes its own interface (`ip link del cb0`, a NIC pulled out): every read
 /// of its TUN fails from then on, and the daemon spun on them, writing a warning per
 /// read (180 MB of log in a second, a CPU at 100 %). Its port is now closed once, said in
