@@ -388,17 +388,15 @@ mod tests {
         assert_eq!(link_state(&both, 7), Some(up));
     }
 
-    /// In a network namespace of its own (root only: skipped otherwise), a watch of `lo`
-    /// hears of `lo` and of nothing about another interface, however often it changes.
-    #[test]
-    fn a_watch_hears_of_its_interface_only() {
+    /// Runs `body` on a thread in a network namespace of its own (root only: skipped
+    /// otherwise), with `ip` (forked from that thread, so run in that namespace).
+    fn in_own_netns(body: impl FnOnce(&dyn Fn(&str)) + Send + 'static) {
         if !crate::sys::is_root() {
             eprintln!("skipped: needs root (a network namespace)");
             return;
         }
         std::thread::spawn(|| {
             crate::sys::unshare_net().expect("unshare(net)");
-            // Forked from this thread, `ip` runs in its namespace.
             let ip = |args: &str| {
                 let out = std::process::Command::new("ip")
                     .args(args.split(' '))
@@ -406,6 +404,17 @@ mod tests {
                     .expect("ip");
                 assert!(out.status.success(), "ip {args}: {out:?}");
             };
+            body(&ip);
+        })
+        .join()
+        .expect("the test's thread");
+    }
+
+    /// In a network namespace of its own (root only: skipped otherwise), a watch of `lo`
+    /// hears of `lo` and of nothing about another interface, however often it changes.
+    #[test]
+    fn a_watch_hears_of_its_interface_only() {
+        in_own_netns(|ip| {
             // Up, as a GPU's interface is when its watch opens.
             ip("link set lo up");
             let mut w = LinkWatch::open("lo", 65536).expect("a watch of lo");
@@ -425,9 +434,7 @@ mod tests {
             heard.clear();
             w.drain(&mut buf, &mut heard).expect("drain");
             assert_eq!(heard, [HostLink::State(IfState::Down)]);
-        })
-        .join()
-        .expect("the test's thread");
+        });
     }
 
     /// In a network namespace of its own (root only), with a real TUN: the carrier the
@@ -435,19 +442,7 @@ mod tests {
     /// change is still queued; the host's own carrier changes are.
     #[test]
     fn a_carrier_the_fabric_sets_is_not_the_hosts() {
-        if !crate::sys::is_root() {
-            eprintln!("skipped: needs root (a network namespace)");
-            return;
-        }
-        std::thread::spawn(|| {
-            crate::sys::unshare_net().expect("unshare(net)");
-            let ip = |args: &str| {
-                let out = std::process::Command::new("ip")
-                    .args(args.split(' '))
-                    .output()
-                    .expect("ip");
-                assert!(out.status.success(), "ip {args}: {out:?}");
-            };
+        in_own_netns(|ip| {
             let tun = crate::sys::tun_create("cbt0", false).expect("a TUN");
             ip("link set cbt0 up");
             let mut w = LinkWatch::open("cbt0", 1500).expect("a watch");
@@ -495,9 +490,7 @@ mod tests {
             settle(&mut w, &mut heard, &mut buf);
             assert!(heard.is_empty(), "{heard:?}");
             assert!(w.carrier_forced_on());
-        })
-        .join()
-        .expect("the test's thread");
+        });
     }
 
     #[test]
