@@ -523,13 +523,11 @@ impl<P: Ports> DataPlane<P> {
             return false;
         }
         self.follow_routes();
-        if self.carrier_check {
-            // (Changes log what they do to carriers themselves: this is a fallback.)
-            let said = self.sync_carriers();
-            if !said.is_empty() {
-                let now = self.fabric_now(self.ports.now());
-                self.log_event(now, said.trim_start_matches("; ").to_owned());
-            }
+        // (Changes log what they do to carriers themselves: this is a fallback.)
+        let said = self.sync_carriers();
+        if !said.is_empty() {
+            let now = self.fabric_now(self.ports.now());
+            self.log_event(now, said.trim_start_matches("; ").to_owned());
         }
         self.sample_cpu(wall);
         self.rotate_window(wall);

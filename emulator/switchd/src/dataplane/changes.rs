@@ -874,10 +874,13 @@ impl<P: Ports> DataPlane<P> {
     /// while every one is down (its cable pulled, its switch dead, `closbox gpu down`),
     /// on while one is up. A link that loses every frame is up (a gray failure: no NIC
     /// sees it). Left as its host set it where its host holds its carrier off (the same
-    /// flag) or it is gone. Returns what to add to the event that changed the links
-    /// ("; gpu1 lost its carrier …"), empty where none changed but by its host's doing.
+    /// flag) or it is gone. Only after a link went up or down (`carrier_check`). Returns
+    /// what to add to the event that changed the links ("; gpu1 lost its carrier …"),
+    /// empty where none changed but by its host's doing.
     pub(super) fn sync_carriers(&mut self) -> String {
-        self.carrier_check = false;
+        if !std::mem::take(&mut self.carrier_check) {
+            return String::new();
+        }
         let (mut off, mut on) = (Vec::new(), Vec::new());
         for gpu in 0..self.topo.hosts.len() {
             let host = self.host_if.get(gpu).copied().unwrap_or(IfState::Up);
