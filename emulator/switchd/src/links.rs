@@ -5,7 +5,10 @@
 //! each GPU's namespace hears of the change when `ip link set cb0 mtu N` (or `down`)
 //! makes it; the data plane tells the model: `Fabric::set_gpu_mtu`, whose port into that
 //! GPU then drops longer frames as its NIC would (`over_mtu`), or the GPU's links down,
-//! held by its host (`dataplane::layers`).
+//! held by its host (`dataplane::layers`). The fabric sets the interface's carrier too
+//! (off while every link of the GPU is down: `dataplane::Ports::set_carrier`), the same
+//! flag as `ip link set cb0 carrier off`: the watch tells the two apart
+//! (`LinkWatch::fabric_carrier`).
 
 use std::io;
 use std::os::fd::BorrowedFd;
