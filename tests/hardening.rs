@@ -634,6 +634,17 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     );
     let (ok, said) = ping("leaf1");
     assert!(ok && said.contains("bytes from leaf1 ("), "{said}");
+    // Longer than the links' MTU: sent in fragments, answered once whole, the reply in
+    // fragments too (it got nothing before).
+    let out = f.exec(
+        "gpu0",
+        &["ping", "-c", "1", "-W", "2", "-s", "20000", "spine1"],
+    );
+    let said = text(&out).0;
+    assert!(
+        out.status.success() && said.contains("20008 bytes from spine1 ("),
+        "{said}"
+    );
     // A switch runs no services: a TCP connection is refused (a reset), UDP is answered
     // with a port unreachable (ECONNREFUSED on a connected socket), both at once.
     let code = "import socket\n\

@@ -21,6 +21,7 @@ pub use units::{Bandwidth, Bytes, Duration, Instant, TimeScale};
 pub mod model;
 pub mod packet;
 pub mod plan;
+pub mod reassembly;
 pub mod rng;
 pub mod routing;
 

@@ -212,7 +212,7 @@ pub enum ToSwitch {
     /// code (3: port, 2: protocol; `unreachable`).
     Unreachable(u8),
     /// Nothing: an ICMP message other than an echo request (an error or a reply), a TCP
-    /// reset, a fragment (a switch would have to reassemble it first).
+    /// reset, a fragment (put back together first: `reassembly`).
     Nothing,
 }
 
@@ -319,6 +319,45 @@ pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
     let sum = !ones_complement_sum(&buf[20..]);
     buf[22..24].copy_from_slice(&sum.to_be_bytes());
     buf
+}
+
+/// Whether IPv4 packet `pkt` is a fragment of a datagram ("more fragments", or an offset).
+pub fn is_fragment(pkt: &[u8]) -> bool {
+    u16::from_be_bytes([pkt[6], pkt[7]]) & 0x3fff != 0
+}
+
+/// IPv4 packet `pkt` (not a fragment) cut into fragments of at most `mtu` bytes (RFC 791:
+/// its header on each, payloads a multiple of 8 bytes but the last, "more fragments" on
+/// all but the last), as a host's IP layer sends a datagram longer than its link's MTU
+/// (a switch's answer to a long ping); `pkt` alone if it fits. Its "don't fragment" is
+/// left off the pieces: the switch's own stack sends them.
+pub fn fragment(pkt: &[u8], mtu: usize) -> Vec<Vec<u8>> {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    let total = (u16::from_be_bytes([pkt[2], pkt[3]]) as usize).min(pkt.len());
+    if total <= mtu || mtu < ihl + 8 {
+        return vec![pkt[..total].to_vec()];
+    }
+    let step = (mtu - ihl) / 8 * 8;
+    let data = &pkt[ihl..total];
+    data.chunks(step)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let mut f = Vec::with_capacity(ihl + chunk.len());
+            f.extend_from_slice(&pkt[..ihl]);
+            f.extend_from_slice(chunk);
+            let len = f.len() as u16;
+            f[2..4].copy_from_slice(&len.to_be_bytes());
+            let more = if (i + 1) * step < data.len() {
+                0x2000
+            } else {
+                0
+            };
+            let field = more | ((i * step / 8) as u16 & 0x1fff);
+            f[6..8].copy_from_slice(&field.to_be_bytes());
+            set_header_checksum(&mut f);
+            f
+        })
+        .collect()
 }
 
 /// The 16-bit ones'-complement sum of `bytes` (an odd last byte padded with zero): what

@@ -1413,6 +1413,47 @@ fn switches_answer_pings_to_their_addresses() {
     );
 }
 
+/// `ping -s 3000 spine0` over 1500-byte links: the request arrives in fragments, the
+/// switch answers the datagram once whole (it answered none of them before), its reply
+/// in fragments that fit, which put together are the echo reply of the whole.
+#[test]
+fn a_long_ping_to_a_switch_is_answered_in_fragments() {
+    let t = four_spines();
+    let mut f = Fabric::new(&t);
+    let mut ping = packet::build_echo_request(addr(&t, 0), switch_addr(&t, "spine0"), 9, 1, 3000);
+    ping[6..8].fill(0);
+    packet::set_header_checksum(&mut ping);
+    let pieces = packet::fragment(&ping, 1500);
+    assert_eq!(pieces.len(), 3);
+    for (i, p) in pieces.iter().enumerate() {
+        let at = Instant::from_nanos(i as u64 * 20_000);
+        assert_eq!(f.send(at, HostId(0), p.clone()), Verdict::Accepted);
+    }
+    let got = run(&mut f);
+    assert_eq!(got.len(), 3, "the reply in 3 fragments");
+    let mut r = closbox_fabric::reassembly::Reassembly::default();
+    let mut whole = None;
+    for d in &got {
+        assert_eq!(d.dst, HostId(0));
+        let b = d.data.to_vec();
+        assert!(b.len() <= 1500 && packet::checksum_ok(&b));
+        whole = whole.or(r.add(d.at, 0, &b));
+    }
+    let whole = whole.expect("the fragments make a datagram");
+    assert_eq!(whole.len(), ping.len());
+    assert_eq!((whole[20], whole[21]), (0, 0), "an echo reply");
+    assert!(
+        whole[24..] == ping[24..],
+        "the request's identifier, sequence and data"
+    );
+    assert_eq!(
+        packet::ones_complement_sum(&whole[20..]),
+        0xffff,
+        "its ICMP checksum"
+    );
+    totals_conserved(&mut f, 1_000_000);
+}
+
 #[test]
 fn a_dead_switch_does_not_answer_and_the_others_route_around_it() {
     let t = four_spines();

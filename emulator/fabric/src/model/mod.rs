@@ -370,6 +370,9 @@ pub struct Fabric {
     hosts: u32,
     addr_base: u32,
     mtu: u32,
+    /// Datagrams addressed to switches, in fragments, waiting for the rest
+    /// (`switches::answer`).
+    reassembly: crate::reassembly::Reassembly,
     /// Each GPU's interface MTU where it differs from the fabric's (`set_gpu_mtu`): its
     /// NIC drops a longer frame as it arrives. Empty while every GPU has the fabric's.
     gpu_mtu: Vec<u32>,
@@ -529,6 +532,7 @@ impl Fabric {
             hosts: h,
             addr_base: u32::from(topo.fabric.pool.addr) + 1,
             mtu: topo.fabric.mtu,
+            reassembly: Default::default(),
             gpu_mtu: Vec::new(),
             policers,
             policer_clock,

@@ -211,13 +211,21 @@ impl Fabric {
     /// services does (`packet::to_switch`: a ping with an echo reply, TCP with a reset, UDP
     /// and other protocols with ICMP unreachable), from its address, sent back through the
     /// fabric like any packet (at once: a switch's control plane takes its time, which the
-    /// model leaves out). None from a switch without an address, toward an address that is
-    /// no GPU's, or beyond the packet memory.
+    /// model leaves out). A datagram in fragments is answered once whole (`reassembly`),
+    /// an answer longer than the MTU sent in fragments. None from a switch without an
+    /// address, toward an address that is no GPU's, or beyond the packet memory.
     pub(super) fn answer(&mut self, now: Instant, v: VertexIdx, request: &InFlight) {
         let Some(from) = self.topo.switch_addr(SwitchId(v - self.hosts)) else {
             return;
         };
-        let bytes = request.data.to_vec();
+        let mut bytes = request.data.to_vec();
+        if packet::is_fragment(&bytes) {
+            // Answered once whole, as a host's stack does.
+            match self.reassembly.add(now, v, &bytes) {
+                Some(whole) => bytes = whole,
+                None => return,
+            }
+        }
         let kind = packet::to_switch(&bytes);
         if matches!(kind, packet::ToSwitch::Nothing) || !self.may_answer(now, v) {
             return;
@@ -228,7 +236,10 @@ impl Fabric {
             packet::ToSwitch::Unreachable(code) => packet::unreachable(from, code, &bytes),
             packet::ToSwitch::Nothing => return,
         };
-        self.inject_from_switch(now, v, request.src, Frame::from(answer));
+        // An echo reply to a long ping is as long: in fragments that fit the links.
+        for piece in packet::fragment(&answer, self.mtu as usize) {
+            self.inject_from_switch(now, v, request.src, Frame::from(piece));
+        }
     }
 
     /// Switch `v` answers the GPU packet `expired`, whose TTL ran out there, with an ICMP
