@@ -98,6 +98,20 @@ fn plane(body: &str) -> (DataPlane<MemPorts>, Topology) {
     (DataPlane::new(&t, MemPorts::new(t.hosts.len()), rx), t)
 }
 
+/// Steps the data plane until its virtual clock reaches `until`.
+fn step_to(dp: &mut DataPlane<MemPorts>, until: StdDuration) {
+    while dp.ports.elapsed < until {
+        dp.step();
+    }
+}
+
+/// Whether an event starts with `start` and ends with `end`.
+fn said(dp: &DataPlane<MemPorts>, start: &str, end: &str) -> bool {
+    dp.events
+        .iter()
+        .any(|e| e.what.starts_with(start) && e.what.ends_with(end))
+}
+
 fn udp(t: &Topology, from: usize, to: usize, len: usize) -> Vec<u8> {
     closbox_fabric::packet::build_udp(t.hosts[from].addr, t.hosts[to].addr, 1, 2, 0, len)
 }
@@ -265,9 +279,7 @@ fn flap_run(seed: u64) -> Replay {
     let start = dp.applied_now();
     let (_, applied) = dp.schedule(&scenario.items).unwrap();
     assert_eq!(applied.len(), 1, "the load starts at once");
-    while dp.ports.elapsed < StdDuration::from_millis(8) {
-        dp.step();
-    }
+    step_to(&mut dp, StdDuration::from_millis(8));
     let st = dp.status();
     assert_eq!(st.pending_changes, 0);
     assert!(st.delivered > 250, "most get through: {}", st.delivered);
@@ -387,9 +399,7 @@ fn holds_follow_the_fabric_under_random_changes() {
                 }
             }
             let until = dp.ports.elapsed + StdDuration::from_micros(rng.below(3_000) as u64);
-            while dp.ports.elapsed < until {
-                dp.step();
-            }
+            step_to(&mut dp, until);
             for l in 0..t.links.len() as u32 {
                 let up = dp.model.changed_links().iter().all(|c| c.link != l || c.up);
                 assert_eq!(up, !dp.layers.held_down(l), "seed {seed}: link {l}");
@@ -524,9 +534,7 @@ fn a_scenarios_own_steps_overlap_faithfully() {
             .any(|l| l.id == link && !l.up)
     };
     let at = |dp: &mut DataPlane<MemPorts>, us: u64| {
-        while dp.ports.elapsed < StdDuration::from_micros(us) {
-            dp.step();
-        }
+        step_to(dp, StdDuration::from_micros(us));
         down(dp)
     };
     assert!(at(&mut dp, 1_500), "the link's own down");
@@ -536,13 +544,7 @@ fn a_scenarios_own_steps_overlap_faithfully() {
     assert!(dp.events.iter().any(|e| e.what == held), "{:#?}", dp.events);
     assert!(at(&mut dp, 5_500), "the link came up under its dead leaf");
     let held = format!("(1 of 2 held down by switch leaf0 of timeline {timeline})");
-    assert!(
-        dp.events
-            .iter()
-            .any(|e| e.what.starts_with("switch spine0 up") && e.what.ends_with(&held)),
-        "{:#?}",
-        dp.events
-    );
+    assert!(said(&dp, "switch spine0 up", &held), "{:#?}", dp.events);
     assert!(!at(&mut dp, 6_500), "both ends back: the link is up");
     assert!(dp.status().changed_links.is_empty());
     assert!(dp.layers.is_empty());
@@ -560,17 +562,9 @@ fn a_hold_of_a_scenarios_own_link_step_is_named() {
          [[event]]\nat = \"2ms\"\ndo = \"switch-down\"\nname = \"spine0\"\n\
          [[event]]\nat = \"3ms\"\ndo = \"switch-up\"\nname = \"spine0\"\n",
     );
-    while dp.ports.elapsed < StdDuration::from_micros(3_500) {
-        dp.step();
-    }
+    step_to(&mut dp, StdDuration::from_micros(3_500));
     let held = format!("(1 of 2 held down by a link-down step of timeline {timeline})");
-    assert!(
-        dp.events
-            .iter()
-            .any(|e| e.what.starts_with("switch spine0 up") && e.what.ends_with(&held)),
-        "{:#?}",
-        dp.events
-    );
+    assert!(said(&dp, "switch spine0 up", &held), "{:#?}", dp.events);
 }
 
 #[test]
@@ -895,9 +889,7 @@ fn overlapping_faults_are_undone_one_by_one() {
         now[0].what,
         "link leaf0-spine0 #0 down (flap 1 of 1) (already so)"
     );
-    while dp.ports.elapsed < StdDuration::from_millis(3) {
-        dp.step();
-    }
+    step_to(&mut dp, StdDuration::from_millis(3));
     let log: Vec<&str> = dp.events.iter().map(|e| e.what.as_str()).collect();
     assert!(
         log.contains(&"link leaf0-spine0 #0 up (flap 1 of 1) (held down by timeline 3)"),
@@ -1057,9 +1049,7 @@ fn a_cancelled_timeline_repairs_what_it_broke() {
         .schedule(&[(0, load(100_000)), (1, down("spine1")), (2, up("spine1"))])
         .unwrap();
     assert_eq!(dp.status().timelines.len(), 1);
-    while dp.ports.elapsed < StdDuration::from_millis(1) {
-        dp.step();
-    }
+    step_to(&mut dp, StdDuration::from_millis(1));
     assert_eq!(dp.status().pending_changes, 0);
     assert!(dp.broken.is_empty());
     assert!(dp.status().changed_links.is_empty());
