@@ -61,6 +61,7 @@ pub struct Fabric {
 pub struct Options {
     binary: Option<PathBuf>,
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Options {
@@ -77,6 +78,14 @@ impl Options {
         S: Into<String>,
     {
         self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// An environment variable for `closbox up` and the daemon it starts (e.g.
+    /// `CLOSBOX_TUN_WRITERS`, `CLOSBOX_OFFLOAD`: the data plane's knobs, README "The data
+    /// plane").
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Options {
+        self.env.push((key.into(), value.into()));
         self
     }
 
@@ -99,6 +108,7 @@ impl Options {
             .arg(config)
             .arg("--detach")
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .output()
             .with_context(|| format!("running {}", binary.display()))?;

@@ -418,7 +418,15 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
         let _ = writeln!(o, "  health    ok");
     }
     if !s.scheduling.is_empty() {
-        let _ = writeln!(o, "  data plane {}", s.scheduling);
+        let writers = match s.tun_writers {
+            0 => String::new(),
+            n => format!(
+                "; {n} writer thread{} ({} writes handed to them)",
+                if n == 1 { "" } else { "s" },
+                thousands(s.writes_handed_off)
+            ),
+        };
+        let _ = writeln!(o, "  data plane {}{writers}", s.scheduling);
         if !s.gpu_pacing {
             let why = st.pacing_off.as_deref().unwrap_or("see the daemon's log");
             let _ = writeln!(

@@ -169,6 +169,11 @@ impl TestFabric {
 
     /// As `up`, with more arguments for `closbox up`.
     pub fn up_with(name: &str, body: &str, args: &[&str]) -> TestFabric {
+        TestFabric::up_env(name, body, args, &[])
+    }
+
+    /// As `up_with`, with environment variables for `closbox up` and its daemon.
+    pub fn up_env(name: &str, body: &str, args: &[&str], env: &[(&str, &str)]) -> TestFabric {
         assert!(
             leftovers(name).is_empty(),
             "leftovers before the test: {:?}",
@@ -176,7 +181,9 @@ impl TestFabric {
         );
         let config = scratch_dir().join(format!("{name}.toml"));
         std::fs::write(&config, format!("[fabric]\nname = \"{name}\"\n{body}")).unwrap();
-        let fabric = closbox::Fabric::options()
+        let fabric = env
+            .iter()
+            .fold(closbox::Fabric::options(), |o, (k, v)| o.env(*k, *v))
             .binary(env!("CARGO_BIN_EXE_closbox"))
             .args(args.iter().copied())
             .up(&config)

@@ -211,6 +211,11 @@ pub trait Ports {
     /// stops sending into it); on again when one comes back. Not a change its host made:
     /// `link_changes` does not report it as one.
     fn set_carrier(&mut self, _port: usize, _on: bool) {}
+    /// Writer threads taking writes off the data plane's thread, and the writes handed to
+    /// them so far (each a packet or a run of frames written as one).
+    fn writers(&self) -> (usize, u64) {
+        (0, 0)
+    }
 }
 
 /// A packet leaving the fabric.

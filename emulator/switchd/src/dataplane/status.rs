@@ -208,6 +208,14 @@ pub struct Status {
     /// Started with `--idle-poll`: idle CPUs poll instead of halting while it is up.
     #[serde(default)]
     pub idle_poll: bool,
+    /// Writer threads for the TUN writes (`CLOSBOX_TUN_WRITERS`; 0: the data plane's
+    /// thread writes), and the writes handed to them so far: only writes due 20 µs ago
+    /// or more go to them (`TunPorts::dispatch`), so a count that grows says the data
+    /// plane was behind and shared its writes.
+    #[serde(default)]
+    pub tun_writers: usize,
+    #[serde(default)]
+    pub writes_handed_off: u64,
     /// The GPUs' non-TCP packets are held to their links' rates by a qdisc (`pace`);
     /// false where `up` could not install it (its log says why).
     #[serde(default)]
@@ -777,6 +785,8 @@ impl<P: Ports> DataPlane<P> {
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
             idle_poll: self.idle_poll,
+            tun_writers: self.ports.writers().0,
+            writes_handed_off: self.ports.writers().1,
             gpu_pacing: self.pacer.is_some(),
             cpu_recent: self.cpu_recent(cpu),
             thread_cpu_ns: cpu.map(|c| (c.run_ns, c.wait_ns)),

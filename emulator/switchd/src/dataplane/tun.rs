@@ -49,6 +49,8 @@ pub struct TunPorts {
     lens: Vec<usize>,
     /// Empty: writes happen inline (one core).
     writers: Vec<Writer>,
+    /// Writes handed to the writer threads so far (`Ports::writers`).
+    handed_off: u64,
     done_rx: Option<std::sync::mpsc::Receiver<(u64, bool)>>,
     /// Writes done inline, not reported yet.
     inline_done: Vec<(u64, bool)>,
@@ -237,6 +239,7 @@ impl TunPorts {
             wake,
             tokens: Vec::new(),
             writers,
+            handed_off: 0,
             done_rx: Some(done_rx),
             inline_done: Vec::new(),
             links: Vec::new(),
@@ -353,6 +356,7 @@ impl TunPorts {
             })
             .collect();
         let w = w.expect("not inline");
+        self.handed_off += 1;
         w.pending.fetch_add(1, Ordering::AcqRel);
         let n = job.len();
         if w.tx
@@ -431,6 +435,10 @@ impl TunPorts {
 impl Ports for TunPorts {
     fn count(&self) -> usize {
         self.tuns.len()
+    }
+
+    fn writers(&self) -> (usize, u64) {
+        (self.writers.len(), self.handed_off)
     }
 
     fn now(&self) -> StdInstant {
