@@ -550,6 +550,83 @@ fn udp_of_a_gpu_that_lost_a_nic_link_is_held_to_the_link_left() {
 /// its socket (`--nonblocked`): a client that sleeps through a long round trip is woken
 /// ~35 µs late by this VM (halt polling gives up after ~100 µs), which is the host's
 /// latency, not the fabric's.
+/// Three TCP streams at once: both ways between gpu0 and gpu3 (leaf0 to leaf1) and gpu1 to
+/// gpu2, as (receiver, its address, sender, seed).
+const THREE_STREAMS: [(&str, &str, &str, u32); 3] = [
+    ("gpu3", "198.18.0.4", "gpu0", 1),
+    ("gpu0", "198.18.0.1", "gpu3", 2),
+    ("gpu2", "198.18.0.3", "gpu1", 3),
+];
+
+/// Sends `bytes` pseudo-random bytes along each of `streams` at once (port 7000,
+/// `tests/scripts/stream_check.py`) and checks that each receiver got exactly them: what
+/// the receivers said, a line each.
+fn streams_arrive_intact(
+    f: &TestFabric,
+    streams: &[(&str, &str, &str, u32)],
+    bytes: u64,
+) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/stream_check.py");
+    let n = bytes.to_string();
+    let receivers: Vec<_> = streams
+        .iter()
+        .map(|&(to, _, _, seed)| {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"));
+            c.args(["exec", to, "--", "python3", script, "recv", "7000"]);
+            c.args([&seed.to_string(), &n]);
+            c.stdout(std::process::Stdio::piped());
+            let child = c.spawn().expect("closbox exec");
+            wait_for_port(f, to, 7000);
+            child
+        })
+        .collect();
+    let senders: Vec<_> = streams
+        .iter()
+        .map(|&(_, addr, from, seed)| {
+            let seed = seed.to_string();
+            f.spawn(from, &["python3", script, "send", addr, "7000", &seed, &n])
+        })
+        .collect();
+    for mut s in senders {
+        assert!(s.wait().unwrap().success(), "a sender failed");
+    }
+    let mut said = Vec::new();
+    for (r, (to, ..)) in receivers.into_iter().zip(streams) {
+        let out = r.wait_with_output().unwrap();
+        let line = format!("{to}: {}", String::from_utf8_lossy(&out.stdout).trim());
+        assert!(out.status.success(), "{line}");
+        said.push(line);
+    }
+    said.join("; ")
+}
+
+/// Frames lost on a link (2 % each way on gpu0's) and dropped at a full queue (a 20 KB
+/// buffer toward gpu3) take frames out of the middle of super-packets: what is left of
+/// each is written as the frames that survived (cut anew, headers rewritten), and TCP's
+/// retransmissions fill the gaps. Every byte arrives intact (the receiving stack trusts
+/// the partial checksums the fabric writes, so it is checked here byte for byte).
+#[test]
+fn streams_through_loss_and_full_queues_arrive_intact() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-intact", &leaf_spine_4("1Gbit", "20us"));
+    for change in [
+        ["gpu0", "leaf0", "--loss", "0.02"],
+        ["leaf1", "gpu3", "--buffer", "20KB"],
+    ] {
+        let out = closbox(&[&["link", "set"][..], &change[..], &["-f", "lt-intact"]].concat());
+        assert!(out.status.success(), "{:?}", text(&out));
+    }
+    let said = streams_arrive_intact(&f, &THREE_STREAMS, 20_000_000);
+    let (lost, st) = f.drops("loss");
+    let (full, _) = f.drops("buffer_full");
+    f.down();
+    eprintln!("{said}; fabric drops: loss {lost}, buffer_full {full}");
+    assert!(lost > 100 && full > 0, "drops on the way: {st}");
+}
+
 /// Writer threads (`CLOSBOX_TUN_WRITERS`, the default on boxes of more than 2 cores, which
 /// this 2-core CI would otherwise never run) carry every byte intact, with and without TUN
 /// offload: three TCP streams at once, both ways between two GPUs and a third pair, each
@@ -568,8 +645,6 @@ fn writer_threads_keep_bytes_intact_and_flows_in_order() {
     if !root_or_skip() {
         return;
     }
-    const N: &str = "40000000";
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/stream_check.py");
     for offload in ["1", "0"] {
         let f = TestFabric::up_env(
             "lt-writers",
@@ -589,61 +664,19 @@ fn writer_threads_keep_bytes_intact_and_flows_in_order() {
             "offload {offload}: writer threads {comms:?}"
         );
         assert_eq!(f.status()["tun_writers"], 2);
-        // (receiver, its address, sender, seed)
-        let pairs = [
-            ("gpu3", "198.18.0.4", "gpu0", "1"),
-            ("gpu0", "198.18.0.1", "gpu3", "2"),
-            ("gpu2", "198.18.0.3", "gpu1", "3"),
-        ];
-        let receivers: Vec<_> = pairs
-            .iter()
-            .map(|&(to, _, _, seed)| {
-                let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"));
-                c.args(["exec", to, "--", "python3", script, "recv", "7000", seed, N]);
-                c.stdout(std::process::Stdio::piped());
-                let child = c.spawn().expect("closbox exec");
-                wait_for_port(&f, to, 7000);
-                child
-            })
-            .collect();
         // UDP alongside, gpu1 to gpu2 as one of the streams, so that it too is written
         // while the data plane is behind (iperf3's own port, 5201).
         let mut udp_server = f.spawn("gpu2", &["iperf3", "-s", "-1", "-B", "198.18.0.3"]);
         wait_for_port(&f, "gpu2", 5201);
-        let senders: Vec<_> = pairs
-            .iter()
-            .map(|&(_, addr, from, seed)| {
-                f.spawn(from, &["python3", script, "send", addr, "7000", seed, N])
-            })
-            .collect();
         let udp_client = {
             let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"));
-            c.args([
-                "exec",
-                "gpu1",
-                "--",
-                "iperf3",
-                "-c",
-                "198.18.0.3",
-                "-J",
-                "-u",
-            ]);
-            c.args(["-b", "300M", "-l", "1400", "-t", "3"]);
+            c.args(["exec", "gpu1", "--", "iperf3", "-c", "198.18.0.3", "-J"]);
+            c.args(["-u", "-b", "300M", "-l", "1400", "-t", "3"]);
             c.stdout(std::process::Stdio::piped());
             c.spawn().expect("closbox exec")
         };
-        for mut s in senders {
-            assert!(
-                s.wait().unwrap().success(),
-                "offload {offload}: a sender failed"
-            );
-        }
-        for (r, (to, ..)) in receivers.into_iter().zip(pairs) {
-            let out = r.wait_with_output().unwrap();
-            let said = String::from_utf8_lossy(&out.stdout);
-            eprintln!("offload {offload}: {to} {}", said.trim());
-            assert!(out.status.success(), "offload {offload}: {to}: {said}");
-        }
+        let said = streams_arrive_intact(&f, &THREE_STREAMS, 40_000_000);
+        eprintln!("offload {offload}: {said}");
         let out = udp_client.wait_with_output().unwrap();
         let _ = udp_server.wait();
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("iperf3 JSON");
