@@ -62,6 +62,7 @@ bench-live:
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --release -- -D warnings
+	scripts/check-features
 
 fmt:
 	$(CARGO) fmt --all
