@@ -572,7 +572,10 @@ fn streams_arrive_intact(
         .iter()
         .map(|&(to, _, _, seed)| {
             let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"));
-            c.args(["exec", to, "--", "python3", script, "recv", "7000"]);
+            c.args([
+                "exec", "--fabric", &f.name, to, "--", "python3", script, "recv",
+            ]);
+            c.arg("7000");
             c.args([&seed.to_string(), &n]);
             c.stdout(std::process::Stdio::piped());
             let child = c.spawn().expect("closbox exec");
@@ -670,7 +673,8 @@ fn writer_threads_keep_bytes_intact_and_flows_in_order() {
         wait_for_port(&f, "gpu2", 5201);
         let udp_client = {
             let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"));
-            c.args(["exec", "gpu1", "--", "iperf3", "-c", "198.18.0.3", "-J"]);
+            c.args(["exec", "--fabric", &f.name, "gpu1", "--"]);
+            c.args(["iperf3", "-c", "198.18.0.3", "-J"]);
             c.args(["-u", "-b", "300M", "-l", "1400", "-t", "3"]);
             c.stdout(std::process::Stdio::piped());
             c.spawn().expect("closbox exec")
