@@ -124,6 +124,56 @@ pub fn mark_ce(buf: &mut [u8]) {
     set_header_checksum(buf);
 }
 
+/// A router's entry in the Record Route option (RFC 791, option 7) of an IPv4 packet
+/// accepted by `inspect` (`buf` holds at least its whole header): `addr` written where
+/// the option's pointer says and the pointer moved on, the header checksum fixed, as a
+/// router does for a packet it forwards (`ping -R` shows the hops). False, and nothing
+/// changed, where the packet has no such option, it is full, or its options are not well
+/// formed (a router would answer some of those with a parameter problem; the fabric
+/// forwards them untouched).
+pub fn record_route(buf: &mut [u8], addr: Ipv4Addr) -> bool {
+    let ihl = (buf[0] & 0x0f) as usize * 4;
+    if ihl <= 20 || buf.len() < ihl {
+        return false;
+    }
+    let mut i = 20;
+    while i < ihl {
+        match buf[i] {
+            // End of the options.
+            0 => return false,
+            // No operation: one byte.
+            1 => i += 1,
+            kind => {
+                let Some(&len) = buf.get(i + 1) else {
+                    return false;
+                };
+                let len = len as usize;
+                if len < 2 || i + len > ihl {
+                    return false;
+                }
+                if kind == 7 {
+                    // The pointer counts from the option's first byte, from 1; the route
+                    // data starts at 4, an address every 4 bytes.
+                    let ptr = match buf.get(i + 2) {
+                        Some(&p) if len >= 3 && p >= 4 => p as usize,
+                        _ => return false,
+                    };
+                    if ptr + 3 > len {
+                        return false;
+                    }
+                    let at = i + ptr - 1;
+                    buf[at..at + 4].copy_from_slice(&addr.octets());
+                    buf[i + 2] = (ptr + 4) as u8;
+                    set_header_checksum(buf);
+                    return true;
+                }
+                i += len;
+            }
+        }
+    }
+    false
+}
+
 /// Recomputes the header checksum of an IPv4 packet (`buf` holds at least its whole
 /// header, as its IHL says).
 pub fn set_header_checksum(buf: &mut [u8]) {
@@ -311,14 +361,77 @@ pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
     let ihl = (request[0] & 0x0f) as usize * 4;
     let total = (u16::from_be_bytes([request[2], request[3]]) as usize).min(request.len());
     let icmp = &request[ihl..total];
-    let mut buf = ip_packet(20 + icmp.len(), 1, from, ipv4_at(request, 12));
-    buf[20..].copy_from_slice(icmp);
+    // A Record Route option comes back in the reply (RFC 1122, 3.2.2.6), the route so far
+    // kept: the switch adds itself as it sends the reply (`Fabric::forward`), and the
+    // switches on the way back after it. Other options are not echoed.
+    let rr = ip_option(request, 7).unwrap_or(&[]);
+    let opts = rr.len().div_ceil(4) * 4;
+    let mut buf = ip_packet(20 + opts + icmp.len(), 1, from, ipv4_at(request, 12));
+    if opts > 0 {
+        buf[0] = 0x40 | ((20 + opts) / 4) as u8;
+        buf[20..20 + rr.len()].copy_from_slice(rr);
+        set_header_checksum(&mut buf);
+    }
+    let at = 20 + opts;
+    buf[at..].copy_from_slice(icmp);
     // Type 0 (echo reply), code 0, checksum over the ICMP message anew.
-    buf[20] = 0;
-    buf[22..24].fill(0);
-    let sum = !ones_complement_sum(&buf[20..]);
-    buf[22..24].copy_from_slice(&sum.to_be_bytes());
+    buf[at] = 0;
+    buf[at + 2..at + 4].fill(0);
+    let sum = !ones_complement_sum(&buf[at..]);
+    buf[at + 2..at + 4].copy_from_slice(&sum.to_be_bytes());
     buf
+}
+
+/// The IP option of type `kind` in IPv4 packet `pkt` (its whole header in `pkt`), type and
+/// length bytes included; `None` where it has none or its options are not well formed.
+fn ip_option(pkt: &[u8], kind: u8) -> Option<&[u8]> {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    let mut i = 20;
+    while i < ihl.min(pkt.len()) {
+        match pkt[i] {
+            0 => return None,
+            1 => i += 1,
+            k => {
+                let len = *pkt.get(i + 1)? as usize;
+                if len < 2 || i + len > ihl.min(pkt.len()) {
+                    return None;
+                }
+                if k == kind {
+                    return Some(&pkt[i..i + len]);
+                }
+                i += len;
+            }
+        }
+    }
+    None
+}
+
+/// The header of a fragment after the first of IPv4 packet `pkt`: its first 20 bytes and
+/// the options marked to be copied into every fragment (RFC 791: the type's top bit; not
+/// Record Route or Timestamp), padded to whole words.
+fn later_fragment_header(pkt: &[u8]) -> Vec<u8> {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    let mut h = pkt[..20].to_vec();
+    let mut i = 20;
+    while i < ihl {
+        match pkt[i] {
+            0 => break,
+            1 => i += 1,
+            k => {
+                let len = pkt.get(i + 1).map_or(0, |&l| l as usize);
+                if len < 2 || i + len > ihl {
+                    break;
+                }
+                if k & 0x80 != 0 {
+                    h.extend_from_slice(&pkt[i..i + len]);
+                }
+                i += len;
+            }
+        }
+    }
+    h.resize(h.len().div_ceil(4) * 4, 0);
+    h[0] = 0x40 | (h.len() / 4) as u8;
+    h
 }
 
 /// Whether IPv4 packet `pkt` is a fragment of a datagram ("more fragments", or an offset).
@@ -337,27 +450,31 @@ pub fn fragment(pkt: &[u8], mtu: usize) -> Vec<Vec<u8>> {
     if total <= mtu || mtu < ihl + 8 {
         return vec![pkt[..total].to_vec()];
     }
-    let step = (mtu - ihl) / 8 * 8;
     let data = &pkt[ihl..total];
-    data.chunks(step)
-        .enumerate()
-        .map(|(i, chunk)| {
-            let mut f = Vec::with_capacity(ihl + chunk.len());
-            f.extend_from_slice(&pkt[..ihl]);
-            f.extend_from_slice(chunk);
-            let len = f.len() as u16;
-            f[2..4].copy_from_slice(&len.to_be_bytes());
-            let more = if (i + 1) * step < data.len() {
-                0x2000
-            } else {
-                0
-            };
-            let field = more | ((i * step / 8) as u16 & 0x1fff);
-            f[6..8].copy_from_slice(&field.to_be_bytes());
-            set_header_checksum(&mut f);
-            f
-        })
-        .collect()
+    let later = later_fragment_header(pkt);
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let head = if at == 0 { &pkt[..ihl] } else { &later[..] };
+        let step = (mtu - head.len()) / 8 * 8;
+        let chunk = &data[at..(at + step).min(data.len())];
+        let mut f = Vec::with_capacity(head.len() + chunk.len());
+        f.extend_from_slice(head);
+        f.extend_from_slice(chunk);
+        let len = f.len() as u16;
+        f[2..4].copy_from_slice(&len.to_be_bytes());
+        let more = if at + chunk.len() < data.len() {
+            0x2000
+        } else {
+            0
+        };
+        let field = more | ((at / 8) as u16 & 0x1fff);
+        f[6..8].copy_from_slice(&field.to_be_bytes());
+        set_header_checksum(&mut f);
+        out.push(f);
+        at += chunk.len();
+    }
+    out
 }
 
 /// The 16-bit ones'-complement sum of `bytes` (an odd last byte padded with zero): what
@@ -566,6 +683,51 @@ mod tests {
         assert_eq!(rep.len(), 84);
         assert_eq!(&rep[24..], &req[24..]);
         assert_eq!(ones_complement_sum(&rep[20..]), 0xffff);
+        // A Record Route is: the route so far, its pointer where it was (the switch adds
+        // itself as it sends the reply), padded to a word.
+        let mut rr = vec![0x48];
+        rr.extend_from_slice(&req[1..20]);
+        rr.extend_from_slice(&[7, 11, 8, 198, 18, 0, 1, 0, 0, 0, 0, 0]);
+        rr.extend_from_slice(&req[20..]);
+        rr[2..4].copy_from_slice(&(96u16).to_be_bytes());
+        set_header_checksum(&mut rr);
+        let rep = echo_reply(sw, &rr);
+        assert_eq!((rep.len(), rep[0]), (96, 0x48));
+        assert!(checksum_ok(&rep));
+        assert_eq!(&rep[20..31], &rr[20..31]);
+        assert_eq!(rep[31], 0, "padding: end of options");
+        assert_eq!(&rep[36..], &req[24..]);
+        assert_eq!(ones_complement_sum(&rep[32..]), 0xffff);
+        assert!(record_route(&mut rep.clone(), sw));
+        // In fragments, only the first keeps it (RFC 791: not a copied option); the
+        // pieces still join to the reply's data.
+        let mut long = rr[..32].to_vec();
+        long.extend(std::iter::repeat_n(7u8, 3000));
+        let n = long.len() as u16;
+        long[2..4].copy_from_slice(&n.to_be_bytes());
+        set_header_checksum(&mut long);
+        let pieces = fragment(&long, 1500);
+        assert_eq!(pieces.len(), 3);
+        assert_eq!(pieces[0][0], 0x48);
+        assert!(pieces[1..].iter().all(|p| p[0] == 0x45 && checksum_ok(p)));
+        let mut joined = Vec::new();
+        for p in &pieces {
+            let ihl = (p[0] & 0x0f) as usize * 4;
+            let off = (u16::from_be_bytes([p[6], p[7]]) & 0x1fff) as usize * 8;
+            assert_eq!(off, joined.len());
+            assert!(p.len() <= 1500);
+            joined.extend_from_slice(&p[ihl..]);
+        }
+        assert_eq!(joined, long[32..]);
+        // A copied option (type 0x83, loose source route's kind with the top bit) goes
+        // into every piece.
+        let mut lsrr = long.clone();
+        lsrr[20..24].copy_from_slice(&[0x83, 3, 4, 0]);
+        set_header_checksum(&mut lsrr);
+        let pieces = fragment(&lsrr, 1500);
+        assert!(pieces[1..]
+            .iter()
+            .all(|p| p[0] == 0x46 && p[20..24] == [0x83, 3, 4, 0]));
     }
 
     /// A TCP segment of `data` bytes from A:40000 to `to`:22 with `flags`.
@@ -655,6 +817,64 @@ mod tests {
             }
             assert_eq!((a[8], checksum_ok(&a)), (to, true));
             assert_eq!(a, b, "{from} -> {to}");
+        }
+    }
+
+    #[test]
+    fn record_route_takes_a_routers_address_where_the_option_has_room() {
+        let a = Ipv4Addr::new(198, 18, 0, 9);
+        // IHL 8: NOP, then Record Route with room for 2 (length 11), then End.
+        let mut p = build_udp(
+            Ipv4Addr::new(198, 18, 0, 1),
+            Ipv4Addr::new(198, 18, 0, 2),
+            1,
+            2,
+            0,
+            36,
+        );
+        let body = p.split_off(20);
+        p.extend_from_slice(&[1, 7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0]);
+        p.extend_from_slice(&body);
+        p[0] = 0x48;
+        let total = p.len() as u16;
+        p[2..4].copy_from_slice(&total.to_be_bytes());
+        set_header_checksum(&mut p);
+        assert!(inspect(&p).is_ok());
+        assert!(record_route(&mut p, a));
+        assert_eq!((&p[24..28], p[23]), (&a.octets()[..], 8));
+        assert!(record_route(&mut p, Ipv4Addr::new(198, 18, 0, 10)));
+        assert_eq!((p[28..32].to_vec(), p[23]), (vec![198, 18, 0, 10], 12));
+        assert!(checksum_ok(&p));
+        // Full: forwarded untouched.
+        let full = p.clone();
+        assert!(!record_route(&mut p, a));
+        assert_eq!(p, full);
+        // No options, other options, options that run past the header, a pointer below
+        // the route data: untouched.
+        let mut plain = build_udp(
+            Ipv4Addr::new(198, 18, 0, 1),
+            Ipv4Addr::new(198, 18, 0, 2),
+            1,
+            2,
+            0,
+            36,
+        );
+        let before = plain.clone();
+        assert!(!record_route(&mut plain, a));
+        assert_eq!(plain, before);
+        for opts in [
+            [68, 12, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0], // timestamp: not ours to fill
+            [1, 7, 40, 4, 0, 0, 0, 0, 0, 0, 0, 0],  // longer than the header
+            [1, 7, 11, 3, 0, 0, 0, 0, 0, 0, 0, 0],  // pointer into the option's head
+            [1, 7, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0],   // a length of 0
+            [0, 7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0],  // after End of Options
+        ] {
+            let mut q = full.clone();
+            q[20..32].copy_from_slice(&opts);
+            set_header_checksum(&mut q);
+            let before = q.clone();
+            assert!(!record_route(&mut q, a), "{opts:?}");
+            assert_eq!(q, before, "{opts:?}");
         }
     }
 

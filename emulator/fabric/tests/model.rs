@@ -915,6 +915,95 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
     assert_eq!(totals.sent, totals.delivered + totals.drops.total());
 }
 
+/// `p` (an IPv4 packet without options) with a Record Route option of `slots` addresses
+/// (`ping -R` asks for 9), padded with End of Options to a whole header word.
+fn with_record_route(p: &[u8], slots: usize) -> Vec<u8> {
+    let mut opt = vec![7, (3 + 4 * slots) as u8, 4];
+    opt.resize(3 + 4 * slots, 0);
+    while opt.len() % 4 != 0 {
+        opt.push(0);
+    }
+    let mut q = p[..20].to_vec();
+    q.extend_from_slice(&opt);
+    q.extend_from_slice(&p[20..]);
+    q[0] = 0x40 | ((20 + opt.len()) / 4) as u8;
+    let total = q.len() as u16;
+    q[2..4].copy_from_slice(&total.to_be_bytes());
+    packet::set_header_checksum(&mut q);
+    q
+}
+
+#[test]
+fn switches_fill_in_record_route() {
+    // gpu0 -> leaf0 -> spine0 -> leaf1 -> gpu2.
+    let t = topo("[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n");
+    let mut f = Fabric::new(&t);
+    let switch = |name: &str| {
+        let i = t.switches.iter().position(|s| s.name == name).unwrap();
+        t.switch_addr(closbox_fabric::topology::SwitchId(i as u32))
+            .unwrap()
+    };
+    let udp = build_udp(addr(&t, 0), addr(&t, 2), 1, 2, 0, 100);
+    // Room for 9 (as `ping -R`), and for 2: the third switch finds it full.
+    for slots in [9, 2] {
+        let p = with_record_route(&udp, slots);
+        assert_eq!(
+            f.send(Instant::ZERO, HostId(0), p),
+            Verdict::Accepted,
+            "{slots}"
+        );
+    }
+    // And one without options: its bytes are the sender's but for the TTL.
+    assert_eq!(
+        f.send(Instant::ZERO, HostId(0), udp.clone()),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 3);
+    let path = ["leaf0", "spine0", "leaf1"].map(switch);
+    for (d, slots) in got.iter().zip([9usize, 2, 0]) {
+        let p = d.data.to_vec();
+        assert!(packet::checksum_ok(&p), "{slots}: header checksum");
+        assert_eq!(p[8], 61, "{slots}: three hops");
+        if slots == 0 {
+            let mut want = udp.clone();
+            packet::set_ttl(&mut want, 61);
+            assert_eq!(p, want);
+            continue;
+        }
+        let recorded = slots.min(3);
+        assert_eq!(p[22] as usize, 4 + 4 * recorded, "{slots}: the pointer");
+        let addrs: Vec<Ipv4Addr> = (0..slots)
+            .map(|k| Ipv4Addr::new(p[23 + 4 * k], p[24 + 4 * k], p[25 + 4 * k], p[26 + 4 * k]))
+            .collect();
+        let mut want = path[..recorded].to_vec();
+        want.resize(slots, Ipv4Addr::UNSPECIFIED);
+        assert_eq!(addrs, want, "{slots}: the route recorded");
+        assert_eq!(packet::payload(&p), packet::payload(&udp), "{slots}");
+    }
+    // A ping of spine0 with Record Route: the switch echoes the route so far and adds
+    // itself as it answers; leaf0 adds itself each way.
+    let ping = packet::build_echo_request(addr(&t, 0), switch("spine0"), 7, 1, 84);
+    assert_eq!(
+        f.send(
+            Instant::from_nanos(1_000_000),
+            HostId(0),
+            with_record_route(&ping, 9)
+        ),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    let p = got[0].data.to_vec();
+    assert!(packet::checksum_ok(&p));
+    assert_eq!((p[9], p[20 + 40]), (1, 0), "an echo reply");
+    let addrs: Vec<Ipv4Addr> = (0..3)
+        .map(|k| Ipv4Addr::new(p[23 + 4 * k], p[24 + 4 * k], p[25 + 4 * k], p[26 + 4 * k]))
+        .collect();
+    assert_eq!(addrs, ["leaf0", "spine0", "leaf0"].map(switch));
+    assert_eq!(p[22], 16, "the pointer");
+}
+
 #[test]
 fn corrupt_headers_are_dropped_as_malformed() {
     let t = topo(SWITCH2);

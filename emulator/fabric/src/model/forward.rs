@@ -1,10 +1,10 @@
 //! Forwarding at a switch: the next hop of a GPU's packet, by ECMP over the routes (resilient
 //! on a degraded fabric), or why there is none.
 
-use crate::packet::FlowKey;
+use crate::packet::{self, FlowKey};
 use crate::rng::mix;
 use crate::routing::{PortId, VertexIdx};
-use crate::topology::{HostId, Routing};
+use crate::topology::{HostId, Routing, SwitchId};
 use crate::units::Instant;
 
 use super::{settle, DropReason, Fabric, Flows, Taps, NO_LOAD};
@@ -41,6 +41,12 @@ impl Fabric {
                 return Err(DropReason::TtlExpired);
             }
             pkt.ttl -= 1;
+            if pkt.options {
+                // Record Route: the switch's address, as a router's (none without one).
+                if let Some(addr) = self.topo.switch_addr(SwitchId(v - self.hosts)) {
+                    packet::record_route(pkt.data.head_mut(), addr);
+                }
+            }
         }
         if to >= self.hosts {
             return self.forward_to_switch(now, v, slot);

@@ -154,6 +154,7 @@ impl Fabric {
             ingress: NO_PORT,
             // (Not an IP packet: no switch looks at it.)
             ttl: 0,
+            options: false,
         };
         self.next_packet += 1;
         let slot = self.hold(pkt);

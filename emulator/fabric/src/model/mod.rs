@@ -344,6 +344,9 @@ struct InFlight {
     /// rewritten once, when it is delivered or captured (`packet::rewrite_ttl`), so that a
     /// hop does not touch them.
     ttl: u8,
+    /// Its IP header has options: each switch looks for Record Route in it
+    /// (`packet::record_route`); other packets' bytes are not touched on the way.
+    options: bool,
 }
 
 /// What `transmit` needs of a packet: read from its slot apart from sending it (see
@@ -654,9 +657,10 @@ impl Fabric {
         }
         self.memory_used += charge;
         let len = headers.len as u32;
-        let ttl = data.head()[8];
+        let (ttl, options) = (data.head()[8], data.head()[0] & 0x0f > 5);
         let pkt = InFlight {
             ttl,
+            options,
             data,
             src,
             dst: HostId(dst),

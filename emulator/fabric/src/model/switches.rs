@@ -285,6 +285,9 @@ impl Fabric {
         let pkt = InFlight {
             // `forward` takes one off at this switch too: it leaves with 64.
             ttl: 65,
+            // An echo reply's Record Route (`packet::echo_reply`): `forward` adds this
+            // switch, then each on the way.
+            options: data.head()[0] & 0x0f > 5,
             data,
             src,
             dst: HostId(dst),
