@@ -86,6 +86,21 @@ fn links_and_switches_go_down_and_come_back() {
     assert_eq!(changed.len(), 1);
     assert_eq!(changed[0]["link"], "leaf0-spine0 #0");
     assert_eq!(changed[0]["up"], false);
+    // `ping -R` shows the way around it, both ways: the switches fill in Record Route.
+    let out = f.exec("gpu0", &["ping", "-c", "1", "-W", "2", "-R", "gpu3"]);
+    let said = text(&out).0;
+    let route: Vec<&str> = said
+        .lines()
+        .skip_while(|l| !l.starts_with("RR:"))
+        .map(|l| l.trim_start_matches("RR:").trim())
+        .take_while(|l| !l.is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(
+        route,
+        ["gpu0", "leaf0", "spine1", "leaf1", "gpu3", "gpu3", "leaf1", "spine1", "leaf0"],
+        "{said}"
+    );
 
     // Both spines down: no path between the leaves (counted as no_route); back up, it
     // works again once routes converge.
