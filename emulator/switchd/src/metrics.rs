@@ -442,6 +442,12 @@ pub fn encode(s: &Status) -> String {
         "Failed TUN reads, writes and waits (a coalesced write counts once)",
         s.io_errors,
     );
+    one(
+        &mut reg,
+        "writes_handed_off",
+        "TUN writes the data plane handed to its writer threads (CLOSBOX_TUN_WRITERS; only writes 20 us late or more)",
+        s.writes_handed_off,
+    );
     let fabric_drops = Family::<FabricReason, Counter>::default();
     for (reason, v) in &s.drops {
         fabric_drops
