@@ -252,10 +252,11 @@ pub fn mergeable_run<F: AsRef<Frame>>(frames: &[F]) -> usize {
             && len <= mss
             && total + len <= MAX_IP
             && be32(f, ihl + 4) == seq
-            // TOS (ECN codepoint included), TTL, protocol, addresses.
+            // TOS (ECN codepoint included), TTL, protocol, addresses, IP options (a
+            // route recorded by other switches: `packet::record_route`).
             && f[1] == first[1]
             && f[8..10] == first[8..10]
-            && f[12..20] == first[12..20]
+            && f[12..ihl] == first[12..ihl]
             && f[6] & 0x40 == first[6] & 0x40
             // Ports, ack, window, options.
             && f[ihl..ihl + 4] == first[ihl..ihl + 4]
@@ -559,6 +560,25 @@ mod tests {
         let short: Frame = tcp(3005, ACK, 0, &[]).into();
         assert_eq!(mergeable_run(&[&Frame::from(opts.clone()), &short]), 1);
         assert_eq!(mergeable_run(&[&Frame::from(opts.clone()), &ack]), 1);
+        // Frames of one flow whose IP options differ (a route recorded over other
+        // switches, as sprayed frames take): not merged, since a super-packet carries
+        // one header; alike, they are.
+        let mut rr = sp.clone();
+        rr.splice(20..20, [7u8, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        rr[0] = 0x48;
+        let total = rr.len() as u16;
+        rr[2..4].copy_from_slice(&total.to_be_bytes());
+        set_header_checksum(&mut rr);
+        let rr_frames = cut(&gso(3000, false), &rr).unwrap();
+        assert_eq!(rr_frames.len(), 3);
+        let refs: Vec<&Frame> = rr_frames.iter().collect();
+        assert_eq!(mergeable_run(&refs), 3);
+        let mut other = rr_frames[1].clone();
+        assert!(closbox_fabric::packet::record_route(
+            other.head_mut(),
+            std::net::Ipv4Addr::new(198, 18, 0, 9)
+        ));
+        assert_eq!(mergeable_run(&[&rr_frames[0], &other, &rr_frames[2]]), 1);
     }
 
     #[test]
