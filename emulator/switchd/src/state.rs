@@ -903,11 +903,20 @@ enum Taken {
 }
 
 fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
-    let pid = match FabricLock::try_acquire(name)? {
-        LockAttempt::Acquired(l) => return Ok(Taken::Lock(l, DownHow::NotRunning)),
-        LockAttempt::Held(Some(pid)) => pid,
-        LockAttempt::Held(None) => {
-            bail!("fabric {name} is locked by a process /proc/locks does not show; try again")
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let pid = loop {
+        match FabricLock::try_acquire(name)? {
+            LockAttempt::Acquired(l) => return Ok(Taken::Lock(l, DownHow::NotRunning)),
+            LockAttempt::Held(Some(pid)) => break pid,
+            // Let go between the attempt and the look at /proc/locks: a holder exiting (a
+            // daemon killed a moment ago, closing its descriptors). A CI run's `down`
+            // right after a SIGKILL failed here. Looked at again for a second.
+            LockAttempt::Held(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            LockAttempt::Held(None) => {
+                bail!("fabric {name} is locked by a process /proc/locks does not show; try again")
+            }
         }
     };
     let fd = Pidfd::open(pid as i32)?;
