@@ -132,46 +132,46 @@ pub fn mark_ce(buf: &mut [u8]) {
 /// formed (a router would answer some of those with a parameter problem; the fabric
 /// forwards them untouched).
 pub fn record_route(buf: &mut [u8], addr: Ipv4Addr) -> bool {
-    let ihl = (buf[0] & 0x0f) as usize * 4;
-    if ihl <= 20 || buf.len() < ihl {
+    let Some((at, len)) = ip_options(buf).find(|&(at, _)| buf[at] == 7) else {
+        return false;
+    };
+    // The pointer counts from the option's first byte, from 1; the route data starts at
+    // 4, an address every 4 bytes.
+    if len < 3 {
         return false;
     }
+    let ptr = buf[at + 2] as usize;
+    if ptr < 4 || ptr + 3 > len {
+        return false;
+    }
+    let slot = at + ptr - 1;
+    buf[slot..slot + 4].copy_from_slice(&addr.octets());
+    buf[at + 2] = (ptr + 4) as u8;
+    set_header_checksum(buf);
+    true
+}
+
+/// The options in IPv4 packet `pkt`'s header, as the offset and length of each (its type
+/// and length bytes included), no-ops left out: up to End of Options, or to the first one
+/// not well formed (a length under 2, or past the header). Every walk of the options
+/// (`record_route`, `echo_reply`, `fragment`) goes through here.
+fn ip_options(pkt: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let ihl = ((pkt[0] & 0x0f) as usize * 4).min(pkt.len());
     let mut i = 20;
-    while i < ihl {
-        match buf[i] {
-            // End of the options.
-            0 => return false,
-            // No operation: one byte.
+    std::iter::from_fn(move || loop {
+        match *pkt[..ihl].get(i)? {
+            0 => return None,
             1 => i += 1,
-            kind => {
-                let Some(&len) = buf.get(i + 1) else {
-                    return false;
-                };
-                let len = len as usize;
+            _ => {
+                let len = *pkt[..ihl].get(i + 1)? as usize;
                 if len < 2 || i + len > ihl {
-                    return false;
-                }
-                if kind == 7 {
-                    // The pointer counts from the option's first byte, from 1; the route
-                    // data starts at 4, an address every 4 bytes.
-                    let ptr = match buf.get(i + 2) {
-                        Some(&p) if len >= 3 && p >= 4 => p as usize,
-                        _ => return false,
-                    };
-                    if ptr + 3 > len {
-                        return false;
-                    }
-                    let at = i + ptr - 1;
-                    buf[at..at + 4].copy_from_slice(&addr.octets());
-                    buf[i + 2] = (ptr + 4) as u8;
-                    set_header_checksum(buf);
-                    return true;
+                    return None;
                 }
                 i += len;
+                return Some((i - len, len));
             }
         }
-    }
-    false
+    })
 }
 
 /// Recomputes the header checksum of an IPv4 packet (`buf` holds at least its whole
@@ -383,50 +383,21 @@ pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
 }
 
 /// The IP option of type `kind` in IPv4 packet `pkt` (its whole header in `pkt`), type and
-/// length bytes included; `None` where it has none or its options are not well formed.
+/// length bytes included (`ip_options`).
 fn ip_option(pkt: &[u8], kind: u8) -> Option<&[u8]> {
-    let ihl = (pkt[0] & 0x0f) as usize * 4;
-    let mut i = 20;
-    while i < ihl.min(pkt.len()) {
-        match pkt[i] {
-            0 => return None,
-            1 => i += 1,
-            k => {
-                let len = *pkt.get(i + 1)? as usize;
-                if len < 2 || i + len > ihl.min(pkt.len()) {
-                    return None;
-                }
-                if k == kind {
-                    return Some(&pkt[i..i + len]);
-                }
-                i += len;
-            }
-        }
-    }
-    None
+    ip_options(pkt)
+        .find(|&(at, _)| pkt[at] == kind)
+        .map(|(at, len)| &pkt[at..at + len])
 }
 
 /// The header of a fragment after the first of IPv4 packet `pkt`: its first 20 bytes and
 /// the options marked to be copied into every fragment (RFC 791: the type's top bit; not
 /// Record Route or Timestamp), padded to whole words.
 fn later_fragment_header(pkt: &[u8]) -> Vec<u8> {
-    let ihl = (pkt[0] & 0x0f) as usize * 4;
     let mut h = pkt[..20].to_vec();
-    let mut i = 20;
-    while i < ihl {
-        match pkt[i] {
-            0 => break,
-            1 => i += 1,
-            k => {
-                let len = pkt.get(i + 1).map_or(0, |&l| l as usize);
-                if len < 2 || i + len > ihl {
-                    break;
-                }
-                if k & 0x80 != 0 {
-                    h.extend_from_slice(&pkt[i..i + len]);
-                }
-                i += len;
-            }
+    for (at, len) in ip_options(pkt) {
+        if pkt[at] & 0x80 != 0 {
+            h.extend_from_slice(&pkt[at..at + len]);
         }
     }
     h.resize(h.len().div_ceil(4) * 4, 0);
@@ -868,6 +839,7 @@ mod tests {
             [1, 7, 11, 3, 0, 0, 0, 0, 0, 0, 0, 0],  // pointer into the option's head
             [1, 7, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0],   // a length of 0
             [0, 7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0],  // after End of Options
+            [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 7, 2],   // no room for a pointer, at the end
         ] {
             let mut q = full.clone();
             q[20..32].copy_from_slice(&opts);
@@ -875,6 +847,14 @@ mod tests {
             let before = q.clone();
             assert!(!record_route(&mut q, a), "{opts:?}");
             assert_eq!(q, before, "{opts:?}");
+            // The header alone (a packet of a protocol without ports may carry nothing
+            // after it; a switch forwards it): nothing read past it.
+            let mut bare = q[..32].to_vec();
+            bare[2..4].copy_from_slice(&32u16.to_be_bytes());
+            bare[9] = 253;
+            set_header_checksum(&mut bare);
+            assert!(inspect(&bare).is_ok());
+            assert!(!record_route(&mut bare, a), "{opts:?}");
         }
     }
 
