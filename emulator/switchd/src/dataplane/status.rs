@@ -702,6 +702,7 @@ impl<P: Ports> DataPlane<P> {
             p.up = !changed.iter().any(|l| l.link == link && !l.up);
         }
         let loads = self.load_info();
+        let (tun_writers, writes_handed_off) = self.ports.writers();
         let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {
             fabric: self.name.clone(),
@@ -785,8 +786,8 @@ impl<P: Ports> DataPlane<P> {
             scheduling: self.scheduling(),
             realtime: self.realtime.is_some(),
             idle_poll: self.idle_poll,
-            tun_writers: self.ports.writers().0,
-            writes_handed_off: self.ports.writers().1,
+            tun_writers,
+            writes_handed_off,
             gpu_pacing: self.pacer.is_some(),
             cpu_recent: self.cpu_recent(cpu),
             thread_cpu_ns: cpu.map(|c| (c.run_ns, c.wait_ns)),
