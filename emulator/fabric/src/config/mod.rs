@@ -270,6 +270,13 @@ pub fn plain_words(msg: &str) -> String {
         out.truncate(i);
         out += "expected a table";
     }
+    // A whole number beyond 64 bits: "invalid type: integer `N` as i128, expected …".
+    if let Some((n, rest)) = out
+        .strip_prefix("invalid type: integer `")
+        .and_then(|r| r.split_once("` as i128"))
+    {
+        out = format!("`{n}` is too large{rest}");
+    }
     out
 }
 
@@ -1014,7 +1021,10 @@ gpus_per_leaf = 4
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\n", "needs `spines`"),
             ("[fabric]\nname = \"x\"\ntime_scale = 0.5\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "time_scale"),
             ("[fabric]\nname = \"x\"\ntime_scale = \"fast\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: `time_scale` must be"),
-            ("[fabric]\nname = \"x\"\ntime_scale = true\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:"),
+            ("[fabric]\nname = \"x\"\ntime_scale = true\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: invalid type: boolean `true`, expected a number (1 is real time) or \"auto\""),
+            ("[fabric]\nname = \"x\"\ntime_scale = []\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: invalid type: sequence, expected a number (1 is real time) or \"auto\""),
+            ("[fabric]\nname = \"x\"\ntime_scale = 18446744073709551616\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: `18446744073709551616` is too large, expected a number"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 99999999999999999999\n", "t.toml:5:8: `99999999999999999999` is too large, expected a whole number"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.1/15\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "host bits"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.0/30\"\n[topology]\nkind = \"full-mesh\"\ngpus = 3\n", "do not fit"),
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[links.nic]\nloss = 1.5\n", "[0, 1)"),

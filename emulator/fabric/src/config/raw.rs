@@ -45,12 +45,36 @@ pub(super) struct RawFabric {
     pub(super) deadlock_after: Option<Spanned<Duration>>,
 }
 
-/// `time_scale = 4000` or `time_scale = "auto"`.
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `time_scale = 4000` or `time_scale = "auto"`. (Not `#[serde(untagged)]`: its error for
+/// any other value names the Rust enum.)
 pub(super) enum RawTimeScale {
     Number(f64),
     Word(String),
+}
+
+impl<'de> Deserialize<'de> for RawTimeScale {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RawTimeScale;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number (1 is real time) or \"auto\"")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<RawTimeScale, E> {
+                Ok(RawTimeScale::Number(v as f64))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<RawTimeScale, E> {
+                Ok(RawTimeScale::Number(v as f64))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<RawTimeScale, E> {
+                Ok(RawTimeScale::Number(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<RawTimeScale, E> {
+                Ok(RawTimeScale::Word(v.to_owned()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 #[derive(Deserialize)]
