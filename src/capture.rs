@@ -150,7 +150,25 @@ fn resolve(all_ports: &[String], s: &Selection) -> anyhow::Result<Vec<String>> {
         let (a, b) = (&pair[0], &pair[1]);
         let (ab, ba) = (between(a, b), between(b, a));
         if ab.is_empty() || ba.is_empty() {
-            return Err(crate::usage(format!("no link between {a} and {b}")));
+            let linked_to = |x: &str| {
+                let mut to: Vec<&str> = all_ports
+                    .iter()
+                    .filter(|q| port_ends(q).0 == x)
+                    .map(|q| port_ends(q).1)
+                    .collect();
+                to.sort_unstable();
+                to.dedup();
+                to
+            };
+            if let Some(unknown) = [a, b].into_iter().find(|x| linked_to(x).is_empty()) {
+                return Err(crate::usage(format!(
+                    "no GPU or switch {unknown:?} in this fabric"
+                )));
+            }
+            return Err(crate::usage(format!(
+                "no link between {a} and {b}; {a} links to {}",
+                linked_to(a).join(", ")
+            )));
         }
         ab.into_iter().chain(ba).for_each(&mut add);
     }
@@ -307,6 +325,14 @@ mod tests {
         );
         let got = resolve(&all, &sel(&none, &none, &s(&["gpu0"]))).unwrap();
         assert_eq!(got, s(&["gpu0->leaf0", "leaf0->gpu0"]));
+        // Links named by their ends: an end that is no GPU or switch is named as such.
+        let e = resolve(&all, &sel(&none, &s(&["x", "leaf0"]), &none)).unwrap_err();
+        assert_eq!(e.to_string(), "no GPU or switch \"x\" in this fabric");
+        let e = resolve(&all, &sel(&none, &s(&["gpu0", "spine0"]), &none)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "no link between gpu0 and spine0; gpu0 links to leaf0"
+        );
         let e = resolve(&all, &sel(&s(&["leaf0->spine0 #2"]), &none, &none)).unwrap_err();
         assert!(
             e.to_string()

@@ -94,6 +94,11 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
             &["--interval", "100ns"],
             "port samples a second of wall time",
         ),
+        // (It waited for its first sample, a day away, past its duration.)
+        (
+            &["--interval", "1000000s", "--duration", "10ms"],
+            "--interval 1000000s is longer than --duration 10ms: no sample would be taken",
+        ),
     ] {
         let out = record(args);
         assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));

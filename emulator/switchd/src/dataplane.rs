@@ -541,6 +541,8 @@ impl<P: Ports> DataPlane<P> {
             self.model.poll_timeout(),
             self.scheduled.keys().next().map(|k| k.0),
             self.recordings.iter().map(|r| r.next).min(),
+            // (A capture's --duration ends it on an idle fabric too, on time.)
+            self.captures.iter().filter_map(|c| c.until).min(),
         ]
         .into_iter()
         .flatten()

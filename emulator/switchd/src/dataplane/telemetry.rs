@@ -133,7 +133,7 @@ pub(super) struct Capture {
     pub(super) ended: EndReason,
     counters: Arc<Vec<[std::sync::atomic::AtomicU64; 2]>>,
     left: Option<u64>,
-    until: Option<Instant>,
+    pub(super) until: Option<Instant>,
     drops: bool,
     snaplen: u32,
     done: bool,
@@ -156,6 +156,13 @@ impl<P: Ports> DataPlane<P> {
         if spec.interval_ns < MIN_RECORD_INTERVAL_NS {
             return Err(format!(
                 "--interval must be at least {MIN_RECORD_INTERVAL_NS} ns of fabric time"
+            ));
+        }
+        if let Some(d) = spec.duration_ns.filter(|&d| d < spec.interval_ns) {
+            return Err(format!(
+                "--interval {} is longer than --duration {}: no sample would be taken",
+                closbox_fabric::Duration::from_nanos(spec.interval_ns),
+                closbox_fabric::Duration::from_nanos(d)
             ));
         }
         let short = spec.duration_ns.is_some_and(|d| {

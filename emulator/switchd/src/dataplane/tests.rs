@@ -1490,3 +1490,35 @@ fn a_gpus_interface_mtu_is_followed_said_and_undone() {
         .what
         .contains("its frames longer than 1500 bytes are dropped where they enter"));
 }
+
+#[test]
+fn a_capture_on_an_idle_fabric_ends_when_its_duration_has_passed() {
+    // With nothing due, the loop slept a second between its turns: a 5 ms capture of an
+    // idle fabric at real time ended after a second.
+    let (mut dp, _t) = plane(TWO);
+    let (tx, _rx) = std::sync::mpsc::sync_channel(16);
+    let ended = EndReason::default();
+    dp.start_capture(CaptureSpec {
+        ports: vec!["sw0->gpu0".into()],
+        snaplen: 128,
+        drops: false,
+        count: None,
+        duration_ns: Some(5_000_000),
+        tx,
+        ended: ended.clone(),
+    })
+    .unwrap();
+    for _ in 0..100 {
+        if dp.captures.is_empty() {
+            break;
+        }
+        dp.step();
+    }
+    assert!(dp.captures.is_empty(), "still capturing");
+    assert_eq!(ended.get(), StreamEnd::Duration);
+    let at = dp.ports.elapsed;
+    assert!(
+        at >= StdDuration::from_millis(5) && at < StdDuration::from_millis(6),
+        "ended at {at:?}"
+    );
+}
