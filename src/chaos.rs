@@ -18,7 +18,19 @@ use crate::live;
 
 /// Asks the daemon of the fabric for `req`; prints what it applied.
 pub fn change(fabric: Option<&FabricName>, req: ChangeRequest) -> anyhow::Result<ExitCode> {
-    closbox_switchd::require_root("closbox link/switch/gpu")?;
+    let what = match &req {
+        ChangeRequest::SwitchDown { .. } | ChangeRequest::SwitchUp { .. } => "closbox switch",
+        ChangeRequest::SwitchFlap { gpu: false, .. } => "closbox switch",
+        ChangeRequest::GpuDown { .. } | ChangeRequest::GpuUp { .. } => "closbox gpu",
+        ChangeRequest::SwitchFlap { gpu: true, .. } => "closbox gpu",
+        ChangeRequest::Partition { .. } => "closbox partition",
+        ChangeRequest::Heal => "closbox heal",
+        ChangeRequest::Reset => "closbox reset",
+        ChangeRequest::Load { .. } | ChangeRequest::LoadStop { .. } => "closbox load",
+        ChangeRequest::Incast { .. } => "closbox incast",
+        _ => "closbox link",
+    };
+    closbox_switchd::require_root(what)?;
     let st = live::resolve(fabric)?;
     match control::request(&st.fabric, &Request::Change(req))? {
         Reply::Changed { events } => {

@@ -27,6 +27,9 @@ pub fn status(
     json: bool,
     ports: Option<&str>,
 ) -> anyhow::Result<ExitCode> {
+    // (Fabrics' state is root's alone: without root none would be seen, and "no fabric
+    // is up" said while one is.)
+    closbox_switchd::require_root("closbox status")?;
     let names = match fabric {
         Some(n) => vec![n.clone()],
         None => state::fabrics(),

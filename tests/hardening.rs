@@ -1615,3 +1615,64 @@ fn random_control_requests_are_answered_and_the_daemon_lives() {
     assert!(out.status.success(), "{:?}", text(&out));
     f.down();
 }
+
+/// Without root every command that touches a live fabric says so and names itself, also
+/// while a fabric is up (`status` said "no fabric is up": the state is root's to read;
+/// `load`, `heal` and `reset` called themselves "closbox link/switch/gpu").
+#[test]
+fn without_root_live_commands_say_they_need_root() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-nonroot", SMALL);
+    // A copy that any user may run (the build directory's may not be).
+    let dir = scratch("nonroot");
+    let bin = dir.join("closbox");
+    std::fs::copy(env!("CARGO_BIN_EXE_closbox"), &bin).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = dir.join("lt-nonroot.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-nonroot\"\n{SMALL}")).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let cfg = cfg.to_str().unwrap();
+    for (args, cmd) in [
+        (&["status"][..], "status"),
+        (&["status", "lt-nonroot"], "status"),
+        (&["up", cfg], "up"),
+        (&["down", "lt-nonroot"], "down"),
+        (&["exec", "gpu0", "true"], "exec"),
+        (&["run", "--", "true"], "run"),
+        (&["mpirun", "--", "true"], "mpirun"),
+        (&["bench"], "bench"),
+        (&["events"], "events"),
+        (&["flows"], "flows"),
+        (&["top", "--once"], "top"),
+        (&["link", "down", "gpu0", "sw0"], "link"),
+        (&["switch", "down", "sw0"], "switch"),
+        (&["gpu", "down", "gpu0"], "gpu"),
+        (&["load", "gpu0", "gpu1", "--rate", "1Mbit"], "load"),
+        (&["load", "--stop"], "load"),
+        (&["incast", "gpu0", "--bytes", "1KiB"], "incast"),
+        (&["partition", "gpu0"], "partition"),
+        (&["heal"], "heal"),
+        (&["reset"], "reset"),
+        (&["cancel"], "cancel"),
+        (&["capture", "--all", "-w", "/dev/null"], "capture"),
+        (&["record", "-o", "/dev/null"], "record"),
+    ] {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(&bin)
+            .args(args)
+            .output()
+            .unwrap();
+        let (o, e) = text(&out);
+        assert!(!out.status.success(), "{args:?}: {o} {e}");
+        assert!(
+            e.contains(&format!("closbox {cmd} needs root")),
+            "{args:?}: {o} {e}"
+        );
+    }
+    f.down();
+}
