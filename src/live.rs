@@ -179,6 +179,9 @@ fn up_detached(
     let log_path = name.log_path();
     let started = Instant::now();
     let exe = std::env::current_exe().context("locating the closbox binary")?;
+    // The daemon reads the file again, with other standard streams: `/dev/stdin` (a file
+    // redirected with `<`) is the file itself only here.
+    let file = &file.canonicalize().unwrap_or_else(|_| file.to_owned());
     // The daemon opens the log itself once it holds the fabric's lock, so that an `up` that
     // loses a race never writes into the winner's log; what it says before that comes
     // through the pipe.

@@ -1676,3 +1676,38 @@ fn without_root_live_commands_say_they_need_root() {
     }
     f.down();
 }
+
+/// `up /dev/stdin --detach < FILE`: the detached daemon reads the file by its own path
+/// (it read its own standard input, /dev/null, and refused it as not a regular file after
+/// the command line had accepted the topology).
+#[test]
+fn a_topology_redirected_to_standard_input_comes_up_detached() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let dir = scratch("stdin");
+    let cfg = dir.join("lt-stdin.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-stdin\"\n{SMALL}")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["up", "/dev/stdin", "--detach", "--time-scale", "1"])
+        .stdin(std::fs::File::open(&cfg).unwrap())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox(&["status", "lt-stdin"]);
+    assert!(
+        text(&out)
+            .0
+            .contains(&format!("config {}", cfg.canonicalize().unwrap().display())),
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["down", "lt-stdin"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        leftovers("lt-stdin").is_empty(),
+        "{:?}",
+        leftovers("lt-stdin")
+    );
+}

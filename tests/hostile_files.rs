@@ -175,6 +175,12 @@ fn special_files_are_refused_without_reading() {
     ] {
         refused(name, path, "not a regular file");
     }
+    // (It read "-: cannot read: No such file or directory".)
+    refused(
+        "standard input",
+        Path::new("-"),
+        "standard input is not read",
+    );
     refused("binary", &write("bin.toml", "\u{0}\u{1}"), "");
     let mut bytes = HEAD.as_bytes().to_vec();
     bytes.extend([0xff, 0xfe]);

@@ -51,6 +51,11 @@ pub fn load(path: &Path) -> Result<Topology, ConfigError> {
 pub fn read_limited(path: &Path, what: &str) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
+    if path.as_os_str() == "-" && !path.exists() {
+        return Err(format!(
+            "standard input is not read: give the path of {what} (it is read again by path)"
+        ));
+    }
     // O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
     let f = std::fs::OpenOptions::new()
         .read(true)
