@@ -60,6 +60,11 @@ const VALUES: &[&str] = &[
     "\"load\"",
 ];
 
+/// Words of the code, not of the files: types, serde's enum words, the raw structs.
+const RUST_WORDS: &[&str] = &[
+    "untagged", "i128", "i64", "u64", "u32", "f64", "Raw", "Spanned",
+];
+
 fn mutate(rng: &mut Rng, text: &str, others: &[String]) -> String {
     let mut lines: Vec<String> = text.lines().map(String::from).collect();
     for _ in 0..1 + rng.below(3) {
@@ -131,6 +136,12 @@ fn mutants(seed: u64, n: usize, bases: &[String], check: impl Fn(&str) -> Result
                     e.position.is_some() && e.to_string().starts_with("mutant.toml:"),
                     "mutant {i}: error without a position: {e}\n{text}"
                 );
+                // Said in the words of the files, not of the Rust code that reads them
+                // ("data did not match any variant of untagged enum RawTimeScale").
+                let said = e.to_string();
+                if let Some(w) = RUST_WORDS.iter().find(|w| said.contains(*w)) {
+                    panic!("mutant {i}: the error names Rust's {w:?}: {said}\n{text}");
+                }
                 refused += 1;
             }
             Err(_) => panic!("mutant {i} panicked (message above):\n{text}"),
