@@ -482,6 +482,18 @@ fn split_number<'a>(s: &'a str, what: &'static str) -> Result<(f64, &'a str), Un
     let end = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
         .unwrap_or(t.len());
+    // An exponent ("1e-3s", "2.5E9bit"; no unit starts with an e): not taken, and said so
+    // (it read as the number 1 before a unit "e-3s").
+    if end > 0 && t[end..].starts_with(['e', 'E']) {
+        let rest = t[end + 1..].trim_start_matches(['+', '-']);
+        if rest.starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(UnitError::new(
+                s,
+                what,
+                "write the number without an exponent (\"1500us\", not \"1.5e3us\")",
+            ));
+        }
+    }
     let (num, unit) = t.split_at(end);
     if num.is_empty() {
         return Err(UnitError::new(s, what, "expected a number first"));
@@ -637,6 +649,25 @@ mod tests {
         assert_eq!(g("1.5MB"), 1_500_000);
         for bad in ["1.5", "12 parsecs", "KiB"] {
             assert!(bad.parse::<Bytes>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn exponents_are_refused_as_such() {
+        for (text, what) in [
+            ("1e3us", "duration"),
+            ("1e400Gbit", "rate"),
+            ("2.5E+6B", "size"),
+        ] {
+            let e = match what {
+                "duration" => text.parse::<Duration>().unwrap_err().to_string(),
+                "rate" => text.parse::<Bandwidth>().unwrap_err().to_string(),
+                _ => text.parse::<Bytes>().unwrap_err().to_string(),
+            };
+            assert_eq!(
+                e,
+                format!("invalid {what} \"{text}\": write the number without an exponent (\"1500us\", not \"1.5e3us\")")
+            );
         }
     }
 
