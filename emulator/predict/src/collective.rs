@@ -491,8 +491,100 @@ impl Predictor {
         total / samples as f64
     }
 
-    /// Double binary tree: both trees reduce half the data up, then broadcast it down.
+    /// Double binary tree as the agents run it, piece by piece and flow by flow (see
+    /// `pairwise`): in each tree (its own channel, `t % channels`; the trees one after
+    /// the other on one channel) a rank sends piece k to its parent once piece k has
+    /// arrived from each child and its previous send has left; then it takes piece k
+    /// from its parent and sends it to each child in turn. A rank that is interior in
+    /// one tree is a leaf in the other, and both trees' pieces meet on its links.
+    /// Beyond `FLUID_MAX_TRANSFERS` pieces are simulated in fewer, larger ones (more
+    /// pipeline fill); beyond that for one piece a tree, phase by phase (`tree_phases`).
     fn tree(&self, s: f64) -> f64 {
+        let n = self.n();
+        let per_piece = 2 * 2 * (n - 1);
+        if per_piece > FLUID_MAX_TRANSFERS {
+            return self.tree_phases(s);
+        }
+        let half = s / 2.0;
+        let pieces = ((half / PIECE).ceil() as usize).clamp(1, FLUID_MAX_TRANSFERS / per_piece);
+        let piece = half / pieces as f64;
+        let samples = self.samples(8);
+        let mut rng = Rng::new(0x7EE, n as u64);
+        let mut total = 0.0;
+        for _ in 0..samples {
+            let mut paths: HashMap<(usize, usize), Vec<Vec<PortId>>> = HashMap::new();
+            let mut transfers: Vec<Transfer> = Vec::new();
+            // What each rank's thread (per channel in use) last waited for: a send (its
+            // bytes have left) and the receives since.
+            let threads = self.channels.min(2);
+            let mut waited: Vec<Vec<Dep>> = vec![Vec::new(); n * threads];
+            let mut add = |transfers: &mut Vec<Transfer>,
+                           waited: &mut Vec<Vec<Dep>>,
+                           (a, b, ch): (usize, usize, usize),
+                           after: Vec<Dep>| {
+                let path = &paths
+                    .entry((a, b))
+                    .or_insert_with(|| self.channel_paths(a, b, &mut rng))[ch];
+                let id = transfers.len();
+                transfers.push(Transfer {
+                    path: path.iter().map(|p| p.0).collect(),
+                    bytes: piece,
+                    latency: path
+                        .iter()
+                        .map(|p| self.hop_latency(p.0 as usize, piece))
+                        .sum(),
+                    after,
+                });
+                waited[a * threads + ch % threads] = vec![Dep::Sent(id)];
+                id
+            };
+            for t in 0..2 {
+                let ch = t % self.channels;
+                let links: Vec<_> = (0..n).map(|r| schedule::tree_links(n, t, r)).collect();
+                // up[r][k]: rank r's piece k to its parent.
+                let mut up = vec![Vec::new(); n];
+                // Parents before children in heap order: reversed, children come first.
+                for &r in schedule::tree_order(n, t).iter().rev() {
+                    let (parent, children) = &links[r];
+                    for k in 0..pieces {
+                        let th = r * threads + ch % threads;
+                        let mut after = std::mem::take(&mut waited[th]);
+                        after.extend(children.iter().map(|&c| Dep::Arrived(up[c][k])));
+                        match parent {
+                            Some(p) => {
+                                let id = add(&mut transfers, &mut waited, (r, *p, ch), after);
+                                up[r].push(id);
+                            }
+                            None => waited[th] = after,
+                        }
+                    }
+                }
+                // down[r][k]: piece k as rank r received it from its parent.
+                let mut down: Vec<Vec<usize>> = vec![Vec::new(); n];
+                for &r in schedule::tree_order(n, t).iter() {
+                    let (parent, children) = &links[r];
+                    for k in 0..pieces {
+                        let th = r * threads + ch % threads;
+                        if parent.is_some() {
+                            let got = down[r][k];
+                            waited[th].push(Dep::Arrived(got));
+                        }
+                        for &c in children {
+                            let after = std::mem::take(&mut waited[th]);
+                            let id = add(&mut transfers, &mut waited, (r, c, ch), after);
+                            down[c].push(id);
+                        }
+                    }
+                }
+            }
+            total += fluid::makespan(&self.cap, &transfers, self.lossless);
+        }
+        total / samples as f64
+    }
+
+    /// Double binary tree, phase by phase: both trees reduce half the data up, then
+    /// broadcast it down (for fabrics too large to simulate flow by flow).
+    fn tree_phases(&self, s: f64) -> f64 {
         let n = self.n();
         let mut up = Vec::new();
         for t in 0..2 {
@@ -604,10 +696,42 @@ mod tests {
     #[test]
     fn a_tiny_tree_all_reduce_pays_its_trees_depth_in_links_both_ways() {
         // 8 ranks: a binary heap of 4 levels, 3 links from the deepest leaf to the root;
-        // up then down: 6 GPU-to-GPU paths of 2 links each.
+        // up then down: 6 GPU-to-GPU paths of 2 links each, the two trees at once (a
+        // channel each).
         let single = "[topology]\nkind = \"single-switch\"\ngpus = 8\n";
-        let got = links_crossed(single, 8, Op::AllReduce, Algo::Tree);
+        let two = |ranks| {
+            let t = topo(&format!("{single}[links.nic]\nrate = \"100Gbit\"\ndelay = \"100us\"\n[switches.leaf]\nlatency = \"0ns\"\n"));
+            Predictor::new(&t, (0..ranks).collect(), 2).predict(Op::AllReduce, Algo::Tree, 8, 0)
+                / 100e-6
+        };
+        let got = two(8);
         assert!((got / 12.0 - 1.0).abs() < 0.01, "{got} links");
+        // On one channel each rank runs tree 1 after its part of tree 0 (the agents' own
+        // order): tree 0's last piece reaches rank 7 after 6 paths, and rank 7 is tree 1's
+        // root: its children's pieces reach it one path later, then 3 paths down: 10
+        // paths, 20 links.
+        let got = links_crossed(single, 8, Op::AllReduce, Algo::Tree);
+        assert!((got / 20.0 - 1.0).abs() < 0.01, "{got} links");
+    }
+
+    #[test]
+    fn a_large_tree_all_reduce_is_held_by_its_busiest_links() {
+        // 8 ranks on one switch, 2 channels (the trees at once): a rank interior in one
+        // tree takes s/2 from each of two children and s/2 from its parent, and as a leaf
+        // of the other s/2 more: 2s on its link from the switch. Pieces pipeline, so the
+        // prediction is that link's time and some fill.
+        let t =
+            topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"1Gbit\"\n");
+        let p = Predictor::new(&t, (0..8).collect(), 2);
+        let s = 16 << 20;
+        // (`topo`: mtu 1552, no framing.)
+        let cap = 1e9 / 8.0 * (1552.0 - 52.0) / 1552.0;
+        let bound = 2.0 * s as f64 / cap;
+        let got = p.predict(Op::AllReduce, Algo::Tree, s, 0);
+        assert!(
+            got > bound && got < 1.2 * bound,
+            "{got} s against {bound} s"
+        );
     }
 
     #[test]
