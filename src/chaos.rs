@@ -28,7 +28,11 @@ pub fn change(fabric: Option<&FabricName>, req: ChangeRequest) -> anyhow::Result
         ChangeRequest::Reset => "closbox reset",
         ChangeRequest::Load { .. } | ChangeRequest::LoadStop { .. } => "closbox load",
         ChangeRequest::Incast { .. } => "closbox incast",
-        _ => "closbox link",
+        ChangeRequest::LinkDown { .. }
+        | ChangeRequest::LinkUp { .. }
+        | ChangeRequest::LinkSet { .. }
+        | ChangeRequest::LinkReset { .. }
+        | ChangeRequest::LinkFlap { .. } => "closbox link",
     };
     closbox_switchd::require_root(what)?;
     let st = live::resolve(fabric)?;
