@@ -543,7 +543,7 @@ impl Predictor {
                 let links: Vec<_> = (0..n).map(|r| schedule::tree_links(n, t, r)).collect();
                 // up[r][k]: rank r's piece k to its parent.
                 let mut up = vec![Vec::new(); n];
-                // Parents before children in heap order: reversed, children come first.
+                // Children before their parents: the heap order, reversed.
                 for &r in schedule::tree_order(n, t).iter().rev() {
                     let (parent, children) = &links[r];
                     for k in 0..pieces {
