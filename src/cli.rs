@@ -391,7 +391,7 @@ pub(crate) enum Command {
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
-        /// GPUs: "all", ranks and ranges ("0-3,6") or names; rank i runs on the i-th.
+        /// GPUs: "all", ranks and ranges ("0-3,6"), names and their ranges ("gpu0,gpu4-gpu7"); rank i runs on the i-th.
         #[arg(long, default_value = "all")]
         gpus: String,
         /// Ranks on the first N GPUs, as mpirun's `-np N` (which is taken too): `--gpus
@@ -474,7 +474,7 @@ pub(crate) enum Command {
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
-        /// GPUs: "all", ranks and ranges ("0-3,6") or names ("gpu0,gpu5").
+        /// GPUs: "all", ranks and ranges ("0-3,6"), names and their ranges ("gpu0,gpu4-gpu7").
         #[arg(long, default_value = "all")]
         gpus: String,
         /// Stop every rank after this many seconds, or 1.5m, 2h (exit 124).
@@ -610,7 +610,7 @@ pub(crate) struct TargetArgs {
     /// Fabric (default: the only fabric up).
     #[arg(long, short, value_parser = fabric_ref)]
     pub(crate) fabric: Option<FabricName>,
-    /// GPUs: "all", ranks and ranges ("0-3,6") or names.
+    /// GPUs: "all", ranks and ranges ("0-3,6"), names and their ranges ("gpu4-gpu7").
     #[arg(long, default_value = "all")]
     pub(crate) gpus: String,
     /// Parallel TCP connections per pair of ranks (ECMP can spread them).

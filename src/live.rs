@@ -498,43 +498,13 @@ fn gpu_arg<'a>(st: &'a State, spec: &str) -> anyhow::Result<(usize, &'a GpuState
     st.gpu(spec).map_err(|e| crate::usage(format!("{e:#}")))
 }
 
+/// A GPU selection (`closbox_fabric::names::select_gpus`) against the fabric up.
 pub fn select(st: &State, sel: &str) -> anyhow::Result<Vec<usize>> {
-    if sel == "all" {
-        return Ok((0..st.gpus.len()).collect());
-    }
-    let mut out = Vec::new();
-    for part in sel.split(',').map(str::trim) {
-        match part
-            .split_once('-')
-            .map(|(a, b)| (a.parse::<usize>(), b.parse::<usize>()))
-        {
-            Some((Ok(a), Ok(b))) => {
-                if a > b {
-                    return Err(crate::usage(format!(
-                        "GPU range {part:?} goes downward; write {b}-{a}"
-                    )));
-                }
-                if b >= st.gpus.len() {
-                    return Err(crate::usage(format!(
-                        "GPU range {part:?} goes past the last GPU: fabric {} has ranks 0 to {}",
-                        st.fabric,
-                        st.gpus.len() - 1
-                    )));
-                }
-                out.extend(a..=b);
-            }
-            _ => out.push(gpu_arg(st, part)?.0),
-        }
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    if let Some(dup) = out.iter().find(|i| !seen.insert(**i)) {
-        return Err(crate::usage(format!(
-            "GPU {} is selected twice",
-            st.gpus[*dup].name
-        )));
-    }
-    if out.is_empty() {
-        return Err(crate::usage("no GPU selected"));
-    }
-    Ok(out)
+    let names: Vec<&str> = st.gpus.iter().map(|g| g.name.as_str()).collect();
+    let unknown = |part: &str| match st.gpu(part) {
+        Err(e) => format!("{e:#}"),
+        Ok(_) => format!("GPU {part:?} cannot be selected"),
+    };
+    closbox_fabric::names::select_gpus(st.fabric.as_str(), &names, sel, &unknown)
+        .map_err(crate::usage)
 }

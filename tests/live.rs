@@ -205,6 +205,36 @@ fn lifecycle_exec_run_and_errors() {
     let out = closbox(&["run", "--fabric", "lt-life", "--gpus", "3-1", "--", "true"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("goes downward"), "{:?}", text(&out));
+    // Ranges of names too ("gpu1-gpu3" said there was no GPU of that name).
+    let out = closbox(&[
+        "run",
+        "-f",
+        "lt-life",
+        "--gpus",
+        "gpu1-gpu3,gpu0",
+        "--",
+        "hostname",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let stdout = text(&out).0;
+    let mut names: Vec<&str> = stdout.lines().collect();
+    names.sort();
+    // (Ranks in the selection's order.)
+    assert_eq!(
+        names,
+        ["[0] gpu1", "[1] gpu2", "[2] gpu3", "[3] gpu0"],
+        "{:?}",
+        text(&out)
+    );
+    let out = closbox(&["run", "-f", "lt-life", "--gpus", "gpu3-gpu1", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out)
+            .1
+            .contains("\"gpu3-gpu1\" goes downward; write gpu1-gpu3"),
+        "{:?}",
+        text(&out)
+    );
     // Ranks follow the selection's order, and so do node ranks.
     let out = closbox(&[
         "run",

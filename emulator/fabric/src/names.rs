@@ -52,9 +52,105 @@ pub fn netns_name(fabric: &str, gpu: &str) -> String {
     format!("cb-{fabric}.{gpu}")
 }
 
+/// A GPU selection as `run --gpus`, `partition` and scenario files take it: "all", ranks
+/// and their ranges ("0-3,6"), names and their ranges ("gpu0,gpu4-gpu7"), separated by
+/// commas. Returns indices into `names` (the fabric `fabric`'s GPUs), in the selection's
+/// order; `unknown` words the error for a part that is none of these.
+pub fn select_gpus(
+    fabric: &str,
+    names: &[&str],
+    sel: &str,
+    unknown: &dyn Fn(&str) -> String,
+) -> Result<Vec<usize>, String> {
+    let n = names.len();
+    if sel == "all" {
+        return Ok((0..n).collect());
+    }
+    let ranks = || format!("fabric {fabric} has ranks 0 to {}", n.saturating_sub(1));
+    let index = |name: &str| names.iter().position(|g| *g == name);
+    let mut out = Vec::new();
+    for part in sel.split(',').map(str::trim) {
+        let rank_range = part
+            .split_once('-')
+            .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+        // "gpu2-gpu5" (names may hold dashes themselves: every dash is tried).
+        let name_range = || {
+            part.match_indices('-')
+                .find_map(|(i, _)| Some((index(&part[..i])?, index(&part[i + 1..])?)))
+        };
+        if let Some((a, b)) = rank_range {
+            if a > b {
+                return Err(format!("GPU range {part:?} goes downward; write {b}-{a}"));
+            }
+            if b >= n {
+                return Err(format!(
+                    "GPU range {part:?} goes past the last GPU: {}",
+                    ranks()
+                ));
+            }
+            out.extend(a..=b);
+        } else if let Ok(r) = part.parse::<usize>() {
+            if r >= n {
+                return Err(format!("no rank {r}: {}", ranks()));
+            }
+            out.push(r);
+        } else if let Some(i) = index(part) {
+            out.push(i);
+        } else if let Some((a, b)) = name_range() {
+            if a > b {
+                return Err(format!(
+                    "GPU range {part:?} goes downward; write {}-{}",
+                    names[b], names[a]
+                ));
+            }
+            out.extend(a..=b);
+        } else {
+            return Err(unknown(part));
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(&dup) = out.iter().find(|&&i| !seen.insert(i)) {
+        return Err(format!("GPU {} is selected twice", names[dup]));
+    }
+    if out.is_empty() {
+        return Err("no GPU selected".into());
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_selections_take_ranks_names_and_ranges_of_both() {
+        let names = ["gpu0", "gpu1", "gpu2", "gpu3", "node-1", "node-2"];
+        let unknown = |p: &str| format!("no GPU {p:?}");
+        let sel = |s: &str| select_gpus("f", &names, s, &unknown);
+        assert_eq!(sel("all").unwrap(), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(sel("3,0-1").unwrap(), [3, 0, 1]);
+        assert_eq!(sel("gpu1-gpu3, gpu0").unwrap(), [1, 2, 3, 0]);
+        assert_eq!(sel("node-1-node-2").unwrap(), [4, 5]);
+        assert_eq!(sel("node-2").unwrap(), [5]);
+        for (s, e) in [
+            ("3-1", "GPU range \"3-1\" goes downward; write 1-3"),
+            (
+                "gpu3-gpu1",
+                "GPU range \"gpu3-gpu1\" goes downward; write gpu1-gpu3",
+            ),
+            (
+                "0-6",
+                "GPU range \"0-6\" goes past the last GPU: fabric f has ranks 0 to 5",
+            ),
+            ("9", "no rank 9: fabric f has ranks 0 to 5"),
+            ("gpu0,0", "GPU gpu0 is selected twice"),
+            ("gpu9", "no GPU \"gpu9\""),
+            ("gpu0-x", "no GPU \"gpu0-x\""),
+            ("", "no GPU \"\""),
+        ] {
+            assert_eq!(sel(s).unwrap_err(), e, "{s:?}");
+        }
+    }
 
     #[test]
     fn fabric_names_cannot_leave_a_directory() {

@@ -833,46 +833,12 @@ fn exponential(rng: &mut Rng, mean: u64) -> u64 {
     (-(1.0 - u).ln() * mean as f64).round() as u64
 }
 
-/// GPU names of a selection as `run --gpus` takes it: "all", ranks and ranges ("0-3,6"),
-/// names ("gpu0,gpu5").
+/// GPU names of a selection as `run --gpus` takes it (`names::select_gpus`).
 pub fn select(topo: &Topology, sel: &str) -> Result<Vec<String>, String> {
-    let n = topo.hosts.len();
-    if sel == "all" {
-        return Ok(topo.hosts.iter().map(|h| h.name.clone()).collect());
-    }
-    let mut out: Vec<usize> = Vec::new();
-    for part in sel.split(',').map(str::trim) {
-        let range = part
-            .split_once('-')
-            .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
-        if let Some((a, b)) = range {
-            if a > b || b >= n {
-                return Err(format!(
-                    "GPU range {part:?}: ranks go from 0 to {}, upward",
-                    n - 1
-                ));
-            }
-            out.extend(a..=b);
-        } else if let Ok(r) = part.parse::<usize>() {
-            if r >= n {
-                return Err(format!("no rank {r}: ranks go from 0 to {}", n - 1));
-            }
-            out.push(r);
-        } else {
-            let h = topo
-                .host_by_name(part)
-                .ok_or_else(|| format!("no GPU {part:?}; {}", chaos::nearby(topo, part)))?;
-            out.push(h.0 as usize);
-        }
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    if let Some(d) = out.iter().find(|i| !seen.insert(**i)) {
-        return Err(format!("GPU {} is selected twice", topo.hosts[*d].name));
-    }
-    Ok(out
-        .into_iter()
-        .map(|i| topo.hosts[i].name.clone())
-        .collect())
+    let names: Vec<&str> = topo.hosts.iter().map(|h| h.name.as_str()).collect();
+    let unknown = |part: &str| format!("no GPU {part:?}; {}", chaos::nearby(topo, part));
+    let picked = closbox_fabric::names::select_gpus(&topo.fabric.name, &names, sel, &unknown)?;
+    Ok(picked.into_iter().map(|i| names[i].to_owned()).collect())
 }
 
 #[cfg(test)]
