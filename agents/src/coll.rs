@@ -238,9 +238,9 @@ impl<'g> Comm<'g> {
         let count = buf.len() / dtype.size();
         let ch = schedule::channels_for(count, self.g.channels());
         let mut parts = carve(buf, dtype, count, blocks, ch);
-        if ch == 1 {
-            return f(0, parts.pop().expect("one channel"));
-        }
+        // The last channel runs on this thread: a thread fewer to start per collective,
+        // which for a short message costs more wall time than its transfer.
+        let last = parts.pop().expect("channels");
         std::thread::scope(|s| {
             let f = &f;
             let handles: Vec<_> = parts
@@ -248,11 +248,13 @@ impl<'g> Comm<'g> {
                 .enumerate()
                 .map(|(c, p)| s.spawn(move || f(c, p)))
                 .collect();
+            let here = f(ch - 1, last);
             handles
                 .into_iter()
                 .map(|h| h.join().expect("channel thread"))
                 .collect::<anyhow::Result<Vec<()>>>()
                 .map(drop)
+                .and(here)
         })
     }
 
@@ -260,9 +262,8 @@ impl<'g> Comm<'g> {
 
     /// Streaming ring: reduce-scatter (with `reduce`) and/or all-gather among `members`,
     /// moving pieces instead of whole steps. A piece received and reduced in one step is
-    /// exactly what the next step sends, so it is forwarded at once by a sender thread:
-    /// every link carries a continuous stream and the per-step latency is paid once, not
-    /// 2(n−1) times. Forwarded pieces are copies (the sender never touches `chunks`).
+    /// exactly what the next step sends, so it is forwarded at once: every link carries a
+    /// continuous stream and the per-step latency is paid once, not 2(n−1) times.
     fn ring_stream(
         &self,
         members: &[usize],
@@ -279,18 +280,12 @@ impl<'g> Comm<'g> {
         let p = members.iter().position(|&x| x == self.r()).expect("member");
         let (next, prev) = (members[(p + 1) % m], members[(p + m - 1) % m]);
         let piece = (self.piece / dtype.size()).max(1) * dtype.size();
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(64);
         std::thread::scope(|s| {
-            let sender = s.spawn(move || -> anyhow::Result<()> {
-                for data in rx {
-                    self.g.send(next, ch, &data)?;
-                }
-                Ok(())
-            });
+            let mut out = Forward::new(self.g, next, ch);
             let received = (|| -> anyhow::Result<()> {
                 let first = if reduce.is_some() { (p + m - 1) % m } else { p };
                 for part in chunks[first].chunks(piece) {
-                    if tx.send(part.to_vec()).is_err() {
+                    if !out.send(s, part)? {
                         return Ok(()); // the sender failed: its error is reported
                     }
                 }
@@ -306,7 +301,7 @@ impl<'g> Comm<'g> {
                             let t = &mut tmp[..end - off];
                             self.g.recv(prev, ch, t)?;
                             reduce_into(dtype, op, &mut chunk[off..end], t);
-                            if forward && tx.send(chunk[off..end].to_vec()).is_err() {
+                            if forward && !out.send(s, &chunk[off..end])? {
                                 return Ok(());
                             }
                             off = end;
@@ -322,7 +317,7 @@ impl<'g> Comm<'g> {
                         while off < chunk.len() {
                             let end = (off + piece).min(chunk.len());
                             self.g.recv(prev, ch, &mut chunk[off..end])?;
-                            if forward && tx.send(chunk[off..end].to_vec()).is_err() {
+                            if forward && !out.send(s, &chunk[off..end])? {
                                 return Ok(());
                             }
                             off = end;
@@ -331,13 +326,11 @@ impl<'g> Comm<'g> {
                 }
                 Ok(())
             })();
-            drop(tx);
             if received.is_err() {
                 // Unblock the sender if the next rank is gone or stuck.
                 let _ = self.g.shutdown(next, ch);
             }
-            let sent = sender.join().expect("sender thread");
-            received.and(sent)
+            received.and(out.finish())
         })
     }
 
@@ -655,5 +648,78 @@ impl<'g> Comm<'g> {
                 |_, _| {},
             )
         })
+    }
+}
+
+/// What one rank forwards to the next on a channel, in order. A piece the socket takes at
+/// once is sent from the calling thread; from the first piece it does not take whole on,
+/// a sender thread (started then) sends the rest, so that the caller never blocks on a
+/// send (its ring neighbours may be blocked sending to it). A short collective then
+/// starts no thread and hands no piece across threads: each would cost more wall time
+/// than the message's transfer.
+///
+/// The queue to the thread is unbounded: a ring's ranks all send their own chunk before
+/// they receive, so each must hold up to a chunk the next rank has not taken yet, and a
+/// caller blocked on a full queue receives nothing (with a queue of 64 pieces, a 512 MiB
+/// AllGather of 2 ranks, 128 MiB per channel, waited until the peers timed out).
+struct Forward<'scope, 'g> {
+    g: &'g Group,
+    to: usize,
+    ch: usize,
+    /// The sender thread's queue and handle, once started.
+    thread: Option<SenderThread<'scope>>,
+}
+
+type SenderThread<'scope> = (
+    std::sync::mpsc::Sender<Vec<u8>>,
+    std::thread::ScopedJoinHandle<'scope, anyhow::Result<()>>,
+);
+
+impl<'scope, 'g: 'scope> Forward<'scope, 'g> {
+    fn new(g: &'g Group, to: usize, ch: usize) -> Self {
+        Forward {
+            g,
+            to,
+            ch,
+            thread: None,
+        }
+    }
+
+    /// Sends `data` after what was sent before; `false` if the sender thread has failed
+    /// (`finish` returns its error).
+    fn send<'env>(
+        &mut self,
+        s: &'scope std::thread::Scope<'scope, 'env>,
+        data: &[u8],
+    ) -> anyhow::Result<bool> {
+        if let Some((tx, _)) = &self.thread {
+            return Ok(tx.send(data.to_vec()).is_ok());
+        }
+        let now = self.g.send_ready(self.to, self.ch, data)?;
+        if now == data.len() {
+            return Ok(true);
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        let (g, to, ch) = (self.g, self.to, self.ch);
+        let h = s.spawn(move || -> anyhow::Result<()> {
+            for d in rx {
+                g.send(to, ch, &d)?;
+            }
+            Ok(())
+        });
+        let ok = tx.send(data[now..].to_vec()).is_ok();
+        self.thread = Some((tx, h));
+        Ok(ok)
+    }
+
+    /// Waits for the sender thread, if one was started, to send everything; its error.
+    fn finish(self) -> anyhow::Result<()> {
+        match self.thread {
+            Some((tx, h)) => {
+                drop(tx);
+                h.join().expect("sender thread")
+            }
+            None => Ok(()),
+        }
     }
 }

@@ -218,7 +218,7 @@ impl Group {
 
     /// Sends what the socket accepts without blocking (none of it if it is full): the
     /// number of bytes sent.
-    fn send_ready(&self, peer: usize, ch: usize, buf: &[u8]) -> anyhow::Result<usize> {
+    pub(crate) fn send_ready(&self, peer: usize, ch: usize, buf: &[u8]) -> anyhow::Result<usize> {
         use rustix::net::SendFlags;
         let stream = self.stream(peer, ch);
         let mut off = 0;

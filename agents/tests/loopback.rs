@@ -269,3 +269,24 @@ fn barrier_waits_for_every_rank() {
         }
     }
 }
+
+/// A ring's first sends come before its first receive, so a rank's own chunk larger than
+/// what the sockets hold must go through a sender thread: sent from the receiving thread,
+/// every rank would block in its send with no one receiving.
+#[test]
+fn ring_chunks_beyond_what_sockets_hold() {
+    for n in [2, 3] {
+        check(
+            n,
+            2,
+            (0..n).collect(),
+            Case {
+                ops: &[Op::AllReduce, Op::AllGather, Op::ReduceScatter],
+                algo: Algo::Ring,
+                dtype: DType::F32,
+                redop: ReduceOp::Sum,
+            },
+            &[64 << 20],
+        );
+    }
+}
