@@ -10,10 +10,12 @@
 //! plus the longest path latency:
 //!
 //!   t(phase) = max over flows (Σ hops: propagation + switch latency + one frame's
-//!              serialization) + max over links (bytes on link / effective rate)
+//!              serialization, but the slowest hop's) + max over links (bytes on link /
+//!              effective rate)
 //!
-//! Pairwise schedules (AllToAll, rhd), whose ranks do not move in lockstep, are simulated
-//! flow by flow instead (`pairwise`, `crate::fluid`).
+//! (store and forward frame by frame: the slowest hop's frame is in its bytes' time).
+//! Pairwise schedules (AllToAll, rhd) and the tree, whose ranks do not move in lockstep,
+//! are simulated flow by flow instead (`pairwise`, `tree`, `crate::fluid`).
 //!
 //! The effective rate is the link rate × TCP payload per frame / wire bytes per frame
 //! ((mtu − 52) / (mtu + l2_overhead): 99.0 % for 9000-byte frames, 94.1 % for 1500). It is
@@ -140,8 +142,29 @@ impl Predictor {
     /// forward: a frame leaves a hop only once it has all arrived) — a full frame, or the
     /// whole message when it is shorter.
     fn hop_latency(&self, p: usize, bytes: f64) -> f64 {
+        self.hop_delay[p] + self.frame_time(p, bytes)
+    }
+
+    /// Seconds port `p` takes to serialize one frame of a message of `bytes`: a full
+    /// frame, or the whole message when it is shorter.
+    fn frame_time(&self, p: usize, bytes: f64) -> f64 {
         let first = bytes.min(self.frame_payload).max(0.0) + self.frame_extra;
-        self.hop_delay[p] + first * 8.0 / self.rate[p]
+        first * 8.0 / self.rate[p]
+    }
+
+    /// Seconds from a message's last byte leaving its source to its arrival over `path`
+    /// (store and forward, frame by frame): every hop's delay, and one frame's
+    /// serialization at every hop but the slowest, where the message's own transfer time
+    /// (its bytes at that rate, which the callers count) already holds it. Counting that
+    /// frame again made a single-frame step of a ring on `single-switch-8` one
+    /// serialization (12 µs at 1 Gbit/s) too long.
+    fn path_latency(&self, path: impl IntoIterator<Item = usize>, bytes: f64) -> f64 {
+        let (mut sum, mut slowest) = (0.0, 0.0f64);
+        for p in path {
+            sum += self.hop_latency(p, bytes);
+            slowest = slowest.max(self.frame_time(p, bytes));
+        }
+        sum - slowest
     }
 
     /// Port `port` (one direction of a link) at `rate` and `delay` where they differ from
@@ -287,10 +310,15 @@ impl Predictor {
                 }
                 None => self.spread(a, b),
             };
+            let per = bytes / self.channels as f64;
+            let mut slowest = 0.0f64;
             for (p, share) in shares {
                 load[p.0 as usize] += bytes * share;
-                lat_sum += share * self.hop_latency(p.0 as usize, bytes / self.channels as f64);
+                lat_sum += share * self.hop_latency(p.0 as usize, per);
+                slowest = slowest.max(self.frame_time(p.0 as usize, per));
             }
+            // The slowest hop's frame is in the transfer time (`path_latency`).
+            lat_sum -= slowest;
             k += 1;
         }
         let transfer = load
@@ -306,12 +334,17 @@ impl Predictor {
     /// piece has come round (latency) or the link is free (transfer), whichever is later.
     /// Channels are independent pipelines, each with its share of the chunk cut in
     /// pieces: while one waits for its piece to come round, the others use the link, so
-    /// a piece moves at the full rate.
+    /// a piece moves at the full rate. The last step ends when its chunk has crossed the
+    /// link and its last byte come round: a latency-bound ring pays a step's latency
+    /// `steps` times, not once more.
     fn stream(&self, members: &[usize], steps: usize, chunk: f64) -> f64 {
+        if steps == 0 {
+            return 0.0;
+        }
         let (transfer, alpha) = self.loads(&self.ring(members, chunk));
         let piece = PIECE.min(chunk / self.channels as f64);
         let (piece_time, _) = self.loads(&self.ring(members, piece));
-        steps as f64 * transfer.max(alpha + piece_time) + alpha
+        (steps - 1) as f64 * transfer.max(alpha + piece_time) + transfer + alpha
     }
 
     /// One path from rank a to rank b, choosing uniformly among equal-cost next hops (what
@@ -340,12 +373,12 @@ impl Predictor {
             let mut load = vec![0.0f64; self.cap.len()];
             let mut latency = 0.0f64;
             for &(a, b, bytes) in flows.iter().filter(|f| f.0 != f.1 && f.2 > 0.0) {
+                let per = bytes / self.channels as f64;
                 for path in self.channel_paths(a, b, &mut rng) {
-                    let mut lat = 0.0;
-                    for p in path {
-                        load[p.0 as usize] += bytes / self.channels as f64;
-                        lat += self.hop_latency(p.0 as usize, bytes / self.channels as f64);
+                    for p in &path {
+                        load[p.0 as usize] += per;
                     }
+                    let lat = self.path_latency(path.iter().map(|p| p.0 as usize), per);
                     latency = latency.max(lat);
                 }
             }
@@ -468,10 +501,10 @@ impl Predictor {
                         transfers.push(Transfer {
                             path: path.iter().map(|p| p.0).collect(),
                             bytes: bytes / chans as f64,
-                            latency: path
-                                .iter()
-                                .map(|p| self.hop_latency(p.0 as usize, bytes / chans as f64))
-                                .sum(),
+                            latency: self.path_latency(
+                                path.iter().map(|p| p.0 as usize),
+                                bytes / chans as f64,
+                            ),
                             after: after.into_iter().flatten().collect(),
                         });
                     }
@@ -529,10 +562,7 @@ impl Predictor {
                 transfers.push(Transfer {
                     path: path.iter().map(|p| p.0).collect(),
                     bytes: piece,
-                    latency: path
-                        .iter()
-                        .map(|p| self.hop_latency(p.0 as usize, piece))
-                        .sum(),
+                    latency: self.path_latency(path.iter().map(|p| p.0 as usize), piece),
                     after,
                 });
                 waited[a * threads + ch % threads] = vec![Dep::Sent(id)];
@@ -678,8 +708,9 @@ mod tests {
         let s = 8e6;
         let cap = 1e9 / 8.0 * 1500.0 / 1552.0;
         let frame = 1552.0 * 8.0 / 1e9;
-        // Streaming: 14 steps of a 1 MB chunk each (transfer-bound), plus one latency.
-        let want = 14.0 * ((s / 8.0) / cap) + 2.0 * frame;
+        // Streaming: 14 steps of a 1 MB chunk each (transfer-bound), plus one latency:
+        // the last frame's second hop (its first is in the transfer time).
+        let want = 14.0 * ((s / 8.0) / cap) + frame;
         let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
         assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
     }
@@ -741,6 +772,26 @@ mod tests {
         let ls = "[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n[links.leaf-spine]\nrate = \"100Gbit\"\ndelay = \"100us\"\n[switches.spine]\nlatency = \"0ns\"\n";
         let got = links_crossed(ls, 4, Op::Broadcast, Algo::Auto);
         assert!((got / 8.0 - 1.0).abs() < 0.01, "{got} links");
+    }
+
+    #[test]
+    fn a_ring_of_single_frames_pays_store_and_forward_once_per_step() {
+        // 8 ranks on one switch, one channel, AllGather of 1,000-byte chunks (a frame
+        // each): every step is the frame serialized on both links, both delays and the
+        // switch, exactly; the steps follow one another. The first link's serialization
+        // was counted twice per step (as the transfer and in the path's latency), and a
+        // step's latency once more at the end: 1.44 × this.
+        let t = topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"5us\"\n[switches.leaf]\nlatency = \"1us\"\n");
+        let p = Predictor::new(&t, (0..8).collect(), 1);
+        let frame = (1000.0 + 52.0) * 8.0 / 1e9;
+        let step = 2.0 * frame + 2.0 * 5e-6 + 1e-6;
+        let got = p.predict(Op::AllGather, Algo::Auto, 8000, 0);
+        // Transfers count a frame's headers as a full frame's share: 1.7 % less here.
+        assert!(
+            (got / (7.0 * step) - 1.0).abs() < 0.01,
+            "{got} vs {}",
+            7.0 * step
+        );
     }
 
     #[test]
