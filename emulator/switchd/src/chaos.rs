@@ -710,11 +710,19 @@ pub fn resolve(
             if let Some(b) = buffer_bytes {
                 // A lossless switch holds per ingress (xoff + headroom), not per egress
                 // buffer: only the GPU NIC queues on this link would take it.
-                let note = if topo.fabric.flow_control.pause().is_some() {
-                    " (lossless fabric: switch ports hold per ingress, only a GPU's NIC queue takes it)"
+                let mut note = if topo.fabric.flow_control.pause().is_some() {
+                    " (lossless fabric: switch ports hold per ingress, only a GPU's NIC queue takes it)".to_string()
                 } else {
-                    ""
+                    String::new()
                 };
+                // The fabric holds no more than its packet memory in all: a queue
+                // beyond it fills only that far, the rest dropped as `memory_limit`.
+                let memory = topo.fabric.packet_memory;
+                if *b > memory.get() {
+                    note.push_str(&format!(
+                        " (more than the fabric's packet_memory, {memory}: packets past it are dropped as memory_limit)"
+                    ));
+                }
                 what.push(format!("buffer {}{note}", Bytes::new(*b)));
             }
             // One direction: the one leaving `from`, which must be one of the ends.
@@ -1175,5 +1183,26 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("above 0"), "{e}");
+        // A buffer beyond what the fabric may hold in all is set, and says so.
+        let set_buffer = |bytes: u64| ChangeRequest::LinkSet {
+            a: "gpu0".into(),
+            b: "leaf0".into(),
+            index: None,
+            rate_bps: None,
+            delay_ns: None,
+            loss: None,
+            loss_burst: None,
+            buffer_bytes: Some(bytes),
+            from: None,
+        };
+        let memory = t.fabric.packet_memory.get();
+        let big = resolve(&t, &set_buffer(memory + 1)).unwrap();
+        assert!(
+            big[0].what.contains("more than the fabric's packet_memory"),
+            "{}",
+            big[0].what
+        );
+        let fits = resolve(&t, &set_buffer(memory)).unwrap();
+        assert!(!fits[0].what.contains("packet_memory"), "{}", fits[0].what);
     }
 }
