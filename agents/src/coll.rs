@@ -289,8 +289,11 @@ impl<'g> Comm<'g> {
                         return Ok(()); // the sender failed: its error is reported
                     }
                 }
-                let mut tmp = vec![0u8; piece];
                 if let Some(op) = reduce {
+                    // A piece at most, and no larger than the largest chunk: a short
+                    // collective does not map and zero a whole piece's pages.
+                    let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+                    let mut tmp = vec![0u8; piece.min(longest)];
                     for step in 0..m - 1 {
                         let c = (p + 2 * m - step - 2) % m;
                         let forward = step < m - 2 || all_gather;
