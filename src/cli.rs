@@ -54,7 +54,8 @@ pub(crate) enum Command {
         /// latency of 0 asked of the kernel through /dev/cpu_dma_latency, dropped at down
         /// or however the daemon ends). Where idle CPUs halt (VMs), a wake-up of the data
         /// plane or of a GPU's process then takes microseconds, not tens of them. Costs
-        /// the CPUs' idle time: power, and on a VM the host's CPU.
+        /// the CPUs' idle time: power, and on a VM the host's CPU. Only a kernel with a
+        /// cpuidle driver honours it (`up` warns where there is none).
         #[arg(long)]
         idle_poll: bool,
     },

@@ -125,6 +125,11 @@ pub fn up(
         None => {}
     }
     closbox_switchd::require_root("closbox up")?;
+    if sched.idle_poll {
+        if let Some(why) = closbox_switchd::sys::idle_poll_unavailable() {
+            eprintln!("WARNING: --idle-poll has no effect on this box: {why}");
+        }
+    }
     // (The detached daemon, started with --log-to, would say it again into its log.)
     if topo.fabric.time_scale_auto && log_to.is_none() {
         eprintln!(

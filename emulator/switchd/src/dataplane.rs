@@ -308,6 +308,8 @@ pub struct DataPlane<P: Ports> {
     wake: WakeMargin,
     /// `--idle-poll`: the daemon holds a CPU latency of 0 (for `status`).
     idle_poll: bool,
+    /// Why `idle_poll` cannot work on this box (no cpuidle driver), if it cannot.
+    idle_poll_unavailable: Option<String>,
     /// `Status::full_load_time_scale`.
     full_load: f64,
     /// The thread (and the box's steal), sampled each window slot, the last `WINDOW` of
@@ -399,6 +401,7 @@ impl<P: Ports> DataPlane<P> {
             realtime: None,
             wake: WakeMargin::default(),
             idle_poll: false,
+            idle_poll_unavailable: None,
             cpu: Default::default(),
             pacer: None,
             route_epoch: 0,
@@ -417,6 +420,11 @@ impl<P: Ports> DataPlane<P> {
     /// request; see `Scheduling::idle_poll`).
     pub fn idle_poll(mut self, on: bool) -> Self {
         self.idle_poll = on;
+        self.idle_poll_unavailable = if on {
+            crate::sys::idle_poll_unavailable()
+        } else {
+            None
+        };
         self
     }
 
@@ -475,9 +483,12 @@ impl<P: Ports> DataPlane<P> {
                 if rt.on { "" } else { ", now" }
             ),
         };
-        match self.idle_poll {
-            true => format!("{thread}; idle CPUs poll (CPU latency 0 held while up)"),
-            false => thread,
+        match (self.idle_poll, &self.idle_poll_unavailable) {
+            (true, None) => format!("{thread}; idle CPUs poll (CPU latency 0 held while up)"),
+            (true, Some(why)) => format!(
+                "{thread}; CPU latency 0 held while up (--idle-poll), without effect: {why}"
+            ),
+            (false, _) => thread,
         }
     }
 

@@ -200,6 +200,12 @@ pub fn run_fabric(
             )
         })
         .transpose()?;
+    if let Some(why) = _cpu_latency
+        .as_ref()
+        .and_then(|_| sys::idle_poll_unavailable())
+    {
+        tracing::warn!("fabric {name}: --idle-poll has no effect on this box: {why}");
+    }
     if let Some(old) = State::load(&name)? {
         tracing::warn!("fabric {name}: a previous run left state behind; cleaning it up");
         state::kill_gpu_processes(&old, Duration::from_secs(2));

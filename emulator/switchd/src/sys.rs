@@ -587,6 +587,26 @@ pub fn hold_cpu_latency(us: i32) -> io::Result<std::fs::File> {
     Ok(f)
 }
 
+/// Where the kernel names its cpuidle driver.
+const CPUIDLE_DRIVER: &str = "/sys/devices/system/cpu/cpuidle/current_driver";
+
+/// Why a CPU latency request (`hold_cpu_latency`) cannot keep this box's idle CPUs
+/// polling, if it cannot. Only a cpuidle driver's governor reads the request: without a
+/// driver (`none`, as on Firecracker VMs that have no haltpoll driver, or no cpuidle in
+/// the kernel) an idle CPU runs the architecture's default idle, a halt, whatever is
+/// asked.
+pub fn idle_poll_unavailable() -> Option<String> {
+    match std::fs::read_to_string(CPUIDLE_DRIVER) {
+        Ok(d) if !d.trim().is_empty() && d.trim() != "none" => None,
+        Ok(_) => Some(format!(
+            "this kernel has no cpuidle driver ({CPUIDLE_DRIVER}: none): its idle CPUs halt whatever CPU latency is asked"
+        )),
+        Err(e) => Some(format!(
+            "this kernel shows no cpuidle driver ({CPUIDLE_DRIVER}: {e}): its idle CPUs halt whatever CPU latency is asked"
+        )),
+    }
+}
+
 /// The idle wake-up latency the kernel keeps now (the smallest request held), µs;
 /// 2,000,000,000 when nobody asked for one.
 pub fn cpu_latency_target() -> io::Result<i32> {
