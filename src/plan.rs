@@ -218,13 +218,29 @@ fn network(s: &mut String, p: &Plan) {
         (mode, ..) => mode.to_owned(),
     };
     let _ = writeln!(s, "  flow control       {fc}");
+    // A queue deeper than what the fabric may hold in all fills only that far.
+    let packets = p.daemon_memory.packets;
+    let past_memory = |bytes: u64| {
+        if bytes > packets {
+            format!(
+                " (more than the fabric's packet_memory, {}: packets past it are dropped as memory_limit)",
+                approx_bytes(packets)
+            )
+        } else {
+            String::new()
+        }
+    };
     for sw in &n.switches {
         let ecn = sw
             .ecn
             .as_deref()
             .map_or("no ECN".to_owned(), |e| format!("ECN {e}"));
         let buffer = if n.flow_control == "none" {
-            format!("buffer {} per port, ", Bytes::new(sw.buffer_bytes))
+            format!(
+                "buffer {} per port{}, ",
+                Bytes::new(sw.buffer_bytes),
+                past_memory(sw.buffer_bytes)
+            )
         } else {
             String::new()
         };
@@ -239,8 +255,9 @@ fn network(s: &mut String, p: &Plan) {
     let g = &n.gpus;
     let _ = writeln!(
         s,
-        "  GPUs               NIC queue {}{}{}, TCP {}{}",
+        "  GPUs               NIC queue {}{}{}{}, TCP {}{}",
         Bytes::new(g.nic_buffer_bytes),
+        past_memory(g.nic_buffer_bytes),
         g.nic_ecn
             .as_deref()
             .map_or(String::new(), |e| format!(" (ECN {e})")),
@@ -399,5 +416,26 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("needs radix ≥ 94"), "{out}");
+    }
+
+    #[test]
+    fn a_buffer_beyond_the_packet_memory_says_so() {
+        let file = |buffer: &str| {
+            format!("[fabric]\nname = \"p\"\npacket_memory = \"64MiB\"\n[topology]\nkind = \"single-switch\"\ngpus = 2\n[switches.leaf]\nbuffer = \"{buffer}\"\n")
+        };
+        let render = |buffer: &str| {
+            let topo = closbox_fabric::config::parse(&file(buffer), "t").unwrap();
+            render_plan(&Plan::of(&topo))
+        };
+        let deep = render("1TB");
+        assert!(
+            deep.contains("buffer 1TB per port (more than the fabric's packet_memory, 64 MiB"),
+            "{deep}"
+        );
+        let fits = render("1MiB");
+        assert!(
+            !fits.contains("more than the fabric's packet_memory"),
+            "{fits}"
+        );
     }
 }
