@@ -480,6 +480,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
             gpus_with(&s.gpu_interfaces)
         );
     }
+    if let Some(n) = s.gpu_socket_dropped.filter(|&n| n > 0) {
+        let _ = writeln!(
+            o,
+            "  sockets   {} UDP datagrams dropped inside the GPUs at receiving sockets whose buffers were full (gpu_socket: delivered by the fabric, then dropped because the programs read too slowly; `nstat` in a GPU shows UdpRcvbufErrors)",
+            thousands(n)
+        );
+    }
     let giants = drops(s, "over_mtu");
     if giants > 0 {
         let _ = writeln!(

@@ -1033,6 +1033,48 @@ fn packets_to_a_gpu_whose_interface_is_down_are_dropped_in_the_fabric() {
     f.down();
 }
 
+/// Datagrams the fabric delivered to a socket that never reads (a 2 KiB receive buffer):
+/// the GPU's kernel drops them, and `status` says so (`gpu_socket`, and a `sockets` line)
+/// rather than leaving an iperf3 user to blame the fabric for the loss it reports.
+#[test]
+fn udp_dropped_at_a_full_socket_buffer_is_counted_in_the_gpu() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-sockdrop", &leaf_spine_4("1Gbit", "1us"));
+    let hold = "import socket, time\n\
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)\n\
+                s.bind(('0.0.0.0', 9999))\n\
+                time.sleep(300)";
+    let mut holder = f.spawn("gpu3", &["/usr/bin/python3", "-c", hold]);
+    wait_for_port(&f, "gpu3", 9999);
+    let send = "import socket\n\
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+                for _ in range(200): s.sendto(b'x' * 1000, ('gpu3', 9999))";
+    let o = f.exec("gpu0", &["/usr/bin/python3", "-c", send]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    // Delivered by the fabric (a 2 KiB buffer holds one or two of them), all of them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let st = loop {
+        let st = f.status();
+        if st["delivered"] == 200 || Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(st["delivered"], 200, "{st}");
+    let dropped = st["gpu_socket_dropped"].as_u64().expect("counted");
+    assert!((190..=200).contains(&dropped), "{st}");
+    let (o, _) = text(&closbox(&["status", "lt-sockdrop"]));
+    assert!(o.contains(&format!("gpu_socket {dropped}")), "{o}");
+    assert!(o.contains("UDP datagrams dropped inside the GPUs"), "{o}");
+    let _ = holder.kill();
+    let _ = holder.wait();
+    f.down();
+}
+
 /// Unmodified torch.distributed (gloo) all-reduce across 8 GPUs through the fabric.
 #[test]
 fn torch_gloo_all_reduce_runs_unmodified() {

@@ -564,6 +564,7 @@ fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &Event
     if let Ok(d) = crate::netns::tun_dropped(&state.gpus, ifindex) {
         s.tun_tx_dropped = Some(d.iter().flatten().map(|d| d.tx).sum());
         s.gpu_rx_dropped = Some(d.iter().flatten().map(|d| d.rx).sum());
+        s.gpu_socket_dropped = Some(d.iter().flatten().filter_map(|d| d.udp_rcvbuf).sum());
     }
     Reply::Status(Box::new(s))
 }

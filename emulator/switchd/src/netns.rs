@@ -226,6 +226,11 @@ pub struct TunDrops {
     /// Written by the daemon (delivered), dropped by the GPU's kernel: the interface down,
     /// its backlog full.
     pub rx: u64,
+    /// UDP datagrams the GPU's kernel dropped at a receiving socket whose buffer was full
+    /// (`RcvbufErrors` of `Udp` in its `/proc/net/snmp`; of the whole namespace, so also
+    /// those that went over `lo`): the program read too slowly, the fabric had delivered
+    /// them. `None` where the file could not be read.
+    pub udp_rcvbuf: Option<u64>,
 }
 
 /// TUNs that a process in their GPU moved out of its namespace (`ip link set cb0 netns
@@ -268,7 +273,10 @@ pub fn tun_dropped(gpus: &[GpuState], ifindex: &[u32]) -> io::Result<Vec<Option<
                         return Ok(None);
                     };
                     let dev = fs::read_to_string("/proc/thread-self/net/dev")?;
-                    Ok(parse_tun_drops(&dev, &name))
+                    let udp_rcvbuf = fs::read_to_string("/proc/thread-self/net/snmp")
+                        .ok()
+                        .and_then(|t| parse_udp_rcvbuf_errors(&t));
+                    Ok(parse_tun_drops(&dev, &name).map(|d| TunDrops { udp_rcvbuf, ..d }))
                 })
                 .collect()
         })
@@ -287,9 +295,20 @@ fn parse_tun_drops(dev: &str, tun: &str) -> Option<TunDrops> {
             Some(TunDrops {
                 tx: field(11)?,
                 rx: field(3)?,
+                udp_rcvbuf: None,
             })
         })?
     })
+}
+
+/// `RcvbufErrors` of the `Udp` table in `/proc/net/snmp`'s text (a line of names, then a
+/// line of values, both starting `Udp:`; `UdpLite:` is another table).
+fn parse_udp_rcvbuf_errors(snmp: &str) -> Option<u64> {
+    let mut udp = snmp.lines().filter(|l| l.starts_with("Udp: "));
+    let names = udp.next()?;
+    let values = udp.next()?;
+    let i = names.split_whitespace().position(|n| n == "RcvbufErrors")?;
+    values.split_whitespace().nth(i)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -306,9 +325,28 @@ Inter-|   Receive                                                |  Transmit
 ";
         assert_eq!(
             parse_tun_drops(dev, "cb0"),
-            Some(TunDrops { tx: 42, rx: 7 })
+            Some(TunDrops {
+                tx: 42,
+                rx: 7,
+                udp_rcvbuf: None
+            })
         );
         assert_eq!(parse_tun_drops(dev, "cb1"), None);
         assert_eq!(parse_tun_drops("   cb0: 1 2 3\n", "cb0"), None);
+    }
+
+    #[test]
+    fn udp_receive_buffer_drops_are_read_from_proc_net_snmp() {
+        let snmp = "\
+Ip: Forwarding DefaultTTL InReceives
+Ip: 2 64 215000
+Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors InCsumErrors IgnoredMulti MemErrors
+Udp: 214813 0 31245 5 31244 0 1 0 0
+UdpLite: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors InCsumErrors IgnoredMulti MemErrors
+UdpLite: 0 0 0 0 7 0 0 0 0
+";
+        assert_eq!(parse_udp_rcvbuf_errors(snmp), Some(31244));
+        assert_eq!(parse_udp_rcvbuf_errors("Ip: Forwarding\nIp: 1\n"), None);
+        assert_eq!(parse_udp_rcvbuf_errors("Udp: RcvbufErrors\n"), None);
     }
 }

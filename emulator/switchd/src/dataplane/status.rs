@@ -168,6 +168,11 @@ pub struct Status {
     /// a full backlog), filled in by the control plane.
     #[serde(default)]
     pub gpu_rx_dropped: Option<u64>,
+    /// UDP datagrams the GPUs' kernels dropped at receiving sockets whose buffers were
+    /// full (the programs read too slowly; delivered by the fabric), filled in by the
+    /// control plane.
+    #[serde(default)]
+    pub gpu_socket_dropped: Option<u64>,
     /// Per egress port counters, every port in port order.
     pub ports: Vec<PortStatus>,
     /// Links that are down or whose parameters were changed.
@@ -258,10 +263,11 @@ pub struct Status {
 impl Status {
     /// The drops the GPUs' kernels counted at their TUNs, by the name `status` and the
     /// metrics give them: `None` where they could not be read.
-    pub fn kernel_drops(&self) -> [(&'static str, Option<u64>); 2] {
+    pub fn kernel_drops(&self) -> [(&'static str, Option<u64>); 3] {
         [
             ("tun_kernel", self.tun_tx_dropped),
             ("gpu_kernel", self.gpu_rx_dropped),
+            ("gpu_socket", self.gpu_socket_dropped),
         ]
     }
 }
@@ -729,6 +735,7 @@ impl<P: Ports> DataPlane<P> {
             packet_memory_limit: self.model.memory().1,
             tun_tx_dropped: None,
             gpu_rx_dropped: None,
+            gpu_socket_dropped: None,
             ports,
             changed_links: self
                 .model
