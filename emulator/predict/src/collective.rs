@@ -18,8 +18,12 @@
 //! are simulated flow by flow instead (`pairwise`, `tree`, `crate::fluid`).
 //!
 //! The effective rate is the link rate × TCP payload per frame / wire bytes per frame
-//! ((mtu − 52) / (mtu + l2_overhead): 99.0 % for 9000-byte frames, 94.1 % for 1500). It is
-//! a fabric-only, loss-free prediction: host software costs are not in it, so
+//! ((mtu − 52) / (mtu + l2_overhead): 99.0 % for 9000-byte frames, 94.1 % for 1500); a
+//! message shorter than a frame pays its frame's headers whole (`wire_load`). The
+//! GPUs' TCP acknowledges every second frame, and a short message as the program reads
+//! it: those ACKs load the ports of each connection's way back (`ack_load`) — in a
+//! ring every link carries one way's data and the other way's ACKs. It is a
+//! fabric-and-TCP, loss-free prediction: host software costs are not in it, so
 //! measured/predicted above 1 is what the hosts (and the box emulating them) add.
 
 use std::collections::{BTreeMap, HashMap};
@@ -293,27 +297,82 @@ impl Predictor {
         out.into_iter().collect()
     }
 
+    /// Frames a message of `bytes` on one connection is sent in.
+    fn frames(&self, bytes: f64) -> f64 {
+        (bytes / self.frame_payload).ceil().max(1.0)
+    }
+
+    /// What a message of `bytes` on one connection takes of a port, in the bytes `cap`
+    /// counts (payload in full frames): its payload and its frames' headers and framing.
+    /// A message of full frames takes its bytes; a short one more (128 bytes in one
+    /// frame at mtu 1500: 1.6 × 128).
+    fn wire_load(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        (bytes + self.frames(bytes) * self.frame_extra) * self.frame_payload
+            / (self.frame_payload + self.frame_extra)
+    }
+
+    /// What the acknowledgements of a message of `bytes` on one connection take of each
+    /// port on the connection's way back, in `cap`'s bytes. The GPUs' TCP (Linux)
+    /// acknowledges every second full frame at once, and what is left when the program
+    /// reads it: a one-frame message gets an ACK of its own, sent as the receiving
+    /// program reads it — in a ring, on the NIC just ahead of the piece the program then
+    /// forwards. At mtu 1500 ACKs add 2.9 % to a port that also carries data, at 9000 0.5
+    /// %; to a ring's step of one frame on `single-switch-8`, one ACK's serialization
+    /// (0.72 µs at 1 Gbit/s, measured in the fabric's captures at time_scale 1000).
+    fn ack_load(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        (self.frames(bytes) / 2.0).ceil() * self.frame_extra * self.frame_payload
+            / (self.frame_payload + self.frame_extra)
+    }
+
+    /// `ack_load` per byte of `wire_load`: what a transfer's ACKs take on its way back for
+    /// each byte it moves (`fluid::Transfer::ack_share`).
+    fn ack_share(&self, bytes: f64) -> f64 {
+        match self.wire_load(bytes) {
+            w if w > 0.0 => self.ack_load(bytes) / w,
+            _ => 0.0,
+        }
+    }
+
     /// (transfer seconds of the most loaded link, mean path latency) for concurrent flows:
-    /// on the known paths, or spread evenly over equal-cost paths.
+    /// on the known paths, or spread evenly over equal-cost paths. A flow's ACKs load the
+    /// ports of its connections' way back.
     fn loads(&self, flows: &[Flow]) -> (f64, f64) {
+        self.loads_over(flows, self.channels)
+    }
+
+    /// `loads` with each flow on its first `connections` channels only.
+    fn loads_over(&self, flows: &[Flow], connections: usize) -> (f64, f64) {
         let mut load = vec![0.0f64; self.cap.len()];
         let (mut lat_sum, mut k) = (0.0, 0);
         for &(a, b, bytes) in flows.iter().filter(|f| f.0 != f.1 && f.2 > 0.0) {
-            let shares = match &self.known {
+            let per = bytes / connections as f64;
+            let (data, acks) = (self.wire_load(per), self.ack_load(per));
+            // (port, share of the flow's connections crossing it) there and back.
+            let (shares, back) = match &self.known {
                 Some(known) => {
-                    let mut shares = Vec::new();
-                    for ch in 0..self.channels {
-                        let share = 1.0 / self.channels as f64;
+                    let (mut shares, mut back) = (Vec::new(), Vec::new());
+                    let share = 1.0 / connections as f64;
+                    for ch in 0..connections {
                         shares.extend(known[&(a, b, ch)].iter().map(|&p| (p, share)));
+                        back.extend(known[&(b, a, ch)].iter().map(|&p| (p, share)));
                     }
-                    shares
+                    (shares, back)
                 }
-                None => self.spread(a, b),
+                None => (self.spread(a, b), self.spread(b, a)),
             };
-            let per = bytes / self.channels as f64;
+            let connections = connections as f64;
+            for (p, share) in back {
+                load[p.0 as usize] += acks * connections * share;
+            }
             let mut slowest = 0.0f64;
             for (p, share) in shares {
-                load[p.0 as usize] += bytes * share;
+                load[p.0 as usize] += data * connections * share;
                 lat_sum += share * self.hop_latency(p.0 as usize, per);
                 slowest = slowest.max(self.frame_time(p.0 as usize, per));
             }
@@ -343,7 +402,8 @@ impl Predictor {
         }
         let (transfer, alpha) = self.loads(&self.ring(members, chunk));
         let piece = PIECE.min(chunk / self.channels as f64);
-        let (piece_time, _) = self.loads(&self.ring(members, piece));
+        // One connection's piece: its frames and the ACK ahead of it on the link.
+        let (piece_time, _) = self.loads_over(&self.ring(members, piece), 1);
         (steps - 1) as f64 * transfer.max(alpha + piece_time) + transfer + alpha
     }
 
@@ -366,6 +426,11 @@ impl Predictor {
     /// done (plus the longest path latency), averaged over random hash outcomes: ECMP
     /// collisions are part of the prediction.
     fn phase(&self, flows: &[Flow]) -> f64 {
+        self.phase_over(flows, self.channels)
+    }
+
+    /// `phase` with each flow on its first `connections` channels only.
+    fn phase_over(&self, flows: &[Flow], connections: usize) -> f64 {
         let samples = self.samples(32);
         let mut rng = Rng::new(0x5EED, flows.len() as u64);
         let mut total = 0.0;
@@ -373,13 +438,20 @@ impl Predictor {
             let mut load = vec![0.0f64; self.cap.len()];
             let mut latency = 0.0f64;
             for &(a, b, bytes) in flows.iter().filter(|f| f.0 != f.1 && f.2 > 0.0) {
-                let per = bytes / self.channels as f64;
-                for path in self.channel_paths(a, b, &mut rng) {
-                    for p in &path {
-                        load[p.0 as usize] += per;
+                let per = bytes / connections as f64;
+                let (data, acks) = (self.wire_load(per), self.ack_load(per));
+                for path in self.channel_paths(a, b, &mut rng).iter().take(connections) {
+                    for p in path {
+                        load[p.0 as usize] += data;
                     }
                     let lat = self.path_latency(path.iter().map(|p| p.0 as usize), per);
                     latency = latency.max(lat);
+                }
+                // Their ACKs, on the connections' way back.
+                for back in self.channel_paths(b, a, &mut rng).iter().take(connections) {
+                    for p in back {
+                        load[p.0 as usize] += acks;
+                    }
                 }
             }
             total += latency
@@ -440,7 +512,7 @@ impl Predictor {
                 let piece = PIECE.min(s / self.channels as f64);
                 let pieces: Vec<f64> = hops
                     .iter()
-                    .map(|&(a, b, _)| self.phase(&[(a, b, piece)]))
+                    .map(|&(a, b, _)| self.phase_over(&[(a, b, piece)], 1))
                     .collect();
                 let longest = pieces.iter().copied().fold(0.0, f64::max);
                 self.phase(&hops) + pieces.iter().sum::<f64>() - longest
@@ -491,21 +563,26 @@ impl Predictor {
                 let first = transfers.len();
                 for ch in 0..chans {
                     for &(a, b, bytes) in stage.iter().filter(|f| f.0 != f.1) {
-                        let path = &paths
+                        paths
                             .entry((a, b))
-                            .or_insert_with(|| self.channel_paths(a, b, &mut rng))[ch];
+                            .or_insert_with(|| self.channel_paths(a, b, &mut rng));
                         let after = [
                             last_sent[a * chans + ch].map(Dep::Sent),
                             last_recv[a * chans + ch].map(Dep::Arrived),
                         ];
+                        let back = &paths
+                            .entry((b, a))
+                            .or_insert_with(|| self.channel_paths(b, a, &mut rng))[ch];
+                        let back: Vec<u32> = back.iter().map(|p| p.0).collect();
+                        let path = &paths[&(a, b)][ch];
+                        let per = bytes / chans as f64;
                         transfers.push(Transfer {
                             path: path.iter().map(|p| p.0).collect(),
-                            bytes: bytes / chans as f64,
-                            latency: self.path_latency(
-                                path.iter().map(|p| p.0 as usize),
-                                bytes / chans as f64,
-                            ),
+                            bytes: self.wire_load(per),
+                            latency: self.path_latency(path.iter().map(|p| p.0 as usize), per),
                             after: after.into_iter().flatten().collect(),
+                            ack_path: back,
+                            ack_share: self.ack_share(per),
                         });
                     }
                 }
@@ -555,15 +632,24 @@ impl Predictor {
                            waited: &mut Vec<Vec<Dep>>,
                            (a, b, ch): (usize, usize, usize),
                            after: Vec<Dep>| {
-                let path = &paths
+                paths
                     .entry((a, b))
-                    .or_insert_with(|| self.channel_paths(a, b, &mut rng))[ch];
+                    .or_insert_with(|| self.channel_paths(a, b, &mut rng));
+                let back: Vec<u32> = paths
+                    .entry((b, a))
+                    .or_insert_with(|| self.channel_paths(b, a, &mut rng))[ch]
+                    .iter()
+                    .map(|p| p.0)
+                    .collect();
+                let path = &paths[&(a, b)][ch];
                 let id = transfers.len();
                 transfers.push(Transfer {
                     path: path.iter().map(|p| p.0).collect(),
-                    bytes: piece,
+                    bytes: self.wire_load(piece),
                     latency: self.path_latency(path.iter().map(|p| p.0 as usize), piece),
                     after,
+                    ack_path: back,
+                    ack_share: self.ack_share(piece),
                 });
                 waited[a * threads + ch % threads] = vec![Dep::Sent(id)];
                 id
@@ -629,7 +715,8 @@ impl Predictor {
         let links = schedule::tree_depth(n).saturating_sub(1);
         let down: Vec<Flow> = up.iter().map(|&(a, b, x)| (b, a, x)).collect();
         let piece = PIECE.min(s / 2.0);
-        let fill = (links.saturating_sub(1)) as f64 * self.phase(&[(up[0].0, up[0].1, piece)]);
+        let fill =
+            (links.saturating_sub(1)) as f64 * self.phase_over(&[(up[0].0, up[0].1, piece)], 1);
         self.phase(&up) + self.phase(&down) + 2.0 * fill
     }
 
@@ -706,11 +793,15 @@ mod tests {
         let t = topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"0ns\"\n[switches.leaf]\nlatency = \"0ns\"\n");
         let p = Predictor::new(&t, (0..8).collect(), 2);
         let s = 8e6;
-        let cap = 1e9 / 8.0 * 1500.0 / 1552.0;
         let frame = 1552.0 * 8.0 / 1e9;
-        // Streaming: 14 steps of a 1 MB chunk each (transfer-bound), plus one latency:
-        // the last frame's second hop (its first is in the transfer time).
-        let want = 14.0 * ((s / 8.0) / cap) + frame;
+        // A rank's link to the switch carries its 1 MB chunk (two connections of 500 KB:
+        // 334 frames each, the last short) and the ACKs of the chunk it receives (one per
+        // two frames: 167 of 52 bytes per connection); its link from the switch, the
+        // same. Streaming: 14 steps of that (transfer-bound), plus one latency: the last
+        // frame's second hop (its first is in the transfer time).
+        let data = (500e3 + 334.0 * 52.0) * 8.0 / 1e9;
+        let acks = 167.0 * 52.0 * 8.0 / 1e9;
+        let want = 14.0 * 2.0 * (data + acks) + frame;
         let got = p.predict(Op::AllReduce, Algo::Ring, s as usize, 0);
         assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
     }
@@ -778,17 +869,21 @@ mod tests {
     fn a_ring_of_single_frames_pays_store_and_forward_once_per_step() {
         // 8 ranks on one switch, one channel, AllGather of 1,000-byte chunks (a frame
         // each): every step is the frame serialized on both links, both delays and the
-        // switch, exactly; the steps follow one another. The first link's serialization
-        // was counted twice per step (as the transfer and in the path's latency), and a
-        // step's latency once more at the end: 1.44 × this.
+        // switch, and the ACK of the frame a rank received, which its TCP sends as the
+        // agent reads it, just ahead of the frame it forwards — exactly; the steps follow
+        // one another. The first link's serialization was counted twice per step (as the
+        // transfer and in the path's latency), and a step's latency once more at the end:
+        // 1.44 × this. (Captured on `single-switch-8` at time_scale 1000: a step of 128
+        // bytes took 15.28 µs, 2 frames of 1.744, the ACK's 0.72, 11 µs, and 0.075 of the
+        // box's wall time.)
         let t = topo("[topology]\nkind = \"single-switch\"\ngpus = 8\n[links.nic]\nrate = \"1Gbit\"\ndelay = \"5us\"\n[switches.leaf]\nlatency = \"1us\"\n");
         let p = Predictor::new(&t, (0..8).collect(), 1);
         let frame = (1000.0 + 52.0) * 8.0 / 1e9;
-        let step = 2.0 * frame + 2.0 * 5e-6 + 1e-6;
+        let ack = 52.0 * 8.0 / 1e9;
+        let step = 2.0 * frame + ack + 2.0 * 5e-6 + 1e-6;
         let got = p.predict(Op::AllGather, Algo::Auto, 8000, 0);
-        // Transfers count a frame's headers as a full frame's share: 1.7 % less here.
         assert!(
-            (got / (7.0 * step) - 1.0).abs() < 0.01,
+            (got / (7.0 * step) - 1.0).abs() < 1e-9,
             "{got} vs {}",
             7.0 * step
         );

@@ -34,6 +34,11 @@ pub struct Transfer {
     pub latency: f64,
     /// Transfers this one waits for; all of them have smaller indices.
     pub after: Vec<Dep>,
+    /// Port indices its acknowledgements cross (the connection's way back), and what they
+    /// take there per byte of the transfer's: moving at rate r, it also takes r ×
+    /// `ack_share` of each of those ports.
+    pub ack_path: Vec<u32>,
+    pub ack_share: f64,
 }
 
 /// Seconds until every transfer has arrived. `cap` is each port's rate in bytes/s.
@@ -189,6 +194,11 @@ impl<'a> Sim<'a> {
     }
 }
 
+/// Passes that settle the ports' capacity left by acknowledgements (`Shares::compute`):
+/// their share is a few % of the data's (half of one frame's headers per two frames), so
+/// the rates move by a few % of a few % after the first.
+const ACK_PASSES: usize = 2;
+
 /// First come, first served: in start order, each transfer takes what is left on the
 /// most loaded port of its path.
 ///
@@ -219,8 +229,43 @@ impl Shares {
         }
     }
 
-    /// `active` is in start order.
+    /// `active` is in start order. Acknowledgements go first: a FIFO port serves them as
+    /// they come, whichever transfer came first, so each port keeps what the ACKs
+    /// crossing it take at the rates of the pass before (`ACK_PASSES`) and the transfers
+    /// share the rest.
     fn compute(&mut self, cap: &[f64], transfers: &[Transfer], active: &[usize], rate: &mut [f64]) {
+        let acked = active.iter().any(|&i| transfers[i].ack_share > 0.0);
+        if !acked {
+            return self.compute_once(cap, transfers, active, rate);
+        }
+        let mut free = cap.to_vec();
+        for _ in 0..ACK_PASSES {
+            self.compute_once(&free, transfers, active, rate);
+            free.copy_from_slice(cap);
+            for &i in active {
+                let t = &transfers[i];
+                if rate[i].is_finite() {
+                    for &p in &t.ack_path {
+                        free[p as usize] -= rate[i] * t.ack_share;
+                    }
+                }
+            }
+            // (ACKs cannot take a port whole: their share of it is less than the data's
+            // that sends them, and the same port carries data too or nothing.)
+            for (f, c) in free.iter_mut().zip(cap) {
+                *f = f.max(c * 1e-3);
+            }
+        }
+        self.compute_once(&free, transfers, active, rate);
+    }
+
+    fn compute_once(
+        &mut self,
+        cap: &[f64],
+        transfers: &[Transfer],
+        active: &[usize],
+        rate: &mut [f64],
+    ) {
         if self.cap.len() < transfers.len() {
             self.cap.resize(transfers.len(), f64::INFINITY);
         }
@@ -291,6 +336,8 @@ mod tests {
             bytes,
             latency,
             after: after.to_vec(),
+            ack_path: Vec::new(),
+            ack_share: 0.0,
         }
     }
 
@@ -302,6 +349,17 @@ mod tests {
     fn one_flow_takes_bytes_over_rate_plus_latency() {
         let got = makespan(&[100.0], &[t(&[0], 1000.0, 0.5, &[])], false);
         assert!(close(got, 10.5), "{got}");
+    }
+
+    #[test]
+    fn acknowledgements_take_their_share_of_the_way_back() {
+        // T0 (port 0, 1000 B) acknowledged over port 1 at half its rate: 50 B/s of port
+        // 1 while it runs (10 s), so T1 (port 1, 1000 B) gets 50 B/s until then and 100
+        // after: 500 B by 10 s, the rest by 15 s.
+        let mut t0 = t(&[0], 1000.0, 0.0, &[]);
+        (t0.ack_path, t0.ack_share) = (vec![1], 0.5);
+        let got = makespan(&[100.0, 100.0], &[t0, t(&[1], 1000.0, 0.0, &[])], false);
+        assert!(close(got, 15.0), "{got}");
     }
 
     #[test]
