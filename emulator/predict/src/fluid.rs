@@ -196,8 +196,10 @@ impl<'a> Sim<'a> {
 
 /// Passes that settle the ports' capacity left by acknowledgements (`Shares::compute`):
 /// their share is a few % of the data's (half of one frame's headers per two frames), so
-/// the rates move by a few % of a few % after the first.
-const ACK_PASSES: usize = 2;
+/// the rates move by a few % of a few % after the first. Each pass is one more sharing of
+/// the ports per event: with 2, a 32-rank AllToAll's prediction took 3 times as long as
+/// without ACKs, with 1 twice.
+const ACK_PASSES: usize = 1;
 
 /// First come, first served: in start order, each transfer takes what is left on the
 /// most loaded port of its path.
