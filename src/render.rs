@@ -11,11 +11,11 @@ pub fn human(bytes: usize) -> String {
     closbox_fabric::Bytes::new(bytes as u64).to_string()
 }
 
-pub const CSV_HEADER: &str = "op,algo,ranks,channels,size,count,type,redop,root,time_us,algbw_gbs,busbw_gbs,wrong,predicted_us,measured_over_predicted";
+pub const CSV_HEADER: &str = "op,algo,ranks,channels,size,count,type,redop,root,time_us,algbw_gbs,busbw_gbs,wrong,predicted_us,measured_over_predicted,min_us,max_us";
 
 pub fn csv_row(row: &Row, p: f64) -> String {
     format!(
-        "{},{},{},{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{:.2},{}",
+        "{},{},{},{},{},{},{},{},{},{:.2},{:.4},{:.4},{},{:.2},{},{},{}",
         row.op.name(),
         row.algo,
         row.ranks,
@@ -30,8 +30,20 @@ pub fn csv_row(row: &Row, p: f64) -> String {
         row.busbw,
         row.wrong,
         p,
-        ratio(row.time_us, p).map_or(String::new(), |x| format!("{x:.3}"))
+        ratio(row.time_us, p).map_or(String::new(), |x| format!("{x:.3}")),
+        extreme(&row.iter_us, f64::min),
+        extreme(&row.iter_us, f64::max),
     )
+}
+
+/// The least or greatest of a row's iteration times, to 2 decimals; empty without any
+/// (rows from agents that did not report them).
+fn extreme(iters: &[f64], pick: fn(f64, f64) -> f64) -> String {
+    iters
+        .iter()
+        .copied()
+        .reduce(pick)
+        .map_or(String::new(), |x| format!("{x:.2}"))
 }
 
 /// Measured over predicted; `None` where there is nothing to compare with (one rank: no

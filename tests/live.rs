@@ -1150,6 +1150,9 @@ fn bench_and_train_through_the_fabric() {
         assert_eq!(r["ranks"], 8);
         assert!(r["predicted_us"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["time_us"].as_f64().unwrap() > 0.0, "{r}");
+        // One timed iteration: its slowest rank's time is the slowest rank's mean.
+        assert_eq!(r["iter_us"].as_array().map(Vec::len), Some(1), "{r}");
+        assert_eq!(r["iter_us"][0], r["time_us"], "{r}");
         // Every agent reported its connections; the fabric hashes each onto one path.
         assert_eq!(r["predicted_on"], "run_paths", "{r}");
         assert!(r["box_behind"].is_boolean(), "{r}");
@@ -1195,6 +1198,15 @@ fn bench_and_train_through_the_fabric() {
         let line = o.lines().nth(1).unwrap();
         assert!(line.starts_with(&format!("allreduce,{algo},5,")), "{line}");
         assert_eq!(line.split(',').nth(12), Some("0"), "{line}");
+        // min_us and max_us last: one iteration, both its time.
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f.len(), 17, "{line}");
+        assert_eq!(f[15], f[16], "{line}");
+        assert_eq!(
+            f[15].parse::<f64>().ok(),
+            f[9].parse::<f64>().ok(),
+            "{line}"
+        );
     }
     let out = closbox(&[
         "train",

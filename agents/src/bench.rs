@@ -39,8 +39,14 @@ pub struct Row {
     pub dtype: DType,
     pub redop: Option<ReduceOp>,
     pub root: Option<usize>,
-    /// Fabric-time microseconds per operation.
+    /// Fabric-time microseconds per operation: the slowest rank's mean over the timed
+    /// iterations.
     pub time_us: f64,
+    /// Fabric-time microseconds of each timed iteration, each the slowest rank's in it
+    /// (every rank starts an iteration at one agreed instant). Their mean can exceed
+    /// `time_us` a little: a different rank may be the slowest in each.
+    #[serde(default)]
+    pub iter_us: Vec<f64>,
     /// GB/s (10⁹ bytes).
     pub algbw: f64,
     pub busbw: f64,
@@ -374,7 +380,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                     run_op(comm, call, &mut buf, &mut scratch)?;
                 }
             }
-            let mut total = 0.0f64;
+            let mut iter_secs = Vec::with_capacity(spec.iters);
             for _ in 0..spec.iters {
                 buf.copy_from_slice(&input_buf);
                 let entered = Instant::now();
@@ -385,7 +391,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 // plain barrier would.
                 let from = clock::wait_until_ns(start);
                 run_op(comm, call, &mut buf, &mut scratch)?;
-                total += clock::now_ns().saturating_sub(from) as f64 / 1e9;
+                iter_secs.push(clock::now_ns().saturating_sub(from) as f64 / 1e9);
             }
             let tolerance = if spec.redop == ReduceOp::Avg {
                 1e-2
@@ -393,10 +399,14 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 0.0
             };
             let my_wrong = wrong(spec.dtype, &buf, &want, tolerance);
-            let mean = total / spec.iters as f64;
-            // The slowest rank's time and everyone's errors, agreed by all.
-            let (slowest, all_wrong) = agree(comm, mean, my_wrong)?;
+            let mean = iter_secs.iter().sum::<f64>() / spec.iters as f64;
+            // The slowest rank's times and everyone's errors, agreed by all.
+            let (slowest, slowest_iters, all_wrong) = agree(comm, mean, &iter_secs, my_wrong)?;
             let time_us = spec.time_scale.fabric_of(slowest * 1e6);
+            let iter_us = slowest_iters
+                .iter()
+                .map(|s| spec.time_scale.fabric_of(s * 1e6))
+                .collect();
             let algbw = if time_us > 0.0 {
                 size as f64 / (time_us * 1e3)
             } else {
@@ -413,6 +423,7 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
                 redop: op.reduces().then_some(spec.redop),
                 root: op.rooted().then_some(root),
                 time_us,
+                iter_us,
                 algbw,
                 busbw: algbw * op.bus_factor(n),
                 wrong: all_wrong,
@@ -424,16 +435,27 @@ pub fn run(comm: &Comm, spec: &Spec, mut on_row: impl FnMut(&Row)) -> anyhow::Re
     Ok(rows)
 }
 
-/// Max of `secs` and sum of `wrong` over all ranks, agreed by all (f32 microseconds:
-/// seven significant digits are plenty).
-fn agree(comm: &Comm, secs: f64, wrong: u64) -> anyhow::Result<(f64, u64)> {
-    let mut a = ((secs * 1e6) as f32).to_le_bytes().to_vec();
+/// Max of `secs` and of each of `iters` (seconds) and sum of `wrong` over all ranks,
+/// agreed by all (f32 microseconds: seven significant digits are plenty).
+fn agree(
+    comm: &Comm,
+    secs: f64,
+    iters: &[f64],
+    wrong: u64,
+) -> anyhow::Result<(f64, Vec<f64>, u64)> {
+    let mut a: Vec<u8> = std::iter::once(secs)
+        .chain(iters.iter().copied())
+        .flat_map(|s| ((s * 1e6) as f32).to_le_bytes())
+        .collect();
     let mut b = (wrong as f32).to_le_bytes().to_vec();
     comm.all_reduce(&mut a, DType::F32, ReduceOp::Max, Algo::Ring)?;
     comm.all_reduce(&mut b, DType::F32, ReduceOp::Sum, Algo::Ring)?;
-    let us = f32::from_le_bytes(a[..4].try_into().expect("4 bytes"));
+    let mut us = a
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64 / 1e6);
+    let mean = us.next().expect("the mean");
     let w = f32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
-    Ok((us as f64 / 1e6, w as u64))
+    Ok((mean, us.collect(), w as u64))
 }
 
 /// Wall time added to every agreed start beyond twice the longest barrier (the ranks'

@@ -41,13 +41,21 @@ fn check(n: usize, channels: usize, nodes: Vec<usize>, case: Case, sizes: &[usiz
         };
         bench::run(&c, &spec, |_| {}).expect("bench runs")
     });
-    for rows in results {
+    for rows in &results {
+        // Every rank reports the same agreed rows.
+        assert_eq!(rows, &results[0]);
         for row in rows {
             assert_eq!(
                 row.wrong, 0,
                 "n={n} ch={channels} {:?} {} {dtype:?} {redop:?} size {}: {} wrong",
                 row.op, row.algo, row.size, row.wrong
             );
+            // Each iteration's slowest rank took at least that rank's own time in it, so
+            // on average at least the slowest rank's mean (to f32's precision).
+            assert_eq!(row.iter_us.len(), 2, "{row:?}");
+            let mean = row.iter_us.iter().sum::<f64>() / 2.0;
+            assert!(row.iter_us.iter().all(|&t| t > 0.0), "{row:?}");
+            assert!(mean >= row.time_us * (1.0 - 1e-5), "{row:?}");
         }
     }
 }
