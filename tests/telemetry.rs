@@ -514,6 +514,19 @@ fn metrics_pass_promtool_and_equal_status() {
         st["delivered"].as_u64().unwrap()
     );
     assert!(sample(&body, "closbox_packets_in_total{fabric=\"lt-met\"}") >= 10.0);
+    // The drops the GPUs' kernels count, as in `status` (they were missing here).
+    for (reason, field) in [
+        ("tun_kernel", "tun_tx_dropped"),
+        ("gpu_kernel", "gpu_rx_dropped"),
+        ("gpu_socket", "gpu_socket_dropped"),
+    ] {
+        let key = format!("closbox_drops_total{{fabric=\"lt-met\",reason=\"{reason}\"}}");
+        assert_eq!(
+            Some(sample(&body, &key) as u64),
+            st[field].as_u64(),
+            "{reason}"
+        );
+    }
     assert!(sample(&body, "closbox_write_lateness_seconds_count") >= 10.0);
     assert_eq!(
         sample(

@@ -560,13 +560,19 @@ fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &Event
         Ok(s) => s,
         Err(_) => return Reply::error("the data plane did not answer within 5 s"),
     };
-    // (Of the interfaces still there: a GPU's host may have deleted its own.)
-    if let Ok(d) = crate::netns::tun_dropped(&state.gpus, ifindex) {
+    add_kernel_drops(&mut s, &state.gpus, ifindex);
+    Reply::Status(Box::new(s))
+}
+
+/// Adds to a status from the data plane the drops the GPUs' kernels counted (`status`
+/// and `/metrics`): at their TUNs (`ifindex[i]`: GPU `i`'s), and at their sockets. Of the
+/// interfaces still there: a GPU's host may have deleted its own.
+pub(crate) fn add_kernel_drops(s: &mut Status, gpus: &[crate::state::GpuState], ifindex: &[u32]) {
+    if let Ok(d) = crate::netns::tun_dropped(gpus, ifindex) {
         s.tun_tx_dropped = Some(d.iter().flatten().map(|d| d.tx).sum());
         s.gpu_rx_dropped = Some(d.iter().flatten().map(|d| d.rx).sum());
         s.gpu_socket_dropped = Some(d.iter().flatten().filter_map(|d| d.udp_rcvbuf).sum());
     }
-    Reply::Status(Box::new(s))
 }
 
 /// How long a client waits for the daemon's reply.

@@ -290,10 +290,16 @@ pub fn run_fabric(
         .realtime(sched.realtime)
         .idle_poll(sched.idle_poll)
         .pacer(pacer);
-    control::serve(st.clone(), ifindex, ctl_tx.clone(), Arc::clone(&wake))?;
+    control::serve(
+        st.clone(),
+        ifindex.clone(),
+        ctl_tx.clone(),
+        Arc::clone(&wake),
+    )?;
     if let Some(listener) = metrics {
         let addr = listener.local_addr()?;
-        metrics::serve(listener, ctl_tx.clone(), Arc::clone(&wake))?;
+        let gpus = st.gpus.clone();
+        metrics::serve(listener, ctl_tx.clone(), Arc::clone(&wake), gpus, ifindex)?;
         tracing::info!("fabric {name}: metrics on http://{addr}/metrics");
     }
     st.phase = Phase::Ready;

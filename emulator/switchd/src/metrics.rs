@@ -34,9 +34,21 @@ pub fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr).with_context(|| format!("--metrics {addr}: cannot listen"))
 }
 
-/// Serves `/metrics` from `listener` until the data plane stops.
-pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> anyhow::Result<()> {
+/// The GPUs whose kernels' drop counters a scrape adds (`control::add_kernel_drops`), and
+/// each one's interface index.
+type Gpus = Arc<(Vec<crate::state::GpuState>, Vec<u32>)>;
+
+/// Serves `/metrics` from `listener` until the data plane stops. `gpus` and `ifindex`:
+/// each GPU and its interface's index, for the drops its kernel counts.
+pub fn serve(
+    listener: TcpListener,
+    ctl: Sender<Ctl>,
+    wake: Arc<EventFd>,
+    gpus: Vec<crate::state::GpuState>,
+    ifindex: Vec<u32>,
+) -> anyhow::Result<()> {
     let ctl = Arc::new(Mutex::new(ctl));
+    let gpus: Gpus = Arc::new((gpus, ifindex));
     let open = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("metrics".into())
@@ -55,10 +67,11 @@ pub fn serve(listener: TcpListener, ctl: Sender<Ctl>, wake: Arc<EventFd>) -> any
                     continue;
                 }
                 let (ctl, wake, done) = (ctl.clone(), wake.clone(), open.clone());
+                let gpus = gpus.clone();
                 let spawned = std::thread::Builder::new()
                     .name("metrics-conn".into())
                     .spawn(move || {
-                        if let Err(e) = answer(conn, &ctl, &wake) {
+                        if let Err(e) = answer(conn, &ctl, &wake, &gpus) {
                             tracing::debug!("metrics: {e:#}");
                         }
                         done.fetch_sub(1, Ordering::AcqRel);
@@ -81,7 +94,12 @@ const MAX_CONNECTIONS: usize = 16;
 /// and then) must not keep scrapes waiting longer.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 
-fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyhow::Result<()> {
+fn answer(
+    mut conn: TcpStream,
+    ctl: &Mutex<Sender<Ctl>>,
+    wake: &EventFd,
+    gpus: &Gpus,
+) -> anyhow::Result<()> {
     conn.set_write_timeout(Some(REQUEST_DEADLINE))?;
     // The request head, up to 8 KiB.
     let head = match crate::head::read_head(&mut conn, b"\r\n\r\n", 8192, REQUEST_DEADLINE) {
@@ -108,7 +126,10 @@ fn answer(mut conn: TcpStream, ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> anyh
     let head_only = method == "HEAD";
     let get = method == "GET" || head_only;
     let (status, kind, body) = match (get, path.split('?').next().unwrap_or("")) {
-        (true, "/metrics") => match snapshot(ctl, wake) {
+        (true, "/metrics") => match snapshot(ctl, wake).map(|mut s| {
+            crate::control::add_kernel_drops(&mut s, &gpus.0, &gpus.1);
+            s
+        }) {
             Some(s) if openmetrics => (
                 "200 OK",
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
