@@ -293,6 +293,8 @@ pub struct RunHealth {
     cpu: Option<CpuUse>,
     /// Share of the box's CPU time the hypervisor took during the run (steal).
     steal: f64,
+    /// Packets the fabric's ports marked ECN CE during the run.
+    ecn_marks: u64,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -361,7 +363,9 @@ impl RunHealth {
         let fabric_drops =
             |s: &Status| crate::status::drops(s, "buffer_full") + crate::status::drops(s, "loss");
         let hist = Histogram::since(&before.lateness_buckets, &after.lateness_buckets);
+        let marks = |s: &Status| s.ports.iter().map(|p| p.ecn_marked).sum::<u64>();
         RunHealth {
+            ecn_marks: marks(after).saturating_sub(marks(before)),
             packets: after.packets_in.saturating_sub(before.packets_in),
             fabric_drops: fabric_drops(after).saturating_sub(fabric_drops(before)),
             tun_drops: after
@@ -547,6 +551,13 @@ impl RunHealth {
             self.time_scale.fabric_of(self.lateness.p99_us),
             thousands(self.tun_drops),
         );
+        if self.ecn_marks > 0 {
+            let _ = writeln!(
+                s,
+                "# ECN: the fabric marked {} packets during the run; the GPUs' TCP slows down at marks (Reno halves its window), which the model leaves out: a result above the model may be that",
+                thousands(self.ecn_marks)
+            );
+        }
         if let Some((mode, events, paused_s)) = &self.pauses {
             let _ = writeln!(
                 s,
@@ -1337,7 +1348,17 @@ mod tests {
             deadlocked: Vec::new(),
             cpu: None,
             steal: 0.0,
+            ecn_marks: 0,
         }
+    }
+
+    #[test]
+    fn ecn_marks_during_a_run_are_said_only_when_there_are_any() {
+        let mut h = health(100.0, 1.0, 0);
+        assert!(!h.footer(None).contains("ECN"));
+        h.ecn_marks = 3142;
+        let f = h.footer(None);
+        assert!(f.contains("# ECN: the fabric marked 3,142 packets"), "{f}");
     }
 
     #[test]
