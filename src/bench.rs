@@ -661,10 +661,16 @@ const FAR_FROM_MODEL: f64 = 2.0;
 /// start-up costs 30–56 µs of wall time and every collective starts one or two per
 /// channel, so 1 KiB AllGathers between 2 GPUs took 10.7–13.8 × the model at 64 channels
 /// even at time_scale 100.
+///
+/// `signals`: packets the fabric dropped (full buffers, loss) and ECN-marked during the
+/// run. With any, TCP backing off is named first: a 16 MiB AllToAll on `single-switch-8`
+/// took 2.15 × the model with 314 drops and 56,532 marks, and the note blamed the
+/// endpoints alone.
 fn far_from_model_note(
     named: &[(String, f64)],
     predicted: &[f64],
     late: &[bool],
+    signals: (u64, u64),
 ) -> Option<String> {
     const NAMED: usize = 4;
     let far: Vec<String> = named
@@ -684,8 +690,17 @@ fn far_from_model_note(
         n if n > NAMED => format!(", … {} more", n - NAMED),
         _ => String::new(),
     };
+    let endpoints = "the agents' system calls, thread start-ups and wake-ups per channel, wall time that a larger time_scale shrinks in fabric time";
+    let why = match signals {
+        (0, 0) => format!("the difference is at the endpoints, which the model leaves out ({endpoints}; and their TCP)"),
+        (drops, marks) => format!(
+            "the fabric dropped {} and ECN-marked {} packets during the run, and the GPUs' TCP slows down at both, which the model (loss-free, without TCP's reaction) leaves out; the rest is at the endpoints ({endpoints})",
+            thousands(drops),
+            thousands(marks)
+        ),
+    };
     Some(format!(
-        "# NOTE: {} of {} results took {FAR_FROM_MODEL} × the model's time or more while the fabric kept its schedule ({}{more}): the difference is at the endpoints, which the model leaves out (the agents' system calls, thread start-ups and wake-ups per channel, wall time that a larger time_scale shrinks in fabric time; and their TCP)\n",
+        "# NOTE: {} of {} results took {FAR_FROM_MODEL} × the model's time or more while the fabric kept its schedule ({}{more}): {why}\n",
         far.len(),
         named.len(),
         far[..far.len().min(NAMED)].join(", ")
@@ -1020,7 +1035,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         // Comments after a table; on stderr where stdout is JSON or CSV.
         let mut f = h.footer(late.as_ref());
         if h.tun_drops == 0 {
-            if let Some(note) = far_from_model_note(&named, &predicted, &late_flags) {
+            let signals = (h.fabric_drops, h.ecn_marks);
+            if let Some(note) = far_from_model_note(&named, &predicted, &late_flags, signals) {
                 f += &note;
             }
         }
@@ -1454,16 +1470,29 @@ mod tests {
         .map(|&(n, us)| (n.to_owned(), us))
         .collect();
         // 2 × and more, on time: named; late ones are the warning's; near the model, none.
-        let note = far_from_model_note(&named, &[25.2, 299.0, 480.0], &[false, false, false])
+        let predicted = [25.2, 299.0, 480.0];
+        let note = far_from_model_note(&named, &predicted, &[false, false, false], (0, 0))
             .expect("a note");
         assert!(
             note.starts_with("# NOTE: 2 of 3 results took 2 × the model's time or more while the fabric kept its schedule (allgather 1KiB 44.8 ×, allgather 64KiB 3.9 ×): the difference is at the endpoints"),
             "{note}"
         );
-        let none = far_from_model_note(&named, &[25.2, 299.0, 480.0], &[true, true, false]);
+        // Drops or marks during the run: TCP's backing off is named first.
+        let note = far_from_model_note(&named, &predicted, &[false, false, false], (314, 56_532))
+            .expect("a note");
+        assert!(
+            note.contains(
+                "3.9 ×): the fabric dropped 314 and ECN-marked 56,532 packets during the run"
+            ),
+            "{note}"
+        );
+        let none = far_from_model_note(&named, &predicted, &[true, true, false], (0, 0));
         assert_eq!(none, None);
         // No prediction (one rank): nothing to compare.
-        assert_eq!(far_from_model_note(&named[..1], &[0.0], &[false]), None);
+        assert_eq!(
+            far_from_model_note(&named[..1], &[0.0], &[false], (0, 0)),
+            None
+        );
     }
 
     #[test]
