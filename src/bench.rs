@@ -333,12 +333,13 @@ impl RunHealth {
     }
 
     fn between(fabric: &FabricName, before: &Status, after: &Status) -> RunHealth {
-        let events = match control::request(fabric, &Request::Events) {
-            Ok(Reply::Events { events }) => events
-                .iter()
-                .filter(|e| e.seq > before.events)
-                .map(crate::chaos::line)
-                .collect(),
+        let events = match control::request(
+            fabric,
+            &Request::Events {
+                after: before.events,
+            },
+        ) {
+            Ok(Reply::Events { events }) => events.iter().map(crate::chaos::line).collect(),
             _ => Vec::new(),
         };
         let mut loads: Vec<String> = Vec::new();

@@ -220,8 +220,8 @@ fn percent(p: f64) -> String {
 
 /// The events with a number above `after`.
 fn events_after(fabric: &FabricName, after: u64) -> anyhow::Result<Vec<Event>> {
-    match control::request(fabric, &Request::Events)? {
-        Reply::Events { events } => Ok(events.into_iter().filter(|e| e.seq > after).collect()),
+    match control::request(fabric, &Request::Events { after })? {
+        Reply::Events { events } => Ok(events),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),
     }
@@ -300,7 +300,7 @@ pub fn events(fabric: Option<&FabricName>, json: bool, follow: bool) -> anyhow::
         }
         return Ok(ExitCode::SUCCESS);
     }
-    match control::request(&st.fabric, &Request::Events)? {
+    match control::request(&st.fabric, &Request::Events { after: 0 })? {
         Reply::Events { events } => {
             if json {
                 println!("{}", serde_json::to_string_pretty(&events)?);

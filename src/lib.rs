@@ -275,7 +275,7 @@ impl Fabric {
     /// Every change since the fabric came up, oldest first (what `closbox events` lists):
     /// changes applied, and loads that started, were stopped or ended.
     pub fn events(&self) -> anyhow::Result<Vec<Event>> {
-        match control::request(&self.name, &Request::Events)? {
+        match control::request(&self.name, &Request::Events { after: 0 })? {
             Reply::Events { events } => Ok(events),
             Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),

@@ -93,7 +93,7 @@ pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> 
     let st = live::resolve(fabric)?;
     let mut prev = snapshot(&st.fabric)?;
     std::thread::sleep(Duration::from_millis(500));
-    let events = |f: &FabricName| match control::request(f, &Request::Events) {
+    let events = |f: &FabricName| match control::request(f, &Request::Events { after: 0 }) {
         Ok(Reply::Events { events }) => events,
         _ => Vec::new(),
     };

@@ -30,6 +30,10 @@ use crate::sys::EventFd;
 /// misread each other.
 pub const API_VERSION: u32 = 1;
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// What a client asks: `{"v":1,"cmd":"status"}`, `{"v":1,"cmd":"stop"}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
@@ -37,7 +41,12 @@ pub enum Request {
     Status,
     /// `{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":null}`
     Change(ChangeRequest),
-    Events,
+    /// `{"v":1,"cmd":"events"}`: the log of changes; `"after":N` only those numbered
+    /// above N (what a client following the log has not seen: the log holds up to 10,000).
+    Events {
+        #[serde(default, skip_serializing_if = "is_zero")]
+        after: u64,
+    },
     /// `{"v":1,"cmd":"schedule","items":[[2000000,{"change":"link-down",…}],…]}`: changes
     /// at fabric ns after now, as one timeline.
     Schedule {
@@ -258,8 +267,10 @@ pub fn serve(
                             Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
                                 .and_then(|r| r.map_err(|e| e.to_string()))
                                 .map_or_else(Reply::error, |events| Reply::Changed { events }),
-                            Ok(Request::Events) => ask(ctl, wake, Ctl::Events)
-                                .map_or_else(Reply::error, |events| Reply::Events { events }),
+                            Ok(Request::Events { after }) => {
+                                ask(ctl, wake, |tx| Ctl::Events(after, tx))
+                                    .map_or_else(Reply::error, |events| Reply::Events { events })
+                            }
                             Ok(Request::Schedule { items, faults }) => {
                                 ask(ctl, wake, |tx| Ctl::Schedule(items, faults, tx))
                                     .and_then(|r| r.map_err(|e| e.to_string()))
@@ -698,6 +709,32 @@ mod tests {
             r#"{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":1}"#
         );
         assert_eq!(parse_request(&line).unwrap(), req);
+    }
+
+    #[test]
+    fn events_requests_take_where_to_start_and_default_to_the_whole_log() {
+        assert_eq!(
+            parse_request(r#"{"v":1,"cmd":"events"}"#).unwrap(),
+            Request::Events { after: 0 }
+        );
+        assert_eq!(
+            parse_request(r#"{"v":1,"cmd":"events","after":42}"#).unwrap(),
+            Request::Events { after: 42 }
+        );
+        for (req, line) in [
+            (Request::Events { after: 0 }, r#"{"v":1,"cmd":"events"}"#),
+            (
+                Request::Events { after: 7 },
+                r#"{"v":1,"cmd":"events","after":7}"#,
+            ),
+        ] {
+            let sent = serde_json::to_string(&Versioned {
+                v: API_VERSION,
+                body: &req,
+            })
+            .unwrap();
+            assert_eq!(sent, line);
+        }
     }
 
     #[test]

@@ -166,7 +166,8 @@ pub enum Ctl {
     Record(RecordSpec, Sender<Result<u64, String>>),
     /// Ends a recording (its client went away).
     EndRecord(u64),
-    Events(Sender<Vec<Event>>),
+    /// The events numbered above the first field.
+    Events(u64, Sender<Vec<Event>>),
     Stop,
 }
 
@@ -704,8 +705,10 @@ impl<P: Ports> DataPlane<P> {
                 Ctl::EndRecord(id) => {
                     self.recordings.retain(|r| r.id != id);
                 }
-                Ctl::Events(reply) => {
-                    let _ = reply.send(self.events.clone());
+                Ctl::Events(after, reply) => {
+                    // (Numbered in order: only the new ones are copied.)
+                    let from = self.events.partition_point(|e| e.seq <= after);
+                    let _ = reply.send(self.events[from..].to_vec());
                 }
             }
         }
