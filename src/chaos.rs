@@ -387,14 +387,20 @@ pub struct Timeline {
     time_scale: closbox_fabric::TimeScale,
     /// Events as JSON lines on stdout (`closbox chaos --json`), not "# chaos:" lines.
     json: bool,
+    /// Its events said as they happen (`follow`) and what the fabric did meanwhile said
+    /// at its end (`run --chaos`, `mpirun --chaos`: the job's output, interleaved); off,
+    /// the caller reports (`bench` and `train` in their footers).
+    pub live: bool,
 }
 
 /// A timeline the daemon is running.
 pub struct Started {
     id: u64,
     at: StdInstant,
-    /// The last event it printed as it started (what it applied at once).
+    /// The last event it printed (at first: what it applied at once).
     seen: u64,
+    /// The fabric's counters when it started (`live`).
+    counts: Option<Counts>,
 }
 
 impl Timeline {
@@ -409,6 +415,7 @@ impl Timeline {
             scenario,
             time_scale: st.time_scale,
             json: false,
+            live: false,
         })
     }
 
@@ -428,6 +435,11 @@ impl Timeline {
 
     /// Hands the timeline to the daemon: its time 0 is now.
     pub fn start(&self) -> anyhow::Result<Started> {
+        let counts = if self.live {
+            Some(counts(&self.fabric)?)
+        } else {
+            None
+        };
         let req = Request::Schedule {
             items: self.scenario.items.clone(),
             faults: self.scenario.faults.clone(),
@@ -454,6 +466,7 @@ impl Timeline {
                     id: timeline,
                     at: StdInstant::now(),
                     seen: events.iter().map(|e| e.seq).max().unwrap_or(0),
+                    counts,
                 })
             }
             // Refused by the daemon as a whole (loads beyond its budget together, too
@@ -463,9 +476,31 @@ impl Timeline {
         }
     }
 
+    /// Says the timeline's events since the last said (`live`; a daemon that does not
+    /// answer is for the job's end to report).
+    pub fn follow(&self, started: &mut Started) {
+        if !self.live {
+            return;
+        }
+        let Ok(new) = events_after(&self.fabric, started.seen) else {
+            return;
+        };
+        for e in &new {
+            if e.timeline == Some(started.id)
+                || closbox_switchd::dataplane::ends_early(&e.what, started.id)
+            {
+                self.say(e);
+            }
+            started.seen = started.seen.max(e.seq);
+        }
+    }
+
     /// The job is over (`why`: "the job ended", "interrupted"): what of the timeline is
-    /// still pending is dropped but for its repairs, and said so.
-    pub fn finish(&self, started: &Started, why: &str) {
+    /// still pending is dropped but for its repairs, and said so; `live`, with its last
+    /// events and what the fabric did meanwhile.
+    pub fn finish(&self, started: &mut Started, why: &str) {
+        self.follow(started);
+        let mut said = Vec::new();
         match control::request(
             &self.fabric,
             &Request::Cancel {
@@ -491,10 +526,29 @@ impl Timeline {
                 );
                 for e in &repaired {
                     self.say(e);
+                    said.push(e.seq);
                 }
             }
             Ok(_) => {}
             Err(e) => eprintln!("# chaos: could not cancel the rest of {}: {e:#}", self.file),
+        }
+        if !self.live {
+            return;
+        }
+        // What it did between the last look and the cancel (said above: the repairs).
+        if let Ok(new) = events_after(&self.fabric, started.seen) {
+            for e in new.iter().filter(|e| !said.contains(&e.seq)) {
+                if e.timeline == Some(started.id) {
+                    self.say(e);
+                }
+            }
+        }
+        if let (Some(before), Ok(after)) = (&started.counts, counts(&self.fabric)) {
+            eprintln!(
+                "# chaos: {} during the job: {}",
+                self.file,
+                meanwhile_text(&Meanwhile::between(before, &after))
+            );
         }
     }
 }
@@ -556,7 +610,8 @@ pub fn scenario_cmd(
     } else {
         Some(counts(&st.fabric)?)
     };
-    let started = timeline.start()?;
+    let mut started = timeline.start()?;
+    let id = started.id;
     // How it ended and what the fabric did meanwhile: a last line, a JSON object with
     // --json.
     let report = |end: ChaosEnd| {
@@ -569,7 +624,7 @@ pub fn scenario_cmd(
         }
         if json {
             let end = ChaosRun {
-                timeline: started.id,
+                timeline: id,
                 end,
                 meanwhile,
             };
@@ -620,7 +675,7 @@ pub fn scenario_cmd(
             return Ok(ExitCode::SUCCESS);
         }
         if stop.load(Ordering::Relaxed) {
-            timeline.finish(&started, "interrupted");
+            timeline.finish(&mut started, "interrupted");
             report(ChaosEnd::Interrupted);
             return Ok(ExitCode::from(130));
         }
@@ -642,7 +697,7 @@ pub fn scenario_cmd(
         }
         std::thread::sleep(StdDuration::from_millis(100));
     }
-    timeline.finish(&started, "followed to its end");
+    timeline.finish(&mut started, "followed to its end");
     report(ChaosEnd::Followed);
     Ok(ExitCode::SUCCESS)
 }

@@ -415,6 +415,10 @@ pub(crate) enum Command {
         /// Print the launcher's command line and run nothing.
         #[arg(long)]
         dry_run: bool,
+        /// A chaos scenario (`closbox chaos`) to run with the job, as `run --chaos`: its
+        /// time 0 is the launcher's start; cancelled when the job ends.
+        #[arg(long, value_name = "FILE")]
+        chaos: Option<PathBuf>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
         /// deadline waits run time_scale times slower (see "Fabric time" in the README;
         /// nothing changes on a real-time fabric).
@@ -847,6 +851,15 @@ impl FabricChoice {
     }
 }
 
+/// How many words an option takes after it for sure: none for a flag or an optional
+/// value (`load --stop [ID]`), 2 for `--mca KEY VALUE`.
+fn values_taken(arg: &clap::Arg) -> usize {
+    if !arg.get_action().takes_values() {
+        return 0;
+    }
+    arg.get_num_args().map_or(1, |r| r.min_values())
+}
+
 /// `--delay -1us`: clap takes a value starting with '-' for options ("unexpected argument
 /// '-1' found"); joined as `--delay=-1us` it reaches the option's parser, which says what
 /// is wrong with it ("must not be negative"). Only for long options that take a value,
@@ -875,19 +888,35 @@ pub(crate) fn join_negative_values(
             continue;
         }
         if let Some(name) = s.strip_prefix("--").filter(|n| !n.contains('=')) {
-            let takes_value = cmd
+            let values = cmd
                 .get_arguments()
-                .any(|arg| arg.get_long() == Some(name) && arg.get_action().takes_values());
+                .find(|arg| arg.get_long() == Some(name))
+                .map_or(0, values_taken);
             let negative = rest.peek().and_then(|v| v.to_str()).is_some_and(|v| {
                 v.strip_prefix('-')
                     .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit() || c == '.'))
             });
-            if takes_value && negative {
+            if values == 1 && negative {
                 let v = rest.next().expect("peeked");
                 out.push(format!("--{name}={}", v.to_str().expect("peeked as str")).into());
                 continue;
             }
             out.push(a);
+            // Its values are its own, not a command's first word (`-f ls16 -np 2`).
+            out.extend(rest.by_ref().take(values));
+            continue;
+        }
+        // A short option that takes its value from the next word (`-f ls16`).
+        if let Some(c) = s.strip_prefix('-').and_then(|f| {
+            let mut chars = f.chars();
+            chars.next().filter(|_| chars.next().is_none())
+        }) {
+            let values = cmd
+                .get_arguments()
+                .find(|arg| arg.get_short() == Some(c))
+                .map_or(0, values_taken);
+            out.push(a);
+            out.extend(rest.by_ref().take(values));
             continue;
         }
         if !s.starts_with('-') {

@@ -319,6 +319,7 @@ fn main() -> ExitCode {
             mca,
             export,
             dry_run,
+            chaos,
             fabric_clock,
             cmd,
         } => mpirun::mpirun(mpirun::MpirunArgs {
@@ -330,6 +331,7 @@ fn main() -> ExitCode {
             mca: &mca,
             export: &export,
             dry_run,
+            chaos: chaos.as_deref(),
             fabric_clock,
             cmd: &cmd,
         }),
@@ -436,7 +438,11 @@ fn main() -> ExitCode {
             let timeline = chaos
                 .as_deref()
                 .map(|f| chaos::Timeline::load(&st, f))
-                .transpose()?;
+                .transpose()?
+                .map(|mut t| {
+                    t.live = true;
+                    t
+                });
             run::run(run::RunArgs {
                 st: &st,
                 sel: &sel,
@@ -616,6 +622,30 @@ mod tests {
             &["closbox", "mpirun", "-np", "4", "prog", "-np", "9"][..],
             &["closbox", "mpirun", "-n", "4", "--", "prog", "-np", "9"],
             &["closbox", "mpirun", "--np", "4", "prog", "-np", "9"],
+            // After options with values (read as the program's first word before).
+            &[
+                "closbox", "mpirun", "--fabric", "ls16", "-np", "4", "prog", "-np", "9",
+            ],
+            &[
+                "closbox", "mpirun", "-f", "ls16", "-np", "4", "prog", "-np", "9",
+            ],
+            &[
+                "closbox", "mpirun", "--mca", "btl", "tcp", "-x", "A=1", "-np", "4", "prog", "-np",
+                "9",
+            ],
+            &[
+                "closbox",
+                "mpirun",
+                "--timeout",
+                "5",
+                "--chaos",
+                "c.toml",
+                "-np",
+                "4",
+                "prog",
+                "-np",
+                "9",
+            ],
         ] {
             match parse(args).map(|c| c.command) {
                 Ok(crate::Command::Mpirun { np, cmd, .. }) => {

@@ -78,6 +78,8 @@ pub struct MpirunArgs<'a> {
     pub mca: &'a [String],
     pub export: &'a [String],
     pub dry_run: bool,
+    /// A scenario file to run with the job (`--chaos`).
+    pub chaos: Option<&'a std::path::Path>,
     pub fabric_clock: bool,
     pub cmd: &'a [String],
 }
@@ -317,6 +319,15 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
             st.gpus.len()
         ),
     };
+    // A bad scenario is a usage error before anything runs (also on a dry run).
+    let timeline = a
+        .chaos
+        .map(|f| crate::chaos::Timeline::load(&st, f))
+        .transpose()?
+        .map(|mut t| {
+            t.live = true;
+            t
+        });
     let imp = a.implementation.unwrap_or_else(MpiImpl::detect);
     let launcher = match imp.launcher() {
         Ok(l) => l,
@@ -387,7 +398,7 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
                 println!("{line}");
             }
         })),
-        chaos: None,
+        chaos: timeline.as_ref(),
     })
 }
 

@@ -53,6 +53,9 @@ struct Rank {
     done: Option<std::process::ExitStatus>,
 }
 
+/// How often a chaos timeline's new events are looked for (`Timeline::live`).
+const FOLLOW_EVERY: Duration = Duration::from_millis(100);
+
 /// How long the other ranks of a job may take to end on their own after one failed.
 const FAILURE_GRACE: Duration = Duration::from_secs(1);
 
@@ -164,7 +167,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     // each later fork copy more of this process and fault more of it in on both CPUs
     // (256 ranks of `true` took 4.4 s).
     let reader = read_outputs(pipes, sink);
-    let timeline = match a.chaos.map(|t| t.start()).transpose() {
+    let mut timeline = match a.chaos.map(|t| t.start()).transpose() {
         Ok(t) => t,
         Err(e) => {
             stop_all(&mut ranks);
@@ -178,6 +181,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let mut grace_until: Option<Instant> = None;
     let mut stopped = false;
     let mut code = 0u8;
+    let mut next_follow = Instant::now();
     loop {
         let mut running = 0;
         for r in ranks.iter_mut().filter(|r| r.done.is_none()) {
@@ -229,9 +233,15 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             stopped = true;
             break;
         }
+        if let (Some(t), Some(started)) = (a.chaos, &mut timeline) {
+            if next_follow.elapsed() >= FOLLOW_EVERY {
+                t.follow(started);
+                next_follow = Instant::now();
+            }
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
-    if let (Some(t), Some(started)) = (a.chaos, &timeline) {
+    if let (Some(t), Some(started)) = (a.chaos, &mut timeline) {
         t.finish(started, "the job ended");
     }
     // The ranks are gone; their output is read to its end, unless something they started

@@ -606,6 +606,25 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         e.contains("bad-scenario.toml:5:5:") && e.contains("spine0"),
         "{e}"
     );
+    // `mpirun --chaos` checks it the same way before anything runs (a dry run too).
+    let out = closbox(&[
+        "mpirun",
+        "--fabric",
+        "lt-scen",
+        "-np",
+        "2",
+        "--dry-run",
+        "--chaos",
+        bad.to_str().unwrap(),
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("bad-scenario.toml:5:5:"),
+        "{:?}",
+        text(&out)
+    );
     assert_eq!(f.status()["events"], 0, "nothing ran");
 
     let good = dir.join("scenario.toml");
@@ -691,6 +710,25 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let e = text(&out).1;
     assert!(e.contains("# chaos: ") && e.contains("cancelled"), "{e}");
     assert!(e.contains("link leaf0-spine0 #0 up (now: timeline "), "{e}");
+    // Its changes said as they happen, each once (the fault, then its repair at the
+    // cancel), and what the fabric did during the job at the end.
+    let lines: Vec<&str> = e.lines().collect();
+    let down = lines.iter().position(|l| {
+        l.starts_with("# chaos: fabric time ") && l.ends_with("link leaf0-spine0 #0 down")
+    });
+    let up = lines
+        .iter()
+        .position(|l| l.contains("link leaf0-spine0 #0 up (now: timeline "));
+    assert!(down.is_some() && down < up, "{e}");
+    assert_eq!(e.matches("link leaf0-spine0 #0 up").count(), 1, "{e}");
+    assert_eq!(e.matches("link leaf0-spine0 #0 down").count(), 1, "{e}");
+    assert!(
+        lines
+            .last()
+            .is_some_and(|l| l.starts_with("# chaos: ")
+                && l.contains("during the job: the fabric delivered ")),
+        "{e}"
+    );
     assert_eq!(f.status()["pending_changes"], 0);
     assert_eq!(f.status()["changed_links"], serde_json::json!([]));
     // A detached scenario's load runs until `closbox cancel` ends it.
