@@ -88,19 +88,28 @@ fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
     }
 }
 
+/// Events `top` asks for: more than it shows, in case some came between the status and
+/// the request.
+const RECENT_EVENTS: u64 = 8;
+
 pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox top")?;
     let st = live::resolve(fabric)?;
     let mut prev = snapshot(&st.fabric)?;
     std::thread::sleep(Duration::from_millis(500));
-    let events = |f: &FabricName| match control::request(f, &Request::Events { after: 0 }) {
-        Ok(Reply::Events { events }) => events,
-        _ => Vec::new(),
+    // The last few (the view shows 2), not the whole log (up to 10,000) every second.
+    let events = |f: &FabricName, s: &Status| {
+        let after = s.events.saturating_sub(RECENT_EVENTS);
+        match control::request(f, &Request::Events { after }) {
+            Ok(Reply::Events { events }) => events,
+            _ => Vec::new(),
+        }
     };
     // Without a terminal to draw on (a pipe, a script, a CI log), one frame as text.
     if once || !std::io::stdout().is_terminal() {
         let now = snapshot(&st.fabric)?;
-        let v = view(&prev, now, events(&st.fabric));
+        let recent = events(&st.fabric, &now);
+        let v = view(&prev, now, recent);
         let backend = ratatui::backend::TestBackend::new(80, 24);
         let mut term = ratatui::Terminal::new(backend)?;
         term.draw(|f| draw(f, &v))?;
@@ -121,7 +130,8 @@ pub fn top(fabric: Option<&FabricName>, once: bool) -> anyhow::Result<ExitCode> 
         loop {
             if Instant::now() >= next {
                 let now = snapshot(&st.fabric)?;
-                let v = view(&prev, now.clone(), events(&st.fabric));
+                let recent = events(&st.fabric, &now);
+                let v = view(&prev, now.clone(), recent);
                 prev = now;
                 current = Some(v);
                 next = Instant::now() + Duration::from_secs(1);
