@@ -90,90 +90,96 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let stop = closbox_switchd::stop_on_signals()?;
+    // The scenario starts just before the first rank: its changes at time 0 are in place
+    // before any rank sends (a ping started with a partition at "0ms" got its first
+    // reply when the timeline started after the ranks).
+    let mut timeline = a.chaos.map(|t| t.start()).transpose()?;
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pipes = Vec::new();
     let started = Instant::now();
-    for (rank, &i) in sel.iter().enumerate() {
-        let g = &st.gpus[i];
-        let peers = &nodes[&g.node];
-        let local = peers
-            .iter()
-            .position(|r| *r == rank)
-            .expect("rank in its node");
-        let mut enter = netns::open_gpu(st, g)?;
-        enter.new_group = true;
-        let enter = Arc::new(enter);
-        let args: Vec<String> = a
-            .cmd
-            .iter()
-            .map(|s| s.replace("{rank}", &rank.to_string()))
-            .collect();
-        let mut command = Command::new(&args[0]);
-        command
-            .args(&args[1..])
-            .envs(gpu_env(st, g))
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", peers.len().to_string())
-            .env("NODE_RANK", node_rank[&g.node].to_string())
-            .env("MASTER_ADDR", &master.name)
-            .env("MASTER_PORT", a.master_port.to_string())
-            .env("CLOSBOX_PEERS", peer_names.join(","))
-            .env("CLOSBOX_NODES", node_list.join(","))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = match enter.spawn(&mut command) {
-            Ok(c) => c,
-            Err(e) => {
-                stop_all(&mut ranks);
-                let mut err = spawn_error(e, &args[0]);
-                // `closbox run FABRIC CMD`, as `status FABRIC` is written.
-                if args[0] == st.fabric.to_string() || args[0].ends_with(".toml") {
-                    let rest: Vec<&str> = args[1..]
-                        .iter()
-                        .map(String::as_str)
-                        .skip_while(|a| *a == "--")
-                        .collect();
-                    if let Some(c) = err.downcast_mut::<crate::CannotRun>() {
-                        c.message += &format!(
+    let spawned = (|| -> anyhow::Result<()> {
+        for (rank, &i) in sel.iter().enumerate() {
+            let g = &st.gpus[i];
+            let peers = &nodes[&g.node];
+            let local = peers
+                .iter()
+                .position(|r| *r == rank)
+                .expect("rank in its node");
+            let mut enter = netns::open_gpu(st, g)?;
+            enter.new_group = true;
+            let enter = Arc::new(enter);
+            let args: Vec<String> = a
+                .cmd
+                .iter()
+                .map(|s| s.replace("{rank}", &rank.to_string()))
+                .collect();
+            let mut command = Command::new(&args[0]);
+            command
+                .args(&args[1..])
+                .envs(gpu_env(st, g))
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("LOCAL_WORLD_SIZE", peers.len().to_string())
+                .env("NODE_RANK", node_rank[&g.node].to_string())
+                .env("MASTER_ADDR", &master.name)
+                .env("MASTER_PORT", a.master_port.to_string())
+                .env("CLOSBOX_PEERS", peer_names.join(","))
+                .env("CLOSBOX_NODES", node_list.join(","))
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = match enter.spawn(&mut command) {
+                Ok(c) => c,
+                Err(e) => {
+                    let mut err = spawn_error(e, &args[0]);
+                    // `closbox run FABRIC CMD`, as `status FABRIC` is written.
+                    if args[0] == st.fabric.to_string() || args[0].ends_with(".toml") {
+                        let rest: Vec<&str> = args[1..]
+                            .iter()
+                            .map(String::as_str)
+                            .skip_while(|a| *a == "--")
+                            .collect();
+                        if let Some(c) = err.downcast_mut::<crate::CannotRun>() {
+                            c.message += &format!(
                             "; `closbox run` takes its fabric with -f: `closbox run -f {} -- {}`",
                             args[0],
                             rest.join(" ")
                         );
+                        }
                     }
+                    return Err(err);
                 }
-                return Err(err);
+            };
+            for (pipe, is_err) in [
+                (child.stdout.take().map(OwnedFd::from), false),
+                (child.stderr.take().map(OwnedFd::from), true),
+            ] {
+                if let Some(fd) = pipe {
+                    pipes.push(Output::new(rank, is_err, fd));
+                }
             }
-        };
-        for (pipe, is_err) in [
-            (child.stdout.take().map(OwnedFd::from), false),
-            (child.stderr.take().map(OwnedFd::from), true),
-        ] {
-            if let Some(fd) = pipe {
-                pipes.push(Output::new(rank, is_err, fd));
-            }
+            ranks.push(Rank {
+                rank,
+                gpu: g.name.clone(),
+                child,
+                done: None,
+            });
         }
-        ranks.push(Rank {
-            rank,
-            gpu: g.name.clone(),
-            child,
-            done: None,
-        });
+        Ok(())
+    })();
+    if let Err(e) = spawned {
+        stop_all(&mut ranks);
+        if let (Some(t), Some(started)) = (a.chaos, &mut timeline) {
+            t.finish(started, "the job did not start");
+        }
+        return Err(e);
     }
 
     // One thread reads every rank's output, started once all are: a thread per pipe made
     // each later fork copy more of this process and fault more of it in on both CPUs
     // (256 ranks of `true` took 4.4 s).
     let reader = read_outputs(pipes, sink);
-    let mut timeline = match a.chaos.map(|t| t.start()).transpose() {
-        Ok(t) => t,
-        Err(e) => {
-            stop_all(&mut ranks);
-            return Err(e);
-        }
-    };
     let mut failure: Option<String> = None;
     // Ranks that failed on their own after the first, in the order seen.
     let mut also_failed: Vec<String> = Vec::new();

@@ -543,7 +543,7 @@ fn pytest_plugin_sample_suite_passes() {
         .args(["-m", "pytest", "pkg/tests", "-q", "-p", "no:cacheprovider"])
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
-    assert!(out.contains("8 passed") && !out.contains("failed"), "{out}");
+    assert!(out.contains("9 passed") && !out.contains("failed"), "{out}");
     assert!(
         common::leftovers("pyt").is_empty(),
         "{:?}",

@@ -74,13 +74,20 @@ class Fabric:
         gpus: str = "all",
         timeout: Optional[float] = None,
         fabric_clock: bool = False,
+        chaos: Optional[os.PathLike | str] = None,
     ) -> subprocess.CompletedProcess:
-        """Runs `cmd` as one rank per GPU (RANK, WORLD_SIZE, MASTER_ADDR... set)."""
+        """Runs `cmd` as one rank per GPU (RANK, WORLD_SIZE, MASTER_ADDR... set).
+
+        chaos: a scenario file run with the job (its time 0 the job's start, cancelled at
+        its end); its changes and what the fabric did during the job are "# chaos:" lines
+        of the result's stderr."""
         args = ["run", "--fabric", self.name, "--gpus", gpus]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
         if fabric_clock:
             args.append("--fabric-clock")
+        if chaos is not None:
+            args += ["--chaos", str(chaos)]
         return self._closbox([*args, "--", *cmd])
 
     def mpirun(
@@ -89,13 +96,17 @@ class Fabric:
         gpus: str = "all",
         impl: Optional[str] = None,
         timeout: Optional[float] = None,
+        chaos: Optional[os.PathLike | str] = None,
     ) -> subprocess.CompletedProcess:
-        """Runs an MPI program, one rank per GPU (Open MPI, or MPICH with impl="mpich")."""
+        """Runs an MPI program, one rank per GPU (Open MPI, or MPICH with impl="mpich");
+        chaos: a scenario file run with the job, as for `run`."""
         args = ["mpirun", "--fabric", self.name, "--gpus", gpus]
         if impl:
             args += ["--impl", impl]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
+        if chaos is not None:
+            args += ["--chaos", str(chaos)]
         return self._closbox([*args, "--", *cmd])
 
     def status(self) -> dict:

@@ -93,6 +93,22 @@ def test_a_scenario_runs_to_its_end_and_says_what_the_fabric_did(closbox_fabric,
         fabric.chaos(scenario)
 
 
+def test_a_job_under_a_scenario_sees_its_faults(closbox_fabric, tmp_path):
+    fabric = closbox_fabric(toml=SMALL)
+    scenario = tmp_path / "cut.toml"
+    scenario.write_text('[[event]]\nat = "0ms"\ndo = "partition"\ngroups = ["0-1", "2-3"]\n'
+                        '[[event]]\nat = "60s"\ndo = "heal"\n')
+    # Pings across the cut fail while it holds; the job's end heals it (a repair).
+    job = fabric.run(["ping", "-c", "2", "-i", "0.2", "-W", "1", "gpu2"], gpus="0", chaos=scenario)
+    assert job.returncode != 0, job.stdout
+    chaos = [l for l in job.stderr.splitlines() if l.startswith("# chaos: ")]
+    assert any(l.endswith("partition gpu0,gpu1 | gpu2,gpu3") for l in chaos), job.stderr
+    assert "during the job: the fabric delivered" in chaos[-1], job.stderr
+    assert "partitioned" in chaos[-1], job.stderr
+    assert fabric.status()["partition"] == [], "healed when the job ended"
+    assert fabric.exec("gpu0", ["ping", "-c", "1", "-W", "1", "gpu2"]).returncode == 0
+
+
 def test_cross_traffic_and_a_partition_show_in_the_counters_and_events(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
     # 500 Mbit/s of synthetic load from leaf0 to leaf1 for 20 ms of fabric time.
