@@ -535,10 +535,13 @@ impl Timeline {
         if !self.live {
             return;
         }
-        // What it did between the last look and the cancel (said above: the repairs).
+        // What it did between the last look and the cancel (said above: the repairs, and
+        // the cancel itself).
         if let Ok(new) = events_after(&self.fabric, started.seen) {
             for e in new.iter().filter(|e| !said.contains(&e.seq)) {
-                if e.timeline == Some(started.id) {
+                if e.timeline == Some(started.id)
+                    && !closbox_switchd::dataplane::ends_early(&e.what, started.id)
+                {
                     self.say(e);
                 }
             }
