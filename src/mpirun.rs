@@ -47,11 +47,23 @@ impl MpiImpl {
         }
         bail!(
             "{own} not found: install {} (Debian: apt-get install {package})",
-            match self {
-                MpiImpl::Openmpi => "Open MPI",
-                MpiImpl::Mpich => "MPICH",
-            }
+            self.name()
         )
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            MpiImpl::Openmpi => "Open MPI",
+            MpiImpl::Mpich => "MPICH",
+        }
+    }
+
+    /// As `--impl` takes it.
+    fn flag(self) -> &'static str {
+        match self {
+            MpiImpl::Openmpi => "openmpi",
+            MpiImpl::Mpich => "mpich",
+        }
     }
 
     /// The implementation to use when none is named: Open MPI if it is installed, MPICH
@@ -376,6 +388,14 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     // banner and exit 132): said here as `run` and shells say it.
     if let Some(program) = a.cmd.first() {
         runnable(program)?;
+        if let Some((what, built)) = built_for(a.cmd).filter(|(_, b)| *b != imp) {
+            eprintln!(
+                "closbox: warning: {what} is built for {} but launched by {} (--impl): each rank would start alone, in a COMM_WORLD of 1; `--impl {}` launches it",
+                built.name(),
+                imp.name(),
+                built.flag()
+            );
+        }
     }
     if let Some(p) = &pins {
         // The launcher starts the first rank itself; it and its rank run on that CPU.
@@ -421,6 +441,82 @@ fn runnable(program: &str) -> anyhow::Result<()> {
     checked.map_err(|e| spawn_error(e, program))
 }
 
+/// Which MPI a command is linked with, and what says so: the program's own dynamic
+/// libraries (`libmpi.so.N`: Open MPI; `libmpich.so.N`: MPICH), or for a Python program
+/// that uses mpi4py, mpi4py's. None when it does not say (static, or no MPI at all).
+fn built_for(cmd: &[String]) -> Option<(String, MpiImpl)> {
+    let program = cmd.first()?;
+    let path = if program.contains('/') {
+        std::path::PathBuf::from(program)
+    } else {
+        which(program)?
+    };
+    if let Some(imp) = linked_mpi(&path) {
+        return Some((path.display().to_string(), imp));
+    }
+    let name = path.file_name()?.to_str()?;
+    if !name.starts_with("python") {
+        return None;
+    }
+    // `-m mpi4py…`, or a script (its first argument that is a readable file) naming it.
+    let uses = cmd[1..].iter().any(|a| a.contains("mpi4py"))
+        || cmd[1..]
+            .iter()
+            .find(|a| !a.starts_with('-'))
+            .and_then(|s| read_prefix(std::path::Path::new(s), 1 << 20))
+            .is_some_and(|text| contains(&text, b"mpi4py"));
+    if !uses {
+        return None;
+    }
+    let out = std::process::Command::new(&path)
+        .args([
+            "-c",
+            "import importlib.util as u; s = u.find_spec('mpi4py.MPI'); print(s.origin if s else '')",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let module = String::from_utf8(out.stdout).ok()?;
+    let module = module.trim();
+    (!module.is_empty())
+        .then(|| linked_mpi(std::path::Path::new(module)))
+        .flatten()
+        .map(|imp| (format!("{program}'s mpi4py ({module})"), imp))
+}
+
+/// The MPI whose library an ELF file names (in its dynamic string table).
+fn linked_mpi(path: &std::path::Path) -> Option<MpiImpl> {
+    let bytes = read_prefix(path, 64 << 20)?;
+    if !bytes.starts_with(b"\x7fELF") {
+        return None;
+    }
+    if contains(&bytes, b"libmpich.so") {
+        Some(MpiImpl::Mpich)
+    } else if contains(&bytes, b"libmpi.so.") {
+        Some(MpiImpl::Openmpi)
+    } else {
+        None
+    }
+}
+
+/// At most `limit` bytes of a regular file's beginning.
+fn read_prefix(path: &std::path::Path, limit: u64) -> Option<Vec<u8>> {
+    use std::io::Read;
+    // (Not opened unless a regular file: opening a FIFO would wait for a writer.)
+    if !fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let f = fs::File::open(path).ok()?;
+    let mut bytes = Vec::new();
+    f.take(limit).read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
 /// The path of `program` on PATH.
 fn which(program: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH").and_then(|p| {
@@ -428,4 +524,38 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
             .map(|d| d.join(program))
             .find(|f| f.is_file())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_says_which_mpi_it_is_linked_with() {
+        let dir = std::env::temp_dir().join(format!("closbox-mpi-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, bytes: &[u8]| {
+            let p = dir.join(name);
+            fs::write(&p, bytes).unwrap();
+            p
+        };
+        // Names in an ELF's dynamic string table.
+        let ompi = file("ompi", b"\x7fELF\x02\x01\x01\0libc.so.6\0libmpi.so.40\0");
+        let mpich = file("mpich", b"\x7fELF\x02\x01\x01\0libmpich.so.12\0libc.so.6\0");
+        let neither = file("plain", b"\x7fELF\x02\x01\x01\0libc.so.6\0");
+        let script = file("script.sh", b"#!/bin/sh\n# libmpi.so.40\n");
+        assert_eq!(linked_mpi(&ompi), Some(MpiImpl::Openmpi));
+        assert_eq!(linked_mpi(&mpich), Some(MpiImpl::Mpich));
+        assert_eq!(linked_mpi(&neither), None);
+        assert_eq!(linked_mpi(&script), None, "not an ELF file");
+        assert_eq!(linked_mpi(&dir.join("missing")), None);
+        assert_eq!(linked_mpi(&dir), None, "a directory");
+        let cmd = |p: &std::path::Path| vec![p.display().to_string(), "-x".into()];
+        assert_eq!(
+            built_for(&cmd(&ompi)),
+            Some((ompi.display().to_string(), MpiImpl::Openmpi))
+        );
+        assert_eq!(built_for(&cmd(&neither)), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }
