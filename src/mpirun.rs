@@ -442,7 +442,7 @@ fn runnable(program: &str) -> anyhow::Result<()> {
 }
 
 /// Which MPI a command is linked with, and what says so: the program's own dynamic
-/// libraries (`libmpi.so.N`: Open MPI; `libmpich.so.N`: MPICH), or for a Python program
+/// libraries (`libmpich.so.N` or `libmpi.so.12`: MPICH; other `libmpi.so.N`: Open MPI), or for a Python program
 /// that uses mpi4py, mpi4py's. None when it does not say (static, or no MPI at all).
 fn built_for(cmd: &[String]) -> Option<(String, MpiImpl)> {
     let program = cmd.first()?;
@@ -491,7 +491,9 @@ fn linked_mpi(path: &std::path::Path) -> Option<MpiImpl> {
     if !bytes.starts_with(b"\x7fELF") {
         return None;
     }
-    if contains(&bytes, b"libmpich.so") {
+    // (MPICH's library is also installed as `libmpi.so.12` by some distributions; Open
+    // MPI's have been `.1`, `.20`, `.40`.)
+    if contains(&bytes, b"libmpich.so") || contains(&bytes, b"libmpi.so.12\0") {
         Some(MpiImpl::Mpich)
     } else if contains(&bytes, b"libmpi.so.") {
         Some(MpiImpl::Openmpi)
@@ -542,10 +544,12 @@ mod tests {
         // Names in an ELF's dynamic string table.
         let ompi = file("ompi", b"\x7fELF\x02\x01\x01\0libc.so.6\0libmpi.so.40\0");
         let mpich = file("mpich", b"\x7fELF\x02\x01\x01\0libmpich.so.12\0libc.so.6\0");
+        let mpich_as_libmpi = file("mpich12", b"\x7fELF\x02\x01\x01\0libmpi.so.12\0");
         let neither = file("plain", b"\x7fELF\x02\x01\x01\0libc.so.6\0");
         let script = file("script.sh", b"#!/bin/sh\n# libmpi.so.40\n");
         assert_eq!(linked_mpi(&ompi), Some(MpiImpl::Openmpi));
         assert_eq!(linked_mpi(&mpich), Some(MpiImpl::Mpich));
+        assert_eq!(linked_mpi(&mpich_as_libmpi), Some(MpiImpl::Mpich));
         assert_eq!(linked_mpi(&neither), None);
         assert_eq!(linked_mpi(&script), None, "not an ELF file");
         assert_eq!(linked_mpi(&dir.join("missing")), None);
