@@ -442,8 +442,9 @@ fn runnable(program: &str) -> anyhow::Result<()> {
 }
 
 /// Which MPI a command is linked with, and what says so: the program's own dynamic
-/// libraries (`libmpich.so.N` or `libmpi.so.12`: MPICH; other `libmpi.so.N`: Open MPI), or for a Python program
-/// that uses mpi4py, mpi4py's. None when it does not say (static, or no MPI at all).
+/// libraries (`libmpich.so.N` or `libmpi.so.12`: MPICH; other `libmpi.so.N`: Open MPI),
+/// or for a Python program that uses mpi4py, mpi4py's. None when it does not say (static,
+/// or no MPI at all).
 fn built_for(cmd: &[String]) -> Option<(String, MpiImpl)> {
     let program = cmd.first()?;
     let path = if program.contains('/') {
