@@ -208,6 +208,16 @@ fn meanwhile_text(m: &Meanwhile) -> String {
     out
 }
 
+/// A change's fabric time after its timeline's start, as a job's reader counts it:
+/// "+0.000 ms", "+300.000 ms", "+2.500000 s".
+fn offset(ns: u64) -> String {
+    if ns < 1_000_000_000 {
+        format!("+{:.3} ms", ns as f64 / 1e6)
+    } else {
+        format!("+{:.6} s", ns as f64 / 1e9)
+    }
+}
+
 /// "8.6 %", "0.004 %": a share with two significant digits or so.
 fn percent(p: f64) -> String {
     match p {
@@ -401,6 +411,8 @@ pub struct Started {
     seen: u64,
     /// The fabric's counters when it started (`live`).
     counts: Option<Counts>,
+    /// Its start, in fabric ns since up.
+    start_ns: u64,
 }
 
 impl Timeline {
@@ -420,9 +432,16 @@ impl Timeline {
     }
 
     /// Prints an event of the timeline: a JSON line on stdout, or a "# chaos:" line.
-    fn say(&self, e: &Event) {
+    /// `start_ns`: the timeline's start, whose offset a job's reader is told (`live`).
+    fn say(&self, e: &Event, start_ns: u64) {
         if self.json {
             print_event(e, true);
+        } else if self.live {
+            eprintln!(
+                "# chaos: {}  {}",
+                offset(e.fabric_ns.saturating_sub(start_ns)),
+                line(e)
+            );
         } else {
             eprintln!("# chaos: {}", line(e));
         }
@@ -445,7 +464,11 @@ impl Timeline {
             faults: self.scenario.faults.clone(),
         };
         match control::request(&self.fabric, &req)? {
-            Reply::Scheduled { timeline, events } => {
+            Reply::Scheduled {
+                timeline,
+                events,
+                start_ns,
+            } => {
                 let n = self.scenario.items.len();
                 let changes = format!("{n} change{}", if n == 1 { "" } else { "s" });
                 let when = match self.span().as_nanos() {
@@ -456,17 +479,19 @@ impl Timeline {
                     ),
                 };
                 eprintln!(
-                    "# chaos: {} started: {changes} {when} (timeline {timeline})",
-                    self.file
+                    "# chaos: {} started at fabric time {:.6} s: {changes} {when} (timeline {timeline})",
+                    self.file,
+                    start_ns as f64 / 1e9
                 );
                 for e in &events {
-                    self.say(e);
+                    self.say(e, start_ns);
                 }
                 Ok(Started {
                     id: timeline,
                     at: StdInstant::now(),
                     seen: events.iter().map(|e| e.seq).max().unwrap_or(0),
                     counts,
+                    start_ns,
                 })
             }
             // Refused by the daemon as a whole (loads beyond its budget together, too
@@ -489,7 +514,7 @@ impl Timeline {
             if e.timeline == Some(started.id)
                 || closbox_switchd::dataplane::ends_early(&e.what, started.id)
             {
-                self.say(e);
+                self.say(e, started.start_ns);
             }
             started.seen = started.seen.max(e.seq);
         }
@@ -525,7 +550,7 @@ impl Timeline {
                     }
                 );
                 for e in &repaired {
-                    self.say(e);
+                    self.say(e, started.start_ns);
                     said.push(e.seq);
                 }
             }
@@ -542,7 +567,7 @@ impl Timeline {
                 if e.timeline == Some(started.id)
                     && !closbox_switchd::dataplane::ends_early(&e.what, started.id)
                 {
-                    self.say(e);
+                    self.say(e, started.start_ns);
                 }
             }
         }

@@ -713,9 +713,16 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     // Its changes said as they happen, each once (the fault, then its repair at the
     // cancel), and what the fabric did during the job at the end.
     let lines: Vec<&str> = e.lines().collect();
-    let down = lines.iter().position(|l| {
-        l.starts_with("# chaos: fabric time ") && l.ends_with("link leaf0-spine0 #0 down")
-    });
+    let down = lines
+        .iter()
+        .position(|l| l.starts_with("# chaos: +") && l.ends_with("link leaf0-spine0 #0 down"));
+    // Said with its time into the scenario: due at 100 ms, made at the loop's next turn.
+    let after_ms: f64 = down
+        .and_then(|i| lines[i].strip_prefix("# chaos: +"))
+        .and_then(|l| l.split(" ms ").next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN);
+    assert!((100.0..110.0).contains(&after_ms), "{after_ms}: {e}");
     let up = lines
         .iter()
         .position(|l| l.contains("link leaf0-spine0 #0 up (now: timeline "));

@@ -100,10 +100,13 @@ pub enum Reply {
     Events {
         events: Vec<Event>,
     },
-    /// A timeline was scheduled: its id and what it applied at once.
+    /// A timeline was scheduled: its id, what it applied at once, and its start (fabric
+    /// ns since up; its changes are due at their times after it).
     Scheduled {
         timeline: u64,
         events: Vec<Event>,
+        #[serde(default)]
+        start_ns: u64,
     },
     /// Pending steps dropped, and the repairs among them made at once (of what the
     /// timeline had broken).
@@ -274,8 +277,12 @@ pub fn serve(
                             Ok(Request::Schedule { items, faults }) => {
                                 ask(ctl, wake, |tx| Ctl::Schedule(items, faults, tx))
                                     .and_then(|r| r.map_err(|e| e.to_string()))
-                                    .map_or_else(Reply::error, |(timeline, events)| {
-                                        Reply::Scheduled { timeline, events }
+                                    .map_or_else(Reply::error, |(timeline, events, start_ns)| {
+                                        Reply::Scheduled {
+                                            timeline,
+                                            events,
+                                            start_ns,
+                                        }
                                     })
                             }
                             Ok(Request::Cancel { timeline }) => {

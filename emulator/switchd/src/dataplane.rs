@@ -139,6 +139,9 @@ impl Realtime {
     }
 }
 
+/// A timeline scheduled: its id, what it applied at once, its start (fabric ns since up).
+pub type ScheduledTimeline = (u64, Vec<Event>, u64);
+
 /// Requests from the control plane.
 #[derive(Debug)]
 pub enum Ctl {
@@ -146,11 +149,12 @@ pub enum Ctl {
     /// A change to apply now; the reply lists what was applied.
     Change(ChangeRequest, Sender<Result<Vec<Event>, String>>),
     /// Changes at fabric times after now (a scenario's timeline): checked all at once,
-    /// then scheduled as one timeline; the reply has its id and what was applied now.
+    /// then scheduled as one timeline; the reply has its id, what was applied now, and
+    /// its start (fabric ns since up: its items are due that long after).
     Schedule(
         Vec<(u64, ChangeRequest)>,
         Vec<u32>,
-        Sender<Result<(u64, Vec<Event>), String>>,
+        Sender<Result<ScheduledTimeline, String>>,
     ),
     /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
     /// how many.
@@ -684,7 +688,11 @@ impl<P: Ports> DataPlane<P> {
                     let _ = reply.send(self.change(&req));
                 }
                 Ctl::Schedule(items, faults, reply) => {
-                    let _ = reply.send(self.schedule_faults(&items, &faults));
+                    let now = self.fabric_now(self.ports.now());
+                    let _ = reply.send(
+                        self.schedule_faults_from(&items, &faults, now)
+                            .map(|(id, events)| (id, events, now.as_nanos())),
+                    );
                 }
                 Ctl::Cancel(timeline, reply) => {
                     let _ = reply.send(self.cancel(timeline));

@@ -160,7 +160,8 @@ impl<P: Ports> DataPlane<P> {
             ChangeRequest::Reset => return Ok(vec![self.reset()]),
             _ => {}
         }
-        self.schedule_at(&[(0, req.clone())], &[], 0)
+        let now = self.fabric_now(self.ports.now());
+        self.schedule_at(&[(0, req.clone())], &[], 0, now)
     }
 
     /// Schedules `items` (fabric ns after now, request) as a new timeline: all of them or,
@@ -179,6 +180,18 @@ impl<P: Ports> DataPlane<P> {
         items: &[(u64, ChangeRequest)],
         faults: &[u32],
     ) -> Result<(u64, Vec<Event>), String> {
+        let now = self.fabric_now(self.ports.now());
+        self.schedule_faults_from(items, faults, now)
+    }
+
+    /// `schedule_faults` with the timeline's start (`now`, the fabric's time now) given:
+    /// its items are due that long after it.
+    pub(super) fn schedule_faults_from(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+        faults: &[u32],
+        now: Instant,
+    ) -> Result<(u64, Vec<Event>), String> {
         if !faults.is_empty() && faults.len() != items.len() {
             return Err(format!(
                 "{} faults for {} items: one per item, or none",
@@ -193,7 +206,7 @@ impl<P: Ports> DataPlane<P> {
         }
         // (A schedule refused takes no id: timelines are numbered as they run.)
         let id = self.timelines + 1;
-        let applied = self.schedule_at(items, faults, id)?;
+        let applied = self.schedule_at(items, faults, id, now)?;
         self.timelines = id;
         Ok((id, applied))
     }
@@ -268,6 +281,7 @@ impl<P: Ports> DataPlane<P> {
         items: &[(u64, ChangeRequest)],
         faults: &[u32],
         timeline: u64,
+        now: Instant,
     ) -> Result<Vec<Event>, String> {
         let mut next_load = self.next_load;
         let mut next_fault = self.next_fault;
@@ -326,7 +340,6 @@ impl<P: Ports> DataPlane<P> {
         self.next_load = next_load;
         self.next_fault = next_fault;
         self.fault_labels.extend(labels);
-        let now = self.fabric_now(self.ports.now());
         let mut applied = Vec::new();
         // Pending first: what the steps applied now break is kept only for a timeline
         // with more to come (the repairs a cancel would make).
