@@ -415,6 +415,14 @@ pub struct Started {
     start_ns: u64,
 }
 
+impl Started {
+    /// Whether event `e` is this timeline's: one of its changes, or what ended it early
+    /// (its cancel, the repairs the cancel made, a reset).
+    fn owns(&self, e: &Event) -> bool {
+        e.timeline == Some(self.id) || closbox_switchd::dataplane::ends_early(&e.what, self.id)
+    }
+}
+
 impl Timeline {
     /// Reads `file` and checks it against the fabric's topology: a bad file is a usage
     /// error (exit 2) before anything runs.
@@ -511,9 +519,7 @@ impl Timeline {
             return;
         };
         for e in &new {
-            if e.timeline == Some(started.id)
-                || closbox_switchd::dataplane::ends_early(&e.what, started.id)
-            {
+            if started.owns(e) {
                 self.say(e, started.start_ns);
             }
             started.seen = started.seen.max(e.seq);
@@ -675,10 +681,6 @@ pub fn scenario_cmd(
         started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
     // (What it applied at once, `start` printed.)
     let mut last = before.max(started.seen);
-    let ours = |e: &Event| {
-        e.timeline == Some(started.id)
-            || closbox_switchd::dataplane::ends_early(&e.what, started.id)
-    };
     let mut said = false;
     let mut cancelled = false;
     loop {
@@ -688,7 +690,7 @@ pub fn scenario_cmd(
             Err(e) => return gone(&st, e, " while its scenario ran").map(|()| ExitCode::FAILURE),
         };
         // Its own events (other scenarios and changes by hand: `closbox events`).
-        for e in new.iter().filter(|e| ours(e)) {
+        for e in new.iter().filter(|e| started.owns(e)) {
             print_event(e, json);
             cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
@@ -711,7 +713,10 @@ pub fn scenario_cmd(
         if StdInstant::now() >= end {
             if !running(&st.fabric, started.id)? {
                 // What it logged as it ended (a load's end).
-                for e in events_after(&st.fabric, last)?.iter().filter(|e| ours(e)) {
+                for e in events_after(&st.fabric, last)?
+                    .iter()
+                    .filter(|e| started.owns(e))
+                {
                     print_event(e, json);
                 }
                 break;
