@@ -62,7 +62,11 @@ impl Target<'_> {
         let timeline = self
             .chaos
             .map(|f| crate::chaos::Timeline::load(&st, f))
-            .transpose()?;
+            .transpose()?
+            .map(|mut t| {
+                t.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
+                t
+            });
         Ok((st, sel, timeline))
     }
 }

@@ -401,6 +401,9 @@ pub struct Timeline {
     /// at its end (`run --chaos`, `mpirun --chaos`: the job's output, interleaved); off,
     /// the caller reports (`bench` and `train` in their footers).
     pub live: bool,
+    /// The GPUs whose packets start it, for a scenario with `start = "first-packet"` or
+    /// `"every-gpu"` (names; `load`: every GPU of the fabric, a job's callers its own).
+    pub gpus: Vec<String>,
 }
 
 /// A timeline the daemon is running.
@@ -411,8 +414,9 @@ pub struct Started {
     seen: u64,
     /// The fabric's counters when it started (`live`).
     counts: Option<Counts>,
-    /// Its start, in fabric ns since up.
-    start_ns: u64,
+    /// Its start, in fabric ns since up (none while it waits for the GPUs' packets, until
+    /// its "started" event is seen).
+    start_ns: Option<u64>,
 }
 
 impl Started {
@@ -420,6 +424,18 @@ impl Started {
     /// (its cancel, the repairs the cancel made, a reset).
     fn owns(&self, e: &Event) -> bool {
         e.timeline == Some(self.id) || closbox_switchd::dataplane::ends_early(&e.what, self.id)
+    }
+
+    /// Takes its start from event `e` of it, if `e` is what started it (the GPUs'
+    /// packets, for a scenario that waited for them); whether it was.
+    fn saw(&mut self, e: &Event) -> bool {
+        let starts = self.start_ns.is_none()
+            && e.timeline == Some(self.id)
+            && closbox_switchd::dataplane::starts(&e.what, self.id);
+        if starts {
+            self.start_ns = Some(e.fabric_ns);
+        }
+        starts
     }
 }
 
@@ -436,15 +452,17 @@ impl Timeline {
             time_scale: st.time_scale,
             json: false,
             live: false,
+            gpus: st.gpus.iter().map(|g| g.name.clone()).collect(),
         })
     }
 
     /// Prints an event of the timeline: a JSON line on stdout, or a "# chaos:" line.
-    /// `start_ns`: the timeline's start, whose offset a job's reader is told (`live`).
-    fn say(&self, e: &Event, start_ns: u64) {
+    /// `start_ns`: the timeline's start, whose offset a job's reader is told (`live`;
+    /// none before it started).
+    fn say(&self, e: &Event, start_ns: Option<u64>) {
         if self.json {
             print_event(e, true);
-        } else if self.live {
+        } else if let (true, Some(start_ns)) = (self.live, start_ns) {
             eprintln!(
                 "# chaos: {}  {}",
                 offset(e.fabric_ns.saturating_sub(start_ns)),
@@ -470,6 +488,7 @@ impl Timeline {
         let req = Request::Schedule {
             items: self.scenario.items.clone(),
             faults: self.scenario.faults.clone(),
+            start: self.scenario.start.trigger(self.gpus.clone()),
         };
         match control::request(&self.fabric, &req)? {
             Reply::Scheduled {
@@ -486,11 +505,18 @@ impl Timeline {
                         closbox_fabric::units::approx_duration(self.span())
                     ),
                 };
-                eprintln!(
-                    "# chaos: {} started at fabric time {:.6} s: {changes} {when} (timeline {timeline})",
-                    self.file,
-                    start_ns as f64 / 1e9
-                );
+                match start_ns {
+                    Some(ns) => eprintln!(
+                        "# chaos: {} started at fabric time {:.6} s: {changes} {when} (timeline {timeline})",
+                        self.file,
+                        ns as f64 / 1e9
+                    ),
+                    None => eprintln!(
+                        "# chaos: {} armed (start = \"{}\"): {changes} {when} from its start (timeline {timeline})",
+                        self.file,
+                        self.scenario.start.name()
+                    ),
+                }
                 for e in &events {
                     self.say(e, start_ns);
                 }
@@ -520,6 +546,7 @@ impl Timeline {
         };
         for e in &new {
             if started.owns(e) {
+                started.saw(e);
                 self.say(e, started.start_ns);
             }
             started.seen = started.seen.max(e.seq);
@@ -532,12 +559,31 @@ impl Timeline {
     pub fn finish(&self, started: &mut Started, why: &str) {
         self.follow(started);
         let mut said = Vec::new();
-        match control::request(
+        let cancelled = control::request(
             &self.fabric,
             &Request::Cancel {
                 timeline: Some(started.id),
             },
-        ) {
+        );
+        // What it did between the last look and the cancel, said below (after the cancel
+        // and its repairs): first, whether it had started by then.
+        let new = events_after(&self.fabric, started.seen).unwrap_or_default();
+        for e in &new {
+            started.saw(e);
+        }
+        match cancelled {
+            Ok(Reply::Cancelled { changes, .. }) if started.start_ns.is_none() => {
+                let waited = match self.scenario.start {
+                    scenario::Start::EveryGpu => "not every GPU of the job sent a packet",
+                    _ => "no GPU of the job sent a packet",
+                };
+                eprintln!(
+                    "# chaos: {why} before {} started (start = \"{}\": {waited}): cancelled, its {} dropped",
+                    self.file,
+                    self.scenario.start.name(),
+                    crate::bench::plural(changes, "change")
+                );
+            }
             Ok(Reply::Cancelled { changes, repaired }) if changes > 0 || !repaired.is_empty() => {
                 let what = match changes {
                     0 => format!(": {} cancelled", self.file),
@@ -566,15 +612,11 @@ impl Timeline {
         if !self.live {
             return;
         }
-        // What it did between the last look and the cancel (said above: the repairs, and
-        // the cancel itself).
-        if let Ok(new) = events_after(&self.fabric, started.seen) {
-            for e in new.iter().filter(|e| !said.contains(&e.seq)) {
-                if e.timeline == Some(started.id)
-                    && !closbox_switchd::dataplane::ends_early(&e.what, started.id)
-                {
-                    self.say(e, started.start_ns);
-                }
+        for e in new.iter().filter(|e| !said.contains(&e.seq)) {
+            if e.timeline == Some(started.id)
+                && !closbox_switchd::dataplane::ends_early(&e.what, started.id)
+            {
+                self.say(e, started.start_ns);
             }
         }
         if let (Some(before), Ok(after)) = (&started.counts, counts(&self.fabric)) {
@@ -598,17 +640,33 @@ pub fn fabric_topology(st: &State) -> anyhow::Result<Topology> {
     })
 }
 
+/// `closbox chaos FILE`'s arguments.
+pub struct ScenarioArgs<'a> {
+    pub fabric: Option<&'a FabricName>,
+    pub file: &'a Path,
+    /// Print the timeline without running it (against `topology`, or the live fabric).
+    pub dry_run: bool,
+    pub topology: Option<&'a Path>,
+    /// Return once it is scheduled.
+    pub detach: bool,
+    pub json: bool,
+    /// The GPUs whose packets start a scenario that waits for them (default: all).
+    pub gpus: Option<&'a str>,
+}
+
 /// `closbox chaos FILE`: runs a scenario on a live fabric and prints its events as they
 /// happen (Ctrl-C cancels the rest); `--detach` returns once it is scheduled; `--dry-run`
 /// prints the timeline without running it (against `--topology`, or the live fabric).
-pub fn scenario_cmd(
-    fabric: Option<&FabricName>,
-    file: &Path,
-    dry_run: bool,
-    topology: Option<&Path>,
-    detach: bool,
-    json: bool,
-) -> anyhow::Result<ExitCode> {
+pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
+    let ScenarioArgs {
+        fabric,
+        file,
+        dry_run,
+        topology,
+        detach,
+        json,
+        gpus,
+    } = a;
     if dry_run {
         let topo = match topology {
             Some(t) => closbox_fabric::load(t).map_err(|e| crate::usage(e.to_string()))?,
@@ -618,6 +676,15 @@ pub fn scenario_cmd(
             }
         };
         let sc = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
+        match sc.start {
+            scenario::Start::Now => {}
+            scenario::Start::FirstPacket => println!(
+                "# time 0: the first packet one of the job's GPUs sends into the fabric (start = \"first-packet\")"
+            ),
+            scenario::Start::EveryGpu => println!(
+                "# time 0: once each of the job's GPUs has sent a packet into the fabric (start = \"every-gpu\")"
+            ),
+        }
         let mut next = 1;
         for (at, req) in &sc.items {
             let steps = closbox_switchd::chaos::schedule(&topo, req, &mut next)
@@ -632,6 +699,10 @@ pub fn scenario_cmd(
     let st = live::resolve(fabric)?;
     let mut timeline = Timeline::load(&st, file)?;
     timeline.json = json;
+    if let Some(sel) = gpus {
+        let sel = live::select(&st, sel)?;
+        timeline.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
+    }
     let stop = closbox_switchd::stop_on_signals()?;
     let before = events_after(&st.fabric, 0)?
         .iter()
@@ -676,9 +747,11 @@ pub fn scenario_cmd(
         return Ok(ExitCode::SUCCESS);
     }
     // Follow until the last change is due (plus a moment to see it) and its loads have
-    // ended, printing events.
-    let end =
-        started.at + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300);
+    // ended, printing events; a timeline waiting for the GPUs' packets, from its start.
+    let last_due = |from: StdInstant| {
+        from + timeline.time_scale.to_wall(timeline.span()) + StdDuration::from_millis(300)
+    };
+    let mut end = started.start_ns.map(|_| last_due(started.at));
     // (What it applied at once, `start` printed.)
     let mut last = before.max(started.seen);
     let mut said = false;
@@ -690,7 +763,13 @@ pub fn scenario_cmd(
             Err(e) => return gone(&st, e, " while its scenario ran").map(|()| ExitCode::FAILURE),
         };
         // Its own events (other scenarios and changes by hand: `closbox events`).
-        for e in new.iter().filter(|e| started.owns(e)) {
+        for e in &new {
+            if !started.owns(e) {
+                continue;
+            }
+            if started.saw(e) {
+                end = Some(last_due(StdInstant::now()));
+            }
             print_event(e, json);
             cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
@@ -710,7 +789,7 @@ pub fn scenario_cmd(
             return Ok(ExitCode::from(130));
         }
         // Past its last change, it lasts while loads it started run.
-        if StdInstant::now() >= end {
+        if end.is_some_and(|end| StdInstant::now() >= end) {
             if !running(&st.fabric, started.id)? {
                 // What it logged as it ended (a load's end).
                 for e in events_after(&st.fabric, last)?

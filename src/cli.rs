@@ -468,6 +468,10 @@ pub(crate) enum Command {
         /// fabric did meanwhile.
         #[arg(long, conflicts_with = "dry_run")]
         json: bool,
+        /// A scenario with `start = "first-packet"` or `"every-gpu"`: the GPUs whose
+        /// packets start it (as `run --gpus` takes them; default: every GPU).
+        #[arg(long, conflicts_with = "dry_run")]
+        gpus: Option<String>,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,

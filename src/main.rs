@@ -347,15 +347,17 @@ fn main() -> ExitCode {
             topology,
             detach,
             json,
+            gpus,
             fabric,
-        } => chaos::scenario_cmd(
-            fabric.as_ref(),
-            &file,
+        } => chaos::scenario_cmd(chaos::ScenarioArgs {
+            fabric: fabric.as_ref(),
+            file: &file,
             dry_run,
-            topology.as_deref(),
+            topology: topology.as_deref(),
             detach,
             json,
-        ),
+            gpus: gpus.as_deref(),
+        }),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
         Command::Reset { fabric } => chaos::change(fabric.get(), ChangeRequest::Reset),
@@ -441,6 +443,7 @@ fn main() -> ExitCode {
                 .transpose()?
                 .map(|mut t| {
                     t.live = true;
+                    t.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
                     t
                 });
             run::run(run::RunArgs {

@@ -338,6 +338,8 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         .transpose()?
         .map(|mut t| {
             t.live = true;
+            // (The job's GPUs: `run` starts the launcher in the first alone.)
+            t.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
             t
         });
     let imp = a.implementation.unwrap_or_else(MpiImpl::detect);

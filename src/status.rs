@@ -610,6 +610,9 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
                 crate::bench::plural(t.pending, "change")
             ));
         }
+        if let Some(waiting) = &t.waiting {
+            what.push(format!("waiting for {waiting} to start"));
+        }
         if !t.loads.is_empty() {
             let ids: Vec<String> = t.loads.iter().map(u32::to_string).collect();
             what.push(format!(

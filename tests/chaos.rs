@@ -738,6 +738,70 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     );
     assert_eq!(f.status()["pending_changes"], 0);
     assert_eq!(f.status()["changed_links"], serde_json::json!([]));
+    // `start = "first-packet"`: time 0 is the job's first packet, not its start. A rank
+    // that sleeps 300 ms, then pings across a partition at "0ms": its ping is the first
+    // packet, and the partition is in place before it enters (with `start` now, the
+    // partition would have been there for the sleep only... and the ping through).
+    let first = dir.join("first-packet.toml");
+    std::fs::write(
+        &first,
+        "start = \"first-packet\"\n[[event]]\nat = \"0ms\"\ndo = \"partition\"\ngroups = [\"gpu0\", \"gpu1\"]\n\
+         [[event]]\nat = \"60s\"\ndo = \"heal\"\n",
+    )
+    .unwrap();
+    let job = |cmd: &str| {
+        closbox(&[
+            "run",
+            "--fabric",
+            "lt-scen",
+            "--gpus",
+            "0",
+            "--chaos",
+            first.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            cmd,
+        ])
+    };
+    let out = job("sleep 0.3; ping -c 1 -W 1 gpu1");
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    let e = text(&out).1;
+    let fabric_s = |what: &str| -> f64 {
+        let l = e
+            .lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("{what}: {e}"));
+        l.split("fabric time ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let armed = fabric_s("waits for a packet from gpu0 to start");
+    let started = fabric_s("started: gpu0 sent a packet");
+    assert!(
+        (0.3..1.3).contains(&(started - armed)),
+        "{armed} {started}: {e}"
+    );
+    assert!(e.contains("# chaos: +0.000 ms  fabric time "), "{e}");
+    assert!(
+        e.contains(
+            "during the job: the fabric delivered 0 packets and dropped 1 (100 %): partitioned 1"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("heal: partition removed (now: timeline "), "{e}");
+    // A job that sends nothing never starts it: said, and nothing is left waiting.
+    let out = job("sleep 0.1");
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("before ") && text(&out).1.contains("started (start = \"first-packet\": no GPU of the job sent a packet): cancelled, its 2 changes dropped"),
+        "{:?}",
+        text(&out)
+    );
+    assert_eq!(f.status()["timelines"], serde_json::json!([]));
+    assert_eq!(f.status()["partition"], serde_json::json!([]));
     // A detached scenario's load runs until `closbox cancel` ends it.
     let long = dir.join("long-load.toml");
     std::fs::write(

@@ -34,6 +34,16 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// A timeline that starts with the GPUs' traffic rather than at once (`Request::Schedule`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trigger {
+    /// The GPUs whose packets it waits for (names, as `plan` gives them).
+    pub gpus: Vec<String>,
+    /// Wait until each of them has sent a packet (not only one of them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub every: bool,
+}
+
 /// What a client asks: `{"v":1,"cmd":"status"}`, `{"v":1,"cmd":"stop"}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
@@ -57,6 +67,11 @@ pub enum Request {
         /// below 2^30.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         faults: Vec<u32>,
+        /// When it starts (none: now): `{"gpus":["gpu0","gpu1"],"every":false}`, at the
+        /// first packet one of those GPUs sends into the fabric (`every`: once each of
+        /// them has sent one). Until then it waits, armed; `cancel` drops it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start: Option<Trigger>,
     },
     /// Drops a timeline's pending changes (`null`: every timeline's and flap's); those
     /// that repair what the timeline broke are made at once.
@@ -101,12 +116,13 @@ pub enum Reply {
         events: Vec<Event>,
     },
     /// A timeline was scheduled: its id, what it applied at once, and its start (fabric
-    /// ns since up; its changes are due at their times after it).
+    /// ns since up; its changes are due at their times after it), `null` while it waits
+    /// for its `start` trigger (its start is then the event "timeline N started: …").
     Scheduled {
         timeline: u64,
         events: Vec<Event>,
         #[serde(default)]
-        start_ns: u64,
+        start_ns: Option<u64>,
     },
     /// Pending steps dropped, and the repairs among them made at once (of what the
     /// timeline had broken).
@@ -274,8 +290,17 @@ pub fn serve(
                                 ask(ctl, wake, |tx| Ctl::Events(after, tx))
                                     .map_or_else(Reply::error, |events| Reply::Events { events })
                             }
-                            Ok(Request::Schedule { items, faults }) => {
-                                ask(ctl, wake, |tx| Ctl::Schedule(items, faults, tx))
+                            Ok(Request::Schedule {
+                                items,
+                                faults,
+                                start,
+                            }) => {
+                                let req = crate::dataplane::Schedule {
+                                    items,
+                                    faults,
+                                    start,
+                                };
+                                ask(ctl, wake, |tx| Ctl::Schedule(req, tx))
                                     .and_then(|r| r.map_err(|e| e.to_string()))
                                     .map_or_else(Reply::error, |(timeline, events, start_ns)| {
                                         Reply::Scheduled {
@@ -742,6 +767,64 @@ mod tests {
             .unwrap();
             assert_eq!(sent, line);
         }
+    }
+
+    /// A schedule without `start` starts now (as before the field was there); with it,
+    /// the GPUs' packets start it.
+    #[test]
+    fn schedule_requests_start_now_or_at_the_gpus_packets() {
+        let now = parse_request(r#"{"v":1,"cmd":"schedule","items":[]}"#).unwrap();
+        assert!(
+            matches!(now, Request::Schedule { start: None, .. }),
+            "{now:?}"
+        );
+        let armed = Request::Schedule {
+            items: Vec::new(),
+            faults: Vec::new(),
+            start: Some(Trigger {
+                gpus: vec!["gpu0".into(), "gpu1".into()],
+                every: true,
+            }),
+        };
+        let line = serde_json::to_string(&Versioned {
+            v: API_VERSION,
+            body: &armed,
+        })
+        .unwrap();
+        assert_eq!(
+            line,
+            r#"{"v":1,"cmd":"schedule","items":[],"start":{"gpus":["gpu0","gpu1"],"every":true}}"#
+        );
+        assert_eq!(parse_request(&line).unwrap(), armed);
+        let first =
+            parse_request(r#"{"v":1,"cmd":"schedule","items":[],"start":{"gpus":["gpu3"]}}"#)
+                .unwrap();
+        assert!(
+            matches!(
+                &first,
+                Request::Schedule {
+                    start: Some(Trigger { every: false, .. }),
+                    ..
+                }
+            ),
+            "{first:?}"
+        );
+        // A reply's start: null while it waits; a number (or nothing, from an older daemon).
+        let r: Reply = serde_json::from_str(
+            r#"{"reply":"scheduled","timeline":2,"events":[],"start_ns":null}"#,
+        )
+        .unwrap();
+        assert!(matches!(r, Reply::Scheduled { start_ns: None, .. }));
+        let r: Reply =
+            serde_json::from_str(r#"{"reply":"scheduled","timeline":2,"events":[],"start_ns":5}"#)
+                .unwrap();
+        assert!(matches!(
+            r,
+            Reply::Scheduled {
+                start_ns: Some(5),
+                ..
+            }
+        ));
     }
 
     #[test]

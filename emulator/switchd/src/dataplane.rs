@@ -34,8 +34,8 @@ mod status;
 mod telemetry;
 mod tun;
 
-pub use changes::ends_early;
 use changes::Broken;
+pub use changes::{ends_early, starts};
 pub use layers::{holders, HOST};
 use status::CpuSample;
 pub use status::{
@@ -139,8 +139,18 @@ impl Realtime {
     }
 }
 
-/// A timeline scheduled: its id, what it applied at once, its start (fabric ns since up).
-pub type ScheduledTimeline = (u64, Vec<Event>, u64);
+/// A timeline scheduled: its id, what it applied at once, its start (fabric ns since up;
+/// none while it waits for its trigger).
+pub type ScheduledTimeline = (u64, Vec<Event>, Option<u64>);
+
+/// A timeline to schedule (`control::Request::Schedule`): changes at fabric ns after its
+/// start, the fault each belongs to (empty: all 0), and what starts it (none: now).
+#[derive(Debug)]
+pub struct Schedule {
+    pub items: Vec<(u64, ChangeRequest)>,
+    pub faults: Vec<u32>,
+    pub start: Option<crate::control::Trigger>,
+}
 
 /// Requests from the control plane.
 #[derive(Debug)]
@@ -148,14 +158,11 @@ pub enum Ctl {
     Status(Sender<Status>),
     /// A change to apply now; the reply lists what was applied.
     Change(ChangeRequest, Sender<Result<Vec<Event>, String>>),
-    /// Changes at fabric times after now (a scenario's timeline): checked all at once,
-    /// then scheduled as one timeline; the reply has its id, what was applied now, and
-    /// its start (fabric ns since up: its items are due that long after).
-    Schedule(
-        Vec<(u64, ChangeRequest)>,
-        Vec<u32>,
-        Sender<Result<ScheduledTimeline, String>>,
-    ),
+    /// Changes at fabric times after its start (a scenario's timeline): checked all at
+    /// once, then scheduled as one timeline, from now or armed until its trigger; the
+    /// reply has its id, what was applied now, and its start (fabric ns since up: its
+    /// items are due that long after; none while armed).
+    Schedule(Schedule, Sender<Result<ScheduledTimeline, String>>),
     /// Drops the changes of a timeline (or of every one) not applied yet; the reply says
     /// how many.
     Cancel(Option<u64>, Sender<(usize, Vec<Event>)>),
@@ -269,6 +276,9 @@ pub struct DataPlane<P: Ports> {
     timelines: u64,
     /// Per timeline with steps pending: what it broke and has not repaired yet.
     broken: std::collections::HashMap<u64, Broken>,
+    /// Timelines waiting for the GPUs' traffic to start them (`Schedule::start`), in the
+    /// order they were armed.
+    armed: Vec<changes::Armed>,
     /// Who holds each changed link down or degraded, and the values set by hand: what a
     /// timeline's repair returns a link to.
     layers: layers::Layers,
@@ -373,6 +383,7 @@ impl<P: Ports> DataPlane<P> {
             scheduled_seq: 0,
             timelines: 0,
             broken: Default::default(),
+            armed: Vec::new(),
             layers: Default::default(),
             next_fault: 0,
             fault_labels: std::collections::HashMap::new(),
@@ -606,6 +617,11 @@ impl<P: Ports> DataPlane<P> {
                 Ok(Some((buf, at))) => {
                     // Not before what the model has seen (a frame cut from an earlier read).
                     let now = self.fabric_now(at).max(self.model.now());
+                    // A timeline waiting for this GPU's traffic starts before its packet
+                    // enters (a partition at its time 0 holds that packet too).
+                    if !self.armed.is_empty() {
+                        self.gpu_sent(host, now);
+                    }
                     // Drops are counted by the model; nothing else to do with the verdict.
                     let _ = self.model.send(now, HostId(host as u32), buf);
                 }
@@ -687,12 +703,9 @@ impl<P: Ports> DataPlane<P> {
                 Ctl::Change(req, reply) => {
                     let _ = reply.send(self.change(&req));
                 }
-                Ctl::Schedule(items, faults, reply) => {
+                Ctl::Schedule(req, reply) => {
                     let now = self.fabric_now(self.ports.now());
-                    let _ = reply.send(
-                        self.schedule_faults_from(&items, &faults, now)
-                            .map(|(id, events)| (id, events, now.as_nanos())),
-                    );
+                    let _ = reply.send(self.schedule_request(req, now));
                 }
                 Ctl::Cancel(timeline, reply) => {
                     let _ = reply.send(self.cancel(timeline));

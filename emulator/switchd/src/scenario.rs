@@ -5,6 +5,7 @@
 //!
 //! ```toml
 //! seed = 7                       # for [[random]] faults (default 1)
+//! start = "first-packet"         # or "every-gpu"; default "now" (see `Start`)
 //!
 //! [[event]]
 //! at = "2ms"                     # fabric time after the timeline starts
@@ -57,12 +58,53 @@ pub struct Scenario {
     /// number per random fault's stream (a link, switch or GPU of one `[[random]]`), so
     /// that a random fault's repair undoes only that fault.
     pub faults: Vec<u32>,
+    /// When its timeline starts.
+    pub start: Start,
+}
+
+/// When a scenario's timeline starts, its time 0 (`start = …` in the file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Start {
+    /// As it is handed to the daemon (`"now"`): `closbox chaos`'s start, or just before a
+    /// job's first rank for `run|mpirun|bench|train --chaos`.
+    #[default]
+    Now,
+    /// At the first packet one of the job's GPUs sends into the fabric (`"first-packet"`;
+    /// `closbox chaos`: one of the fabric's GPUs, or of `--gpus`): a job's start-up
+    /// before it communicates (`import torch`, MPI's start) does not take the scenario's
+    /// time.
+    FirstPacket,
+    /// Once each of the job's GPUs has sent a packet (`"every-gpu"`): every rank has
+    /// reached its communication (a torch job's ranks connect to their store when their
+    /// imports end, one by one).
+    EveryGpu,
+}
+
+impl Start {
+    /// The words of the file: "now", "first-packet", "every-gpu".
+    pub fn name(self) -> &'static str {
+        match self {
+            Start::Now => "now",
+            Start::FirstPacket => "first-packet",
+            Start::EveryGpu => "every-gpu",
+        }
+    }
+
+    /// What the daemon is asked to wait for, on `gpus` (names), if anything.
+    pub fn trigger(self, gpus: Vec<String>) -> Option<crate::control::Trigger> {
+        match self {
+            Start::Now => None,
+            Start::FirstPacket => Some(crate::control::Trigger { gpus, every: false }),
+            Start::EveryGpu => Some(crate::control::Trigger { gpus, every: true }),
+        }
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawScenario {
     seed: Option<Spanned<u64>>,
+    start: Option<Spanned<String>>,
     #[serde(default)]
     event: Vec<Spanned<RawEvent>>,
     #[serde(default)]
@@ -289,6 +331,21 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
         });
     }
     let seed = raw.seed.as_ref().map_or(1, |s| *s.get_ref());
+    let start = match &raw.start {
+        None => Start::Now,
+        Some(v) => [Start::Now, Start::FirstPacket, Start::EveryGpu]
+            .into_iter()
+            .find(|s| s.name() == v.get_ref())
+            .ok_or_else(|| {
+                cx.err(
+                    v,
+                    format!(
+                        "start is \"now\" (the default), \"first-packet\" (the first packet of the job's GPUs into the fabric) or \"every-gpu\" (once each of them has sent one), not {:?}",
+                        v.get_ref()
+                    ),
+                )
+            })?,
+    };
     let mut items = Vec::new();
     for ev in &raw.event {
         event(&cx, topo, ev, &mut items)?;
@@ -310,9 +367,14 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
         .unwrap_or(0);
     // The timeline goes to the daemon as one request, which it bounds.
     use crate::control::{request_fits, Request, MAX_REQUEST};
-    let schedule = Request::Schedule { items, faults };
+    // (Started by the traffic of at most every GPU of the fabric.)
+    let schedule = Request::Schedule {
+        items,
+        faults,
+        start: start.trigger(topo.hosts.iter().map(|h| h.name.clone()).collect()),
+    };
     let (len, fits) = request_fits(&schedule);
-    let Request::Schedule { items, faults } = schedule else {
+    let Request::Schedule { items, faults, .. } = schedule else {
         unreachable!("built above")
     };
     if !fits {
@@ -332,6 +394,7 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
         items,
         end_ns,
         faults,
+        start,
     })
 }
 
@@ -857,6 +920,26 @@ mod tests {
 
     fn err(text: &str) -> String {
         parse(text, "s.toml", &topo()).unwrap_err().to_string()
+    }
+
+    /// `start` says when its time 0 is: now by default, or the GPUs' packets; any other
+    /// word is refused at its place.
+    #[test]
+    fn a_scenario_starts_now_or_with_the_gpus_packets() {
+        let body = "[[event]]\nat = \"1ms\"\ndo = \"switch-down\"\nname = \"spine0\"\n";
+        let start =
+            |head: &str| parse(&format!("{head}{body}"), "s.toml", &topo()).map(|s| s.start);
+        assert_eq!(start(""), Ok(Start::Now));
+        assert_eq!(start("start = \"now\"\n"), Ok(Start::Now));
+        assert_eq!(start("start = \"first-packet\"\n"), Ok(Start::FirstPacket));
+        assert_eq!(start("start = \"every-gpu\"\n"), Ok(Start::EveryGpu));
+        assert_eq!(
+            err(&format!("seed = 2\nstart = \"first packet\"\n{body}")),
+            "s.toml:2:9: start is \"now\" (the default), \"first-packet\" (the first packet of the job's GPUs into the fabric) or \"every-gpu\" (once each of them has sent one), not \"first packet\""
+        );
+        let trigger = Start::EveryGpu.trigger(vec!["gpu0".into()]).unwrap();
+        assert!(trigger.every);
+        assert_eq!(Start::Now.trigger(vec!["gpu0".into()]), None);
     }
 
     /// A timeline within the change bound whose request the daemon would not take is

@@ -104,6 +104,77 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
+/// A timeline's steps checked and resolved but not scheduled yet (`DataPlane::prepare`):
+/// at fabric ns after its start, and what its faults take down (`fault_labels`).
+#[derive(Debug)]
+pub(super) struct Prepared {
+    steps: Vec<(u64, chaos::Step)>,
+    labels: Vec<((u64, u32), String)>,
+}
+
+/// A timeline waiting for the GPUs' packets to start it (`Schedule::start`).
+#[derive(Debug)]
+pub(super) struct Armed {
+    pub(super) id: u64,
+    plan: Prepared,
+    /// Per GPU: one it waits for that has not sent yet.
+    waiting: Vec<bool>,
+    /// How many more must send before it starts.
+    left: usize,
+    /// Each GPU watched must send (not only one of them).
+    every: bool,
+    /// How many GPUs it watches, and the one when it is one.
+    watched: usize,
+    only: Option<String>,
+}
+
+impl Armed {
+    /// What it waits for: "the first packet from one of its 8 GPUs", "a packet from each
+    /// of its 8 GPUs (3 still to send)", "a packet from gpu3".
+    pub(super) fn waits_for(&self) -> String {
+        match (&self.only, self.every) {
+            (Some(gpu), _) => format!("a packet from {gpu}"),
+            (None, false) => format!("the first packet from one of its {} GPUs", self.watched),
+            (None, true) if self.left == self.watched => {
+                format!("a packet from each of its {} GPUs", self.watched)
+            }
+            (None, true) => format!(
+                "a packet from each of its {} GPUs ({} still to send)",
+                self.watched, self.left
+            ),
+        }
+    }
+
+    /// Its steps (each one pending while it waits).
+    pub(super) fn steps(&self) -> usize {
+        self.plan.steps.len()
+    }
+}
+
+/// A schedule's faults are one per item, or none, and a scenario's own (below
+/// `OWN_FAULT`).
+fn check_faults(items: &[(u64, ChangeRequest)], faults: &[u32]) -> Result<(), String> {
+    if !faults.is_empty() && faults.len() != items.len() {
+        return Err(format!(
+            "{} faults for {} items: one per item, or none",
+            faults.len(),
+            items.len()
+        ));
+    }
+    if let Some(f) = faults.iter().find(|&&f| f >= OWN_FAULT) {
+        return Err(format!(
+            "fault {f}: a scenario's faults are below {OWN_FAULT}"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a logged event's text is `timeline`'s start: one that waited for the GPUs'
+/// packets logs it ("timeline 2 started: …") at the packet that started it, its time 0.
+pub fn starts(what: &str, timeline: u64) -> bool {
+    what.starts_with(&format!("timeline {timeline} started: "))
+}
+
 /// What a fault whose step is `req` takes down, for the log: "switch spine0", "GPU gpu3",
 /// "a link failure", "a link flap".
 fn fault_label(req: &ChangeRequest) -> Option<String> {
@@ -192,18 +263,7 @@ impl<P: Ports> DataPlane<P> {
         faults: &[u32],
         now: Instant,
     ) -> Result<(u64, Vec<Event>), String> {
-        if !faults.is_empty() && faults.len() != items.len() {
-            return Err(format!(
-                "{} faults for {} items: one per item, or none",
-                faults.len(),
-                items.len()
-            ));
-        }
-        if let Some(f) = faults.iter().find(|&&f| f >= OWN_FAULT) {
-            return Err(format!(
-                "fault {f}: a scenario's faults are below {OWN_FAULT}"
-            ));
-        }
+        check_faults(items, faults)?;
         // (A schedule refused takes no id: timelines are numbered as they run.)
         let id = self.timelines + 1;
         let applied = self.schedule_at(items, faults, id, now)?;
@@ -247,7 +307,13 @@ impl<P: Ports> DataPlane<P> {
         let scheduled = self
             .scheduled
             .values()
-            .flat_map(|(step, _)| &step.changes)
+            .map(|(step, _)| step)
+            .chain(
+                self.armed
+                    .iter()
+                    .flat_map(|a| a.plan.steps.iter().map(|(_, s)| s)),
+            )
+            .flat_map(|step| &step.changes)
             .filter_map(|c| match c {
                 Change::StartLoad(spec) => Some(spec),
                 _ => None,
@@ -283,6 +349,18 @@ impl<P: Ports> DataPlane<P> {
         timeline: u64,
         now: Instant,
     ) -> Result<Vec<Event>, String> {
+        let plan = self.prepare(items, faults, timeline)?;
+        Ok(self.commit(plan, timeline, now))
+    }
+
+    /// Checks and resolves `items` of `timeline` into steps (load and fault numbers taken
+    /// now), without scheduling them: all of them or, if one is wrong, none.
+    fn prepare(
+        &mut self,
+        items: &[(u64, ChangeRequest)],
+        faults: &[u32],
+        timeline: u64,
+    ) -> Result<Prepared, String> {
         let mut next_load = self.next_load;
         let mut next_fault = self.next_fault;
         let mut steps = Vec::new();
@@ -331,6 +409,12 @@ impl<P: Ports> DataPlane<P> {
             .values()
             .map(|(s, _)| changes(s))
             .sum::<usize>()
+            + self
+                .armed
+                .iter()
+                .flat_map(|a| &a.plan.steps)
+                .map(|(_, s)| changes(s))
+                .sum::<usize>()
             + steps.iter().map(|(_, s)| changes(s)).sum::<usize>();
         if pending > MAX_PENDING {
             return Err(format!(
@@ -339,12 +423,18 @@ impl<P: Ports> DataPlane<P> {
         }
         self.next_load = next_load;
         self.next_fault = next_fault;
-        self.fault_labels.extend(labels);
+        Ok(Prepared { steps, labels })
+    }
+
+    /// Schedules what `prepare` made of `timeline`'s items from `now` (its start): applies
+    /// those due at once, returned.
+    fn commit(&mut self, plan: Prepared, timeline: u64, now: Instant) -> Vec<Event> {
+        self.fault_labels.extend(plan.labels);
         let mut applied = Vec::new();
         // Pending first: what the steps applied now break is kept only for a timeline
         // with more to come (the repairs a cancel would make).
         let mut now_steps = Vec::new();
-        for (after, step) in steps {
+        for (after, step) in plan.steps {
             if after == 0 {
                 now_steps.push(step);
             } else {
@@ -367,7 +457,92 @@ impl<P: Ports> DataPlane<P> {
             self.broken.remove(&timeline);
             self.timelines_ended();
         }
-        Ok(applied)
+        applied
+    }
+
+    /// Schedules a timeline as `control::Request::Schedule` asks: from `now`, or armed
+    /// until the packets of its trigger's GPUs start it (`gpu_sent`).
+    pub(super) fn schedule_request(
+        &mut self,
+        req: super::Schedule,
+        now: Instant,
+    ) -> Result<super::ScheduledTimeline, String> {
+        let Some(start) = req.start else {
+            return self
+                .schedule_faults_from(&req.items, &req.faults, now)
+                .map(|(id, events)| (id, events, Some(now.as_nanos())));
+        };
+        check_faults(&req.items, &req.faults)?;
+        if start.gpus.is_empty() {
+            return Err("a timeline's start names no GPU whose packets start it".into());
+        }
+        let mut waiting = vec![false; self.topo.hosts.len()];
+        for name in &start.gpus {
+            let Some(h) = self.topo.hosts.iter().position(|h| &h.name == name) else {
+                return Err(format!(
+                    "no GPU {name} on fabric {} to start a timeline with its packets",
+                    self.name
+                ));
+            };
+            waiting[h] = true;
+        }
+        let watched = waiting.iter().filter(|&&w| w).count();
+        let id = self.timelines + 1;
+        let plan = self.prepare(&req.items, &req.faults, id)?;
+        self.timelines = id;
+        let only = (watched == 1).then(|| start.gpus[0].clone());
+        let armed = Armed {
+            id,
+            plan,
+            waiting,
+            left: if start.every { watched } else { 1 },
+            every: start.every,
+            watched,
+            only,
+        };
+        let n = armed.plan.steps.len();
+        let what = format!(
+            "timeline {id} waits for {} to start ({} step{})",
+            armed.waits_for(),
+            n,
+            if n == 1 { "" } else { "s" }
+        );
+        let event = self.log(now, StdDuration::ZERO, what, Some(id));
+        self.armed.push(armed);
+        Ok((id, vec![event], None))
+    }
+
+    /// GPU `host` sent a packet into the fabric at `now`: the armed timelines it was the
+    /// last to wait for start, from `now`.
+    pub(super) fn gpu_sent(&mut self, host: usize, now: Instant) {
+        let mut i = 0;
+        while i < self.armed.len() {
+            let a = &mut self.armed[i];
+            if a.waiting.get(host).copied().unwrap_or(false) {
+                a.waiting[host] = false;
+                a.left -= 1;
+                if a.left == 0 {
+                    let a = self.armed.remove(i);
+                    let gpu = self.topo.hosts[host].name.clone();
+                    let why = match (a.every, a.watched) {
+                        (_, 1) => format!("{gpu} sent a packet"),
+                        (false, n) => format!("the first packet of its {n} GPUs, from {gpu}"),
+                        (true, n) => {
+                            format!("each of its {n} GPUs has sent a packet, the last {gpu}")
+                        }
+                    };
+                    self.log(
+                        now,
+                        StdDuration::ZERO,
+                        format!("timeline {} started: {why}", a.id),
+                        Some(a.id),
+                    );
+                    self.commit(a.plan, a.id, now);
+                    continue;
+                }
+            }
+            i += 1;
+        }
     }
 
     /// Drops the pending steps of `timeline` (or of all), and makes at once the repairs
@@ -389,11 +564,27 @@ impl<P: Ports> DataPlane<P> {
         for k in &keys {
             *pending.entry(self.scheduled[k].1).or_default() += 1;
         }
+        // Timelines still waiting for their start are dropped whole: nothing of them ran.
+        let mut unstarted = std::collections::BTreeMap::<u64, String>::new();
+        let mut dropped = keys.len();
+        let armed = std::mem::take(&mut self.armed);
+        for a in armed {
+            if timeline.is_none_or(|want| a.id == want) {
+                *pending.entry(a.id).or_default() += a.steps();
+                dropped += a.steps();
+                unstarted.insert(a.id, a.waits_for());
+            } else {
+                self.armed.push(a);
+            }
+        }
         for (t, n) in pending {
             let steps = format!("{n} step{} pending", if n == 1 { "" } else { "s" });
-            let what = match t {
-                0 => format!("flaps cancelled with {steps}"),
-                t => format!("timeline {t} cancelled with {steps}"),
+            let what = match (t, unstarted.get(&t)) {
+                (0, _) => format!("flaps cancelled with {steps}"),
+                (t, None) => format!("timeline {t} cancelled with {steps}"),
+                (t, Some(waited)) => format!(
+                    "timeline {t} cancelled with {steps}, before it started (it waited for {waited})"
+                ),
             };
             self.log(now, StdDuration::ZERO, what, Some(t));
         }
@@ -436,17 +627,19 @@ impl<P: Ports> DataPlane<P> {
                 repaired.push(self.apply(now, stop, Some(t)));
             }
         }
-        (keys.len(), repaired)
+        (dropped, repaired)
     }
 
     /// The fabric back to its topology, as one event saying what that took (see
     /// `ChangeRequest::Reset`).
     fn reset(&mut self) -> Event {
         use closbox_fabric::routing::PortId;
-        let pending = self.scheduled.len();
-        let timelines = self.broken.keys().filter(|&&t| t != 0).count();
+        // (Timelines waiting for their start are cancelled with all their steps.)
+        let pending = self.scheduled.len() + self.armed.iter().map(Armed::steps).sum::<usize>();
+        let timelines = self.broken.keys().filter(|&&t| t != 0).count() + self.armed.len();
         self.scheduled.clear();
         self.broken.clear();
+        self.armed.clear();
         let mut changes = Vec::new();
         let mut said = Vec::new();
         let (mut up, mut reset) = (0, 0);

@@ -65,6 +65,10 @@ pub struct TimelineStatus {
     pub pending: usize,
     /// Loads it started that still run.
     pub loads: Vec<u32>,
+    /// What it waits for before it starts (`Schedule::start`): "the first packet from one
+    /// of its 8 GPUs"; none once started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
 }
 
 /// A link that is down or changed, for `status`.
@@ -772,7 +776,8 @@ impl<P: Ports> DataPlane<P> {
                 out
             }),
             loads,
-            pending_changes: self.scheduled.len(),
+            pending_changes: self.scheduled.len()
+                + self.armed.iter().map(|a| a.steps()).sum::<usize>(),
             timelines: {
                 let mut t: Vec<TimelineStatus> = self
                     .broken
@@ -781,7 +786,14 @@ impl<P: Ports> DataPlane<P> {
                         id,
                         pending: b.pending,
                         loads: b.loads.clone(),
+                        waiting: None,
                     })
+                    .chain(self.armed.iter().map(|a| TimelineStatus {
+                        id: a.id,
+                        pending: a.steps(),
+                        loads: Vec::new(),
+                        waiting: Some(a.waits_for()),
+                    }))
                     .collect();
                 t.sort_by_key(|t| t.id);
                 t

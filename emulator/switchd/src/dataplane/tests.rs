@@ -995,7 +995,8 @@ fn a_cancelled_timeline_repairs_what_it_broke() {
         [TimelineStatus {
             id: t,
             pending: 6,
-            loads: vec![1]
+            loads: vec![1],
+            waiting: None,
         }]
     );
     let (dropped, repaired) = dp.cancel(Some(t));
@@ -1521,4 +1522,127 @@ fn a_capture_on_an_idle_fabric_ends_when_its_duration_has_passed() {
         at >= StdDuration::from_millis(5) && at < StdDuration::from_millis(6),
         "ended at {at:?}"
     );
+}
+
+/// A scenario that waits for the GPUs' packets starts at the packet that completes its
+/// trigger: its time 0 is that packet's, its changes at 0 are in place before that packet
+/// enters (a partition at 0 drops it), a GPU outside the trigger does not start it, and a
+/// cancel or a reset before its start drops it whole.
+#[test]
+fn a_timeline_armed_for_the_gpus_packets_starts_at_the_last_one_it_waits_for() {
+    use crate::scenario::Start;
+    let (mut dp, t) = plane(LS);
+    let text = "start = \"every-gpu\"\n[[event]]\nat = \"0ms\"\ndo = \"partition\"\ngroups = [\"gpu0\", \"gpu1\"]\n[[event]]\nat = \"1ms\"\ndo = \"heal\"\n";
+    let sc = crate::scenario::parse(text, "s.toml", &t).unwrap();
+    assert_eq!(sc.start, Start::EveryGpu);
+    let names =
+        |v: &[usize]| -> Vec<String> { v.iter().map(|&i| t.hosts[i].name.clone()).collect() };
+    let req = |start: Start, gpus: Vec<String>| Schedule {
+        items: sc.items.clone(),
+        faults: sc.faults.clone(),
+        start: start.trigger(gpus),
+    };
+    let now = dp.fabric_now(dp.ports.now());
+    let (id, events, start) = dp
+        .schedule_request(req(Start::EveryGpu, names(&[0, 1])), now)
+        .unwrap();
+    assert_eq!(start, None);
+    assert_eq!(
+        events[0].what,
+        format!("timeline {id} waits for a packet from each of its 2 GPUs to start (2 steps)")
+    );
+    // A GPU it does not watch, then one of the two: still waiting.
+    dp.ports.inbox[2].push_back((StdDuration::from_micros(10), udp(&t, 2, 3, 100)));
+    dp.ports.inbox[0].push_back((StdDuration::from_micros(20), udp(&t, 0, 3, 100)));
+    step_to(&mut dp, StdDuration::from_micros(100));
+    let st = dp.status();
+    assert_eq!(
+        st.timelines[0].waiting.as_deref(),
+        Some("a packet from each of its 2 GPUs (1 still to send)")
+    );
+    assert_eq!(st.pending_changes, 2);
+    assert!(st.partition.is_empty());
+    // gpu1's packet, to gpu0, starts it, and is the partition's first drop. (An idle
+    // plane's wait jumps the virtual clock a second ahead: times from where it is.)
+    let t0 = dp.ports.elapsed;
+    let us = StdDuration::from_micros;
+    dp.ports.inbox[1].push_back((t0 + us(200), udp(&t, 1, 0, 100)));
+    step_to(&mut dp, t0 + us(300));
+    let started = dp
+        .events
+        .iter()
+        .find(|e| starts(&e.what, id))
+        .expect("started")
+        .clone();
+    assert_eq!(
+        started.what,
+        format!("timeline {id} started: each of its 2 GPUs has sent a packet, the last gpu1")
+    );
+    let want = (t0 + us(200)).as_nanos() as u64;
+    assert!(
+        (want..want + 1_000).contains(&started.fabric_ns),
+        "{} vs {want}",
+        started.fabric_ns
+    );
+    let drops: std::collections::BTreeMap<String, u64> = dp.status().drops.into_iter().collect();
+    assert_eq!(drops.get("partitioned"), Some(&1), "{drops:?}");
+    // Its heal, 1 ms of fabric time after its start.
+    step_to(&mut dp, t0 + us(1_500));
+    let heal = dp
+        .events
+        .iter()
+        .find(|e| e.timeline == Some(id) && e.what.contains("heal"))
+        .expect("healed");
+    assert_eq!(heal.fabric_ns, started.fabric_ns + 1_000_000);
+    assert!(dp.status().timelines.is_empty());
+
+    // Cancelled before its start: dropped whole, and said so.
+    let now = dp.fabric_now(dp.ports.now());
+    let (id2, _, _) = dp
+        .schedule_request(req(Start::FirstPacket, names(&[3])), now)
+        .unwrap();
+    assert_eq!(
+        dp.status().timelines[0].waiting.as_deref(),
+        Some("a packet from gpu3")
+    );
+    let (n, repaired) = dp.cancel(Some(id2));
+    assert_eq!((n, repaired.len()), (2, 0));
+    let last = &dp.events.last().unwrap().what;
+    assert_eq!(
+        last,
+        &format!("timeline {id2} cancelled with 2 steps pending, before it started (it waited for a packet from gpu3)")
+    );
+    assert!(ends_early(last, id2));
+    let t1 = dp.ports.elapsed;
+    dp.ports.inbox[3].push_back((t1 + us(100), udp(&t, 3, 0, 100)));
+    step_to(&mut dp, t1 + us(200));
+    assert_eq!(dp.ports.inbox[3].len(), 0, "read");
+    assert!(!dp.events.iter().any(|e| starts(&e.what, id2)));
+    assert!(dp.status().partition.is_empty());
+
+    // A reset cancels one waiting too; a GPU the fabric does not have is refused.
+    let (id3, _, _) = dp
+        .schedule_request(req(Start::FirstPacket, names(&[0, 1, 2, 3])), now)
+        .unwrap();
+    assert_eq!(
+        dp.status().timelines[0].waiting.as_deref(),
+        Some("the first packet from one of its 4 GPUs")
+    );
+    let reset = dp.change(&ChangeRequest::Reset).unwrap();
+    assert!(
+        reset[0]
+            .what
+            .ends_with("2 pending steps dropped (1 timeline cancelled)"),
+        "{}",
+        reset[0].what
+    );
+    assert!(dp.status().timelines.is_empty());
+    let e = dp
+        .schedule_request(req(Start::FirstPacket, vec!["gpu9".into()]), now)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        "no GPU gpu9 on fabric t to start a timeline with its packets"
+    );
+    assert!(dp.timelines == id3, "a refused timeline takes no number");
 }
