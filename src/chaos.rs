@@ -700,6 +700,12 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
     let mut timeline = Timeline::load(&st, file)?;
     timeline.json = json;
     if let Some(sel) = gpus {
+        if timeline.scenario.start == scenario::Start::Now {
+            return Err(crate::usage(format!(
+                "--gpus {sel}: {} starts now (it has no `start`); --gpus names the GPUs whose packets start a scenario with start = \"first-packet\" or \"every-gpu\"",
+                file.display()
+            )));
+        }
         let sel = live::select(&st, sel)?;
         timeline.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
     }

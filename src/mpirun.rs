@@ -426,7 +426,7 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
 
 /// Whether `program` (a path, or a name looked up on PATH) can be started: 127 "command
 /// not found", 126 "cannot run" as shells say them, else nothing.
-fn runnable(program: &str) -> anyhow::Result<()> {
+pub fn runnable(program: &str) -> anyhow::Result<()> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::PermissionsExt;
     let path = if program.contains('/') {

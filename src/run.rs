@@ -93,6 +93,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     // The scenario starts just before the first rank: its changes at time 0 are in place
     // before any rank sends (a ping started with a partition at "0ms" got its first
     // reply when the timeline started after the ranks).
+    if a.chaos.is_some() {
+        // A program that cannot start is said before the scenario starts, not after its
+        // first lines and its cancel.
+        crate::mpirun::runnable(&a.cmd[0].replace("{rank}", "0"))
+            .map_err(|e| fabric_hint(e, a.cmd, st))?;
+    }
     let mut timeline = a.chaos.map(|t| t.start()).transpose()?;
     let mut ranks: Vec<Rank> = Vec::new();
     let mut pipes = Vec::new();
@@ -131,25 +137,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 .stderr(Stdio::piped());
             let mut child = match enter.spawn(&mut command) {
                 Ok(c) => c,
-                Err(e) => {
-                    let mut err = spawn_error(e, &args[0]);
-                    // `closbox run FABRIC CMD`, as `status FABRIC` is written.
-                    if args[0] == st.fabric.to_string() || args[0].ends_with(".toml") {
-                        let rest: Vec<&str> = args[1..]
-                            .iter()
-                            .map(String::as_str)
-                            .skip_while(|a| *a == "--")
-                            .collect();
-                        if let Some(c) = err.downcast_mut::<crate::CannotRun>() {
-                            c.message += &format!(
-                            "; `closbox run` takes its fabric with -f: `closbox run -f {} -- {}`",
-                            args[0],
-                            rest.join(" ")
-                        );
-                        }
-                    }
-                    return Err(err);
-                }
+                Err(e) => return Err(fabric_hint(spawn_error(e, &args[0]), &args, st)),
             };
             for (pipe, is_err) in [
                 (child.stdout.take().map(OwnedFd::from), false),
@@ -188,10 +176,22 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let mut stopped = false;
     let mut code = 0u8;
     let mut next_follow = Instant::now();
+    let mut lost: Option<anyhow::Error> = None;
     loop {
         let mut running = 0;
         for r in ranks.iter_mut().filter(|r| r.done.is_none()) {
-            match r.child.try_wait()? {
+            let waited = r.child.try_wait();
+            let waited = match waited {
+                Ok(w) => w,
+                Err(e) => {
+                    lost = Some(
+                        anyhow::Error::new(e)
+                            .context(format!("waiting for rank {} ({})", r.rank, r.gpu)),
+                    );
+                    break;
+                }
+            };
+            match waited {
                 Some(status) => {
                     r.done = Some(status);
                     if !status.success() {
@@ -205,6 +205,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 }
                 None => running += 1,
             }
+        }
+        if let Some(e) = lost {
+            // (Never seen: the ranks are this process's children.) Nothing is left behind.
+            stop_all(&mut ranks);
+            if let (Some(t), Some(started)) = (a.chaos, &mut timeline) {
+                t.finish(started, "closbox lost track of the job");
+            }
+            return Err(e);
         }
         if running == 0 {
             break;
@@ -288,6 +296,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(code))
         }
     }
+}
+
+/// A program that cannot run, named `args[0]`: where that is the fabric's name or a
+/// topology file (`closbox run FABRIC CMD`, as `status FABRIC` is written), how to say it.
+fn fabric_hint(mut err: anyhow::Error, args: &[String], st: &State) -> anyhow::Error {
+    if args[0] == st.fabric.to_string() || args[0].ends_with(".toml") {
+        let rest: Vec<&str> = args[1..]
+            .iter()
+            .map(String::as_str)
+            .skip_while(|a| *a == "--")
+            .collect();
+        if let Some(c) = err.downcast_mut::<crate::CannotRun>() {
+            c.message += &format!(
+                "; `closbox run` takes its fabric with -f: `closbox run -f {} -- {}`",
+                args[0],
+                rest.join(" ")
+            );
+        }
+    }
+    err
 }
 
 /// A rank's stdout or stderr, and what it has sent of a line not ended yet.

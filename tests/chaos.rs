@@ -30,6 +30,15 @@ fn drops(f: &TestFabric, reason: &str) -> u64 {
         .unwrap()
 }
 
+/// `closbox ARGS` is a usage error (exit 2) whose message says `says`: its stderr.
+fn refused(args: &[&str], says: &str) -> String {
+    let out = closbox(args);
+    let (o, e) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {o} {e}");
+    assert!(e.contains(says), "{args:?}: {e}");
+    e
+}
+
 fn ping(f: &TestFabric, from: &str, to: &str) -> bool {
     f.exec(from, &["ping", "-c", "3", "-i", "0.2", "-W", "1", "-q", to])
         .status
@@ -599,31 +608,27 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "[[event]]\nat = \"1ms\"\ndo = \"link-down\"\na = \"leaf0\"\nb = \"spine3\"\n",
     )
     .unwrap();
-    let out = closbox(&["chaos", bad.to_str().unwrap(), "--fabric", "lt-scen"]);
-    assert_eq!(out.status.code(), Some(2));
-    let e = text(&out).1;
-    assert!(
-        e.contains("bad-scenario.toml:5:5:") && e.contains("spine0"),
-        "{e}"
+    let bad = bad.to_str().unwrap();
+    let e = refused(
+        &["chaos", bad, "--fabric", "lt-scen"],
+        "bad-scenario.toml:5:5:",
     );
+    assert!(e.contains("spine0"), "{e}");
     // `mpirun --chaos` checks it the same way before anything runs (a dry run too).
-    let out = closbox(&[
-        "mpirun",
-        "--fabric",
-        "lt-scen",
-        "-np",
-        "2",
-        "--dry-run",
-        "--chaos",
-        bad.to_str().unwrap(),
-        "--",
-        "true",
-    ]);
-    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
-    assert!(
-        text(&out).1.contains("bad-scenario.toml:5:5:"),
-        "{:?}",
-        text(&out)
+    refused(
+        &[
+            "mpirun",
+            "--fabric",
+            "lt-scen",
+            "-np",
+            "2",
+            "--dry-run",
+            "--chaos",
+            bad,
+            "--",
+            "true",
+        ],
+        "bad-scenario.toml:5:5:",
     );
     assert_eq!(f.status()["events"], 0, "nothing ran");
 
@@ -694,18 +699,15 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     // `run --chaos`: the timeline starts with the job and what the job outlives is
     // cancelled, but for the repair of what the scenario broke (the link it took down at
     // 100 ms comes up when the job ends at 150 ms, not at 300 ms: never, once cancelled).
-    let out = closbox(&[
-        "run",
-        "--fabric",
-        "lt-scen",
-        "--gpus",
-        "0",
-        "--chaos",
-        good.to_str().unwrap(),
-        "--",
-        "sleep",
-        "0.15",
-    ]);
+    let run_under = |file: &std::path::Path, cmd: &[&str]| {
+        let file = file.to_str().unwrap();
+        let mut args = vec![
+            "run", "--fabric", "lt-scen", "--gpus", "0", "--chaos", file, "--",
+        ];
+        args.extend(cmd);
+        closbox(&args)
+    };
+    let out = run_under(&good, &["sleep", "0.15"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let e = text(&out).1;
     assert!(e.contains("# chaos: ") && e.contains("cancelled"), "{e}");
@@ -749,21 +751,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
          [[event]]\nat = \"60s\"\ndo = \"heal\"\n",
     )
     .unwrap();
-    let job = |cmd: &str| {
-        closbox(&[
-            "run",
-            "--fabric",
-            "lt-scen",
-            "--gpus",
-            "0",
-            "--chaos",
-            first.to_str().unwrap(),
-            "--",
-            "sh",
-            "-c",
-            cmd,
-        ])
-    };
+    let job = |cmd: &str| run_under(&first, &["sh", "-c", cmd]);
     let out = job("sleep 0.3; ping -c 1 -W 1 gpu1");
     assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
     let e = text(&out).1;
@@ -802,6 +790,26 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     );
     assert_eq!(f.status()["timelines"], serde_json::json!([]));
     assert_eq!(f.status()["partition"], serde_json::json!([]));
+    // `closbox chaos --gpus` is for a scenario that waits for the GPUs' packets.
+    let good_file = good.to_str().unwrap();
+    refused(
+        &["chaos", good_file, "--gpus", "0", "--fabric", "lt-scen"],
+        "starts now (it has no `start`)",
+    );
+    // A program that cannot start is said before the scenario starts (none is).
+    let before = f.status()["timelines_started"].clone();
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-scen",
+        "--chaos",
+        first.to_str().unwrap(),
+        "--",
+        "no-such-program-here",
+    ]);
+    assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
+    assert!(!text(&out).1.contains("# chaos:"), "{:?}", text(&out));
+    assert_eq!(f.status()["timelines_started"], before);
     // A detached scenario's load runs until `closbox cancel` ends it.
     let long = dir.join("long-load.toml");
     std::fs::write(
