@@ -104,6 +104,10 @@ pub fn ends_early(what: &str, timeline: u64) -> bool {
         || what.contains(&format!("(now: timeline {timeline} cancelled)"))
 }
 
+/// Timelines that may wait for the GPUs' packets at once: each is looked at for every
+/// packet read while it waits, and holds a flag per GPU.
+pub(super) const MAX_ARMED: usize = 64;
+
 /// A timeline's steps checked and resolved but not scheduled yet (`DataPlane::prepare`):
 /// at fabric ns after its start, and what its faults take down (`fault_labels`).
 #[derive(Debug)]
@@ -473,6 +477,11 @@ impl<P: Ports> DataPlane<P> {
                 .map(|(id, events)| (id, events, Some(now.as_nanos())));
         };
         check_faults(&req.items, &req.faults)?;
+        if self.armed.len() >= MAX_ARMED {
+            return Err(format!(
+                "{MAX_ARMED} timelines already wait for the GPUs' packets to start them: end some first (`closbox cancel N`; `closbox status` lists them)"
+            ));
+        }
         if start.gpus.is_empty() {
             return Err("a timeline's start names no GPU whose packets start it".into());
         }

@@ -1645,4 +1645,14 @@ fn a_timeline_armed_for_the_gpus_packets_starts_at_the_last_one_it_waits_for() {
         "no GPU gpu9 on fabric t to start a timeline with its packets"
     );
     assert!(dp.timelines == id3, "a refused timeline takes no number");
+    // At most MAX_ARMED wait at once (each is looked at for every packet).
+    for _ in 0..changes::MAX_ARMED {
+        dp.schedule_request(req(Start::FirstPacket, names(&[3])), now)
+            .unwrap();
+    }
+    let e = dp
+        .schedule_request(req(Start::FirstPacket, names(&[3])), now)
+        .unwrap_err();
+    assert!(e.starts_with("64 timelines already wait"), "{e}");
+    assert_eq!(dp.cancel(None).0, 2 * changes::MAX_ARMED);
 }
