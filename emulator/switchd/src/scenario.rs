@@ -317,6 +317,22 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
                         (a scenario has [[event]] and [[random]] tables): bring it up with \
                         `closbox up FILE`";
         }
+        // The scenario's `start` word where a [[random]]'s `start` (a duration) is.
+        if ["now", "first-packet", "every-gpu"]
+            .iter()
+            .any(|w| message.starts_with(&format!("invalid duration \"{w}\"")))
+        {
+            message += "; a [[random]]'s `start` is when its faults begin; the scenario's time 0 is the `start` above the first [[event]] or [[random]]";
+        }
+        // A scenario-wide key written under a table (after an [[event]] line, TOML puts
+        // it in that event).
+        if let Some(k) = unknown_field(&message).filter(|k| ["seed", "start"].contains(k)) {
+            if !message.contains("`random`") {
+                message += &format!(
+                    "; `{k}` is a key of the whole scenario: write it above the first [[event]] or [[random]]"
+                );
+            }
+        }
         ConfigError {
             file: file.to_owned(),
             position: e.span().map(|s| line_col(text, s.start)),
@@ -936,6 +952,21 @@ mod tests {
         assert_eq!(
             err(&format!("seed = 2\nstart = \"first packet\"\n{body}")),
             "s.toml:2:9: start is \"now\" (the default), \"first-packet\" (the first packet of the job's GPUs into the fabric) or \"every-gpu\" (once each of them has sent one), not \"first packet\""
+        );
+        // Written under a table, it is said where it goes.
+        let e = err(&format!("{body}start = \"first-packet\"\n"));
+        assert!(
+            e.starts_with("s.toml:5:1: unknown field `start`")
+                && e.ends_with("`start` is a key of the whole scenario: write it above the first [[event]] or [[random]]"),
+            "{e}"
+        );
+        let e = err("[[random]]\ndo = \"link-flap\"\nlinks = \"leaf-spine\"\nmtbf = \"5ms\"\nmttr = \"1ms\"\nuntil = \"20ms\"\nstart = \"every-gpu\"\n");
+        assert!(
+            e.starts_with("s.toml:7:9: invalid duration \"every-gpu\"")
+                && e.ends_with(
+                    "the scenario's time 0 is the `start` above the first [[event]] or [[random]]"
+                ),
+            "{e}"
         );
         let trigger = Start::EveryGpu.trigger(vec!["gpu0".into()]).unwrap();
         assert!(trigger.every);
