@@ -574,8 +574,8 @@ impl Timeline {
         match cancelled {
             Ok(Reply::Cancelled { changes, .. }) if started.start_ns.is_none() => {
                 let waited = match self.scenario.start {
-                    scenario::Start::EveryGpu => "not every GPU of the job sent a packet",
-                    _ => "no GPU of the job sent a packet",
+                    scenario::Start::EveryGpu => "not every GPU it waited for sent a packet",
+                    _ => "no GPU it waited for sent a packet",
                 };
                 eprintln!(
                     "# chaos: {why} before {} started (start = \"{}\": {waited}): cancelled, its {} dropped",

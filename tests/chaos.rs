@@ -784,7 +784,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     let out = job("sleep 0.1");
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(
-        text(&out).1.contains("before ") && text(&out).1.contains("started (start = \"first-packet\": no GPU of the job sent a packet): cancelled, its 2 changes dropped"),
+        text(&out).1.contains("before ") && text(&out).1.contains("started (start = \"first-packet\": no GPU it waited for sent a packet): cancelled, its 2 changes dropped"),
         "{:?}",
         text(&out)
     );
