@@ -284,7 +284,9 @@ impl Fabric {
 
     /// Runs a scenario file on the fabric (`closbox chaos FILE`) and waits for its end:
     /// its last change made and the loads it started ended, or until `cancel`/`reset`
-    /// from elsewhere ends it. A bad file is an error naming its line.
+    /// from elsewhere ends it (a file with `start = "first-packet"` or `"every-gpu"` first
+    /// waits for the fabric's GPUs to send: traffic from another thread or process). A bad
+    /// file is an error naming its line.
     pub fn chaos(&self, scenario: impl AsRef<Path>) -> anyhow::Result<Chaos> {
         let file = scenario.as_ref();
         let out = self

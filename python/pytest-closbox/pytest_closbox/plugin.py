@@ -78,8 +78,9 @@ class Fabric:
     ) -> subprocess.CompletedProcess:
         """Runs `cmd` as one rank per GPU (RANK, WORLD_SIZE, MASTER_ADDR... set).
 
-        chaos: a scenario file run with the job (its time 0 the job's start, cancelled at
-        its end); its changes and what the fabric did during the job are "# chaos:" lines
+        chaos: a scenario file run with the job (its time 0 the job's start, or its GPUs'
+        first packets with `start = "first-packet"` or `"every-gpu"` in the file;
+        cancelled at its end); its changes and what the fabric did during the job are "# chaos:" lines
         of the result's stderr."""
         args = ["run", "--fabric", self.name, "--gpus", gpus]
         if timeout is not None:
@@ -140,7 +141,8 @@ class Fabric:
 
     def chaos(self, scenario: os.PathLike | str, timeout: Optional[float] = None) -> dict:
         """Runs a scenario file on the fabric (`closbox chaos FILE --json`) and waits for
-        its end. Returns {"events": [its own events], "timeline": N, "end": "followed" |
+        its end (a file with `start = "first-packet"` or `"every-gpu"` first waits for the
+        fabric's GPUs to send: traffic from another thread or process). Returns {"events": [its own events], "timeline": N, "end": "followed" |
         "cancelled" | "interrupted", "meanwhile": {"delivered", "dropped", "drops":
         [[reason, n], ...], "ecn_marked", "changed_links"}}: what the fabric did while it
         ran. Raises ClosboxError for a bad file (naming its line) or a failed run."""
