@@ -31,8 +31,10 @@ pub struct Target<'a> {
     pub gpus: &'a str,
     pub channels: usize,
     pub timeout: Option<Duration>,
-    /// A chaos scenario to run with the job (`--chaos FILE`).
+    /// A chaos scenario to run with the job (`--chaos FILE`), and its time 0 instead of
+    /// the file's (`--chaos-start`).
     pub chaos: Option<&'a std::path::Path>,
+    pub chaos_start: Option<closbox_switchd::scenario::Start>,
 }
 
 impl Target<'_> {
@@ -61,7 +63,7 @@ impl Target<'_> {
         }
         let timeline = self
             .chaos
-            .map(|f| crate::chaos::Timeline::load(&st, f))
+            .map(|f| crate::chaos::Timeline::load(&st, f, self.chaos_start))
             .transpose()?
             .map(|mut t| {
                 t.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();

@@ -441,10 +441,17 @@ impl Started {
 
 impl Timeline {
     /// Reads `file` and checks it against the fabric's topology: a bad file is a usage
-    /// error (exit 2) before anything runs.
-    pub fn load(st: &State, file: &Path) -> anyhow::Result<Timeline> {
+    /// error (exit 2) before anything runs. `start` replaces the file's (`--chaos-start`).
+    pub fn load(
+        st: &State,
+        file: &Path,
+        start: Option<scenario::Start>,
+    ) -> anyhow::Result<Timeline> {
         let topo = fabric_topology(st)?;
-        let scenario = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
+        let mut scenario = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
+        if let Some(start) = start {
+            scenario.start = start;
+        }
         Ok(Timeline {
             fabric: st.fabric.clone(),
             file: file.display().to_string(),
@@ -652,6 +659,8 @@ pub struct ScenarioArgs<'a> {
     pub json: bool,
     /// The GPUs whose packets start a scenario that waits for them (default: all).
     pub gpus: Option<&'a str>,
+    /// Its time 0, instead of the file's `start`.
+    pub start: Option<scenario::Start>,
 }
 
 /// `closbox chaos FILE`: runs a scenario on a live fabric and prints its events as they
@@ -666,6 +675,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
         detach,
         json,
         gpus,
+        start,
     } = a;
     if dry_run {
         let topo = match topology {
@@ -676,7 +686,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
             }
         };
         let sc = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
-        match sc.start {
+        match start.unwrap_or(sc.start) {
             scenario::Start::Now => {}
             scenario::Start::FirstPacket => println!(
                 "# time 0: the first packet one of the job's GPUs sends into the fabric (start = \"first-packet\")"
@@ -697,12 +707,12 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
     }
     closbox_switchd::require_root("closbox chaos")?;
     let st = live::resolve(fabric)?;
-    let mut timeline = Timeline::load(&st, file)?;
+    let mut timeline = Timeline::load(&st, file, start)?;
     timeline.json = json;
     if let Some(sel) = gpus {
         if timeline.scenario.start == scenario::Start::Now {
             return Err(crate::usage(format!(
-                "--gpus {sel}: {} starts now (it has no `start`); --gpus names the GPUs whose packets start a scenario with start = \"first-packet\" or \"every-gpu\"",
+                "--gpus {sel}: {} starts now (it has no `start`, and no --start); --gpus names the GPUs whose packets start a scenario with start = \"first-packet\" or \"every-gpu\"",
                 file.display()
             )));
         }

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use closbox_switchd::scenario::Start;
 use closbox_switchd::state::FabricName;
 
 use crate::{bench, live, mpirun, record};
@@ -416,9 +417,14 @@ pub(crate) enum Command {
         #[arg(long)]
         dry_run: bool,
         /// A chaos scenario (`closbox chaos`) to run with the job, as `run --chaos`: its
-        /// time 0 is the launcher's start; cancelled when the job ends.
+        /// time 0 is the launcher's start (or as --chaos-start says); cancelled when the
+        /// job ends.
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
+        /// The scenario's time 0, instead of its file's `start`: now, first-packet,
+        /// every-gpu (the launcher's daemons in each GPU send first).
+        #[arg(long, value_name = "WHEN", requires = "chaos", value_parser = scenario_start)]
+        chaos_start: Option<Start>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
         /// deadline waits run time_scale times slower (see "Fabric time" in the README;
         /// nothing changes on a real-time fabric).
@@ -472,6 +478,9 @@ pub(crate) enum Command {
         /// packets start it (as `run --gpus` takes them; default: every GPU).
         #[arg(long, conflicts_with = "dry_run")]
         gpus: Option<String>,
+        /// Its time 0, instead of the file's `start`: now, first-packet, every-gpu.
+        #[arg(long, value_name = "WHEN", value_parser = scenario_start)]
+        start: Option<Start>,
         /// Fabric (default: the only fabric up).
         #[arg(long, short, value_parser = fabric_ref)]
         fabric: Option<FabricName>,
@@ -493,9 +502,16 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
         master_port: u16,
         /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
-        /// start; it is cancelled when the job ends, as `closbox cancel` does (repairs of what it broke made at once, its loads stopped).
+        /// start (or as its `start` or --chaos-start says); it is cancelled when the job
+        /// ends, as `closbox cancel` does (repairs of what it broke made at once, its loads
+        /// stopped).
         #[arg(long, value_name = "FILE")]
         chaos: Option<PathBuf>,
+        /// The scenario's time 0, instead of its file's `start`: now (the job's start),
+        /// first-packet (the job's first packet into the fabric), every-gpu (once each of
+        /// its GPUs has sent one).
+        #[arg(long, value_name = "WHEN", requires = "chaos", value_parser = scenario_start)]
+        chaos_start: Option<Start>,
         /// Fabric-time clocks for the command on a dilated fabric: its clock reads and
         /// deadline waits run time_scale times slower (see "Fabric time" in the README;
         /// nothing changes on a real-time fabric).
@@ -633,6 +649,11 @@ pub(crate) struct TargetArgs {
     /// start; it is cancelled when the job ends, as `closbox cancel` does (repairs of what it broke made at once, its loads stopped).
     #[arg(long, value_name = "FILE")]
     pub(crate) chaos: Option<PathBuf>,
+    /// The scenario's time 0, instead of its file's `start`: now (the job's start),
+    /// first-packet (the job's first packet into the fabric), every-gpu (once each of its
+    /// GPUs has sent one).
+    #[arg(long, value_name = "WHEN", requires = "chaos", value_parser = scenario_start)]
+    pub(crate) chaos_start: Option<Start>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -658,8 +679,16 @@ impl TargetArgs {
             channels: self.channels as usize,
             timeout: self.timeout,
             chaos: self.chaos.as_deref(),
+            chaos_start: self.chaos_start,
         }
     }
+}
+
+/// `--chaos-start`, `chaos --start`: when a scenario's time 0 is.
+pub(crate) fn scenario_start(s: &str) -> Result<Start, String> {
+    Start::parse(s).ok_or_else(|| {
+        format!("{s:?}: now, first-packet (the first packet of the job's GPUs into the fabric) or every-gpu (once each of them has sent one)")
+    })
 }
 
 pub(crate) fn time_scale_arg(s: &str) -> Result<live::TimeScaleArg, String> {

@@ -320,6 +320,7 @@ fn main() -> ExitCode {
             export,
             dry_run,
             chaos,
+            chaos_start,
             fabric_clock,
             cmd,
         } => mpirun::mpirun(mpirun::MpirunArgs {
@@ -332,6 +333,7 @@ fn main() -> ExitCode {
             export: &export,
             dry_run,
             chaos: chaos.as_deref(),
+            chaos_start,
             fabric_clock,
             cmd: &cmd,
         }),
@@ -348,6 +350,7 @@ fn main() -> ExitCode {
             detach,
             json,
             gpus,
+            start,
             fabric,
         } => chaos::scenario_cmd(chaos::ScenarioArgs {
             fabric: fabric.as_ref(),
@@ -357,6 +360,7 @@ fn main() -> ExitCode {
             detach,
             json,
             gpus: gpus.as_deref(),
+            start,
         }),
         Command::Partition { groups, fabric } => chaos::partition(fabric.as_ref(), &groups),
         Command::Heal { fabric } => chaos::change(fabric.get(), ChangeRequest::Heal),
@@ -428,6 +432,7 @@ fn main() -> ExitCode {
             timeout,
             master_port,
             chaos,
+            chaos_start,
             fabric_clock,
             cmd,
         } => (|| {
@@ -439,7 +444,7 @@ fn main() -> ExitCode {
             }
             let timeline = chaos
                 .as_deref()
-                .map(|f| chaos::Timeline::load(&st, f))
+                .map(|f| chaos::Timeline::load(&st, f, chaos_start))
                 .transpose()?
                 .map(|mut t| {
                     t.live = true;
@@ -643,6 +648,19 @@ mod tests {
                 "5",
                 "--chaos",
                 "c.toml",
+                "-np",
+                "4",
+                "prog",
+                "-np",
+                "9",
+            ],
+            &[
+                "closbox",
+                "mpirun",
+                "--chaos",
+                "c.toml",
+                "--chaos-start",
+                "every-gpu",
                 "-np",
                 "4",
                 "prog",

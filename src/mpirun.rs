@@ -90,8 +90,10 @@ pub struct MpirunArgs<'a> {
     pub mca: &'a [String],
     pub export: &'a [String],
     pub dry_run: bool,
-    /// A scenario file to run with the job (`--chaos`).
+    /// A scenario file to run with the job (`--chaos`), and its time 0 instead of the
+    /// file's (`--chaos-start`).
     pub chaos: Option<&'a std::path::Path>,
+    pub chaos_start: Option<closbox_switchd::scenario::Start>,
     pub fabric_clock: bool,
     pub cmd: &'a [String],
 }
@@ -334,7 +336,7 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
     // A bad scenario is a usage error before anything runs (also on a dry run).
     let timeline = a
         .chaos
-        .map(|f| crate::chaos::Timeline::load(&st, f))
+        .map(|f| crate::chaos::Timeline::load(&st, f, a.chaos_start))
         .transpose()?
         .map(|mut t| {
             t.live = true;

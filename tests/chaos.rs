@@ -790,11 +790,32 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     );
     assert_eq!(f.status()["timelines"], serde_json::json!([]));
     assert_eq!(f.status()["partition"], serde_json::json!([]));
+    // `--chaos-start` replaces the file's start (the same never-started job, `good` starts
+    // now).
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-scen",
+        "--gpus",
+        "0",
+        "--chaos",
+        good.to_str().unwrap(),
+        "--chaos-start",
+        "every-gpu",
+        "--",
+        "true",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("started (start = \"every-gpu\": not every GPU it waited for sent a packet): cancelled, its 5 changes dropped"),
+        "{:?}",
+        text(&out)
+    );
     // `closbox chaos --gpus` is for a scenario that waits for the GPUs' packets.
     let good_file = good.to_str().unwrap();
     refused(
         &["chaos", good_file, "--gpus", "0", "--fabric", "lt-scen"],
-        "starts now (it has no `start`)",
+        "starts now (it has no `start`, and no --start)",
     );
     // A program that cannot start is said before the scenario starts (none is).
     let before = f.status()["timelines_started"].clone();

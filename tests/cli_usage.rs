@@ -59,6 +59,26 @@ fn train_buckets_default_to_at_most_the_model() {
 fn train_and_run_options_are_checked_before_anything_runs() {
     for (args, needle) in [
         (vec!["train", "--steps", "0"], "--steps"),
+        // A scenario's time 0 is for a scenario, and one of three words.
+        (
+            vec!["run", "--chaos-start", "now", "--", "true"],
+            "--chaos <FILE>",
+        ),
+        (
+            vec![
+                "bench",
+                "allreduce",
+                "--chaos",
+                "c.toml",
+                "--chaos-start",
+                "soon",
+            ],
+            "\"soon\": now, first-packet",
+        ),
+        (
+            vec!["chaos", "c.toml", "--start", "later"],
+            "\"later\": now, first-packet",
+        ),
         (vec!["train", "--bucket", "3"], "multiples of 4 bytes"),
         (
             vec!["train", "--model", "1M", "--bucket", "16M"],

@@ -90,6 +90,13 @@ impl Start {
         }
     }
 
+    /// The start a word of the file names ("now", "first-packet", "every-gpu").
+    pub fn parse(word: &str) -> Option<Start> {
+        [Start::Now, Start::FirstPacket, Start::EveryGpu]
+            .into_iter()
+            .find(|s| s.name() == word)
+    }
+
     /// What the daemon is asked to wait for, on `gpus` (names), if anything.
     pub fn trigger(self, gpus: Vec<String>) -> Option<crate::control::Trigger> {
         match self {
@@ -349,10 +356,7 @@ pub fn parse(text: &str, file: &str, topo: &Topology) -> Result<Scenario, Config
     let seed = raw.seed.as_ref().map_or(1, |s| *s.get_ref());
     let start = match &raw.start {
         None => Start::Now,
-        Some(v) => [Start::Now, Start::FirstPacket, Start::EveryGpu]
-            .into_iter()
-            .find(|s| s.name() == v.get_ref())
-            .ok_or_else(|| {
+        Some(v) => Start::parse(v.get_ref()).ok_or_else(|| {
                 cx.err(
                     v,
                     format!(
