@@ -401,6 +401,8 @@ pub struct Timeline {
     /// at its end (`run --chaos`, `mpirun --chaos`: the job's output, interleaved); off,
     /// the caller reports (`bench` and `train` in their footers).
     pub live: bool,
+    /// `closbox chaos` in text: its events on stdout, each with its time into it.
+    follower: bool,
     /// The GPUs whose packets start it, for a scenario with `start = "first-packet"` or
     /// `"every-gpu"` (names; `load`: every GPU of the fabric, a job's callers its own).
     pub gpus: Vec<String>,
@@ -459,6 +461,7 @@ impl Timeline {
             time_scale: st.time_scale,
             json: false,
             live: false,
+            follower: false,
             gpus: st.gpus.iter().map(|g| g.name.clone()).collect(),
         })
     }
@@ -469,14 +472,18 @@ impl Timeline {
     fn say(&self, e: &Event, start_ns: Option<u64>) {
         if self.json {
             print_event(e, true);
-        } else if let (true, Some(start_ns)) = (self.live, start_ns) {
-            eprintln!(
-                "# chaos: {}  {}",
-                offset(e.fabric_ns.saturating_sub(start_ns)),
-                line(e)
-            );
+            return;
+        }
+        let at = match start_ns {
+            Some(s) if self.live || self.follower => {
+                format!("{}  ", offset(e.fabric_ns.saturating_sub(s)))
+            }
+            _ => String::new(),
+        };
+        if self.follower {
+            println!("{at}{}", line(e));
         } else {
-            eprintln!("# chaos: {}", line(e));
+            eprintln!("# chaos: {at}{}", line(e));
         }
     }
 
@@ -709,6 +716,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
     let st = live::resolve(fabric)?;
     let mut timeline = Timeline::load(&st, file, start)?;
     timeline.json = json;
+    timeline.follower = !json;
     if let Some(sel) = gpus {
         if timeline.scenario.start == scenario::Start::Now {
             return Err(crate::usage(format!(
@@ -786,7 +794,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
             if started.saw(e) {
                 end = Some(last_due(StdInstant::now()));
             }
-            print_event(e, json);
+            timeline.say(e, started.start_ns);
             cancelled |= closbox_switchd::dataplane::ends_early(&e.what, started.id);
         }
         last = new.iter().map(|e| e.seq).max().unwrap_or(last);
@@ -812,7 +820,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
                     .iter()
                     .filter(|e| started.owns(e))
                 {
-                    print_event(e, json);
+                    timeline.say(e, started.start_ns);
                 }
                 break;
             }
