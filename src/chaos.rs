@@ -586,7 +586,8 @@ impl Timeline {
             started.saw(e);
         }
         match cancelled {
-            Ok(Reply::Cancelled { changes, .. }) if started.start_ns.is_none() => {
+            // (Its changes counted as its first line counted them: the file's.)
+            Ok(Reply::Cancelled { .. }) if started.start_ns.is_none() => {
                 let waited = match self.scenario.start {
                     scenario::Start::EveryGpu => "not every GPU it waited for sent a packet",
                     _ => "no GPU it waited for sent a packet",
@@ -595,7 +596,7 @@ impl Timeline {
                     "# chaos: {why} before {} started (start = \"{}\": {waited}): cancelled, its {} dropped",
                     self.file,
                     self.scenario.start.name(),
-                    crate::bench::plural(changes, "change")
+                    crate::bench::plural(self.scenario.items.len(), "change")
                 );
             }
             Ok(Reply::Cancelled { changes, repaired }) if changes > 0 || !repaired.is_empty() => {
