@@ -181,9 +181,14 @@ fn draw(f: &mut Frame, v: &View) {
                 crate::bench::plural(s.gpus, "GPU"),
                 s.time_scale,
                 s.fabric_time_s,
-                match s.timelines.len() {
-                    0 => String::new(),
-                    n => format!("  chaos {n} running"),
+                {
+                    // Scenarios waiting for the GPUs' packets are not running yet.
+                    let waiting = s.timelines.iter().filter(|t| t.waiting.is_some()).count();
+                    match (s.timelines.len(), waiting) {
+                        (0, _) => String::new(),
+                        (n, 0) => format!("  chaos {n} running"),
+                        (n, w) => format!("  chaos {n} ({w} waiting)"),
+                    }
                 }
             )),
         ]),
