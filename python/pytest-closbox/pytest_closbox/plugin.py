@@ -75,13 +75,15 @@ class Fabric:
         timeout: Optional[float] = None,
         fabric_clock: bool = False,
         chaos: Optional[os.PathLike | str] = None,
+        chaos_start: Optional[str] = None,
     ) -> subprocess.CompletedProcess:
         """Runs `cmd` as one rank per GPU (RANK, WORLD_SIZE, MASTER_ADDR... set).
 
         chaos: a scenario file run with the job (its time 0 the job's start, or its GPUs'
         first packets with `start = "first-packet"` or `"every-gpu"` in the file;
-        cancelled at its end); its changes and what the fabric did during the job are "# chaos:" lines
-        of the result's stderr."""
+        cancelled at its end); its changes and what the fabric did during the job are
+        "# chaos:" lines of the result's stderr. chaos_start: "now", "first-packet" or "every-gpu" instead of
+        the file's `start`."""
         args = ["run", "--fabric", self.name, "--gpus", gpus]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
@@ -89,6 +91,8 @@ class Fabric:
             args.append("--fabric-clock")
         if chaos is not None:
             args += ["--chaos", str(chaos)]
+        if chaos_start is not None:
+            args += ["--chaos-start", chaos_start]
         return self._closbox([*args, "--", *cmd])
 
     def mpirun(
@@ -98,9 +102,10 @@ class Fabric:
         impl: Optional[str] = None,
         timeout: Optional[float] = None,
         chaos: Optional[os.PathLike | str] = None,
+        chaos_start: Optional[str] = None,
     ) -> subprocess.CompletedProcess:
         """Runs an MPI program, one rank per GPU (Open MPI, or MPICH with impl="mpich");
-        chaos: a scenario file run with the job, as for `run`."""
+        chaos, chaos_start: a scenario file run with the job, as for `run`."""
         args = ["mpirun", "--fabric", self.name, "--gpus", gpus]
         if impl:
             args += ["--impl", impl]
@@ -108,6 +113,8 @@ class Fabric:
             args += ["--timeout", str(timeout)]
         if chaos is not None:
             args += ["--chaos", str(chaos)]
+        if chaos_start is not None:
+            args += ["--chaos-start", chaos_start]
         return self._closbox([*args, "--", *cmd])
 
     def status(self) -> dict:

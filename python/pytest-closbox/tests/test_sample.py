@@ -107,6 +107,12 @@ def test_a_job_under_a_scenario_sees_its_faults(closbox_fabric, tmp_path):
     assert "partitioned" in chaos[-1], job.stderr
     assert fabric.status()["partition"] == [], "healed when the job ended"
     assert fabric.exec("gpu0", ["ping", "-c", "1", "-W", "1", "gpu2"]).returncode == 0
+    # Its time 0 at the job's first packet instead, after 0.3 s of the job's start-up.
+    job = fabric.run(["sh", "-c", "sleep 0.3; ping -c 1 -W 1 gpu2"], gpus="0", chaos=scenario,
+                     chaos_start="first-packet")
+    assert job.returncode != 0, job.stdout
+    assert any(l.endswith("started: gpu0 sent a packet") for l in job.stderr.splitlines()), \
+        job.stderr
 
 
 def test_cross_traffic_and_a_partition_show_in_the_counters_and_events(closbox_fabric):
