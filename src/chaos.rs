@@ -675,18 +675,9 @@ pub struct ScenarioArgs<'a> {
 /// happen (Ctrl-C cancels the rest); `--detach` returns once it is scheduled; `--dry-run`
 /// prints the timeline without running it (against `--topology`, or the live fabric).
 pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
-    let ScenarioArgs {
-        fabric,
-        file,
-        dry_run,
-        topology,
-        detach,
-        json,
-        gpus,
-        start,
-    } = a;
-    if dry_run {
-        let topo = match topology {
+    let (fabric, file, json, detach) = (a.fabric, a.file, a.json, a.detach);
+    if a.dry_run {
+        let topo = match a.topology {
             Some(t) => closbox_fabric::load(t).map_err(|e| crate::usage(e.to_string()))?,
             None => {
                 closbox_switchd::require_root("closbox chaos --dry-run (or give --topology)")?;
@@ -694,7 +685,7 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
             }
         };
         let sc = scenario::load(file, &topo).map_err(|e| crate::usage(e.to_string()))?;
-        match start.unwrap_or(sc.start) {
+        match a.start.unwrap_or(sc.start) {
             scenario::Start::Now => {}
             scenario::Start::FirstPacket => println!(
                 "# time 0: the first packet one of the job's GPUs sends into the fabric (start = \"first-packet\")"
@@ -715,10 +706,10 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
     }
     closbox_switchd::require_root("closbox chaos")?;
     let st = live::resolve(fabric)?;
-    let mut timeline = Timeline::load(&st, file, start)?;
+    let mut timeline = Timeline::load(&st, file, a.start)?;
     timeline.json = json;
     timeline.follower = !json;
-    if let Some(sel) = gpus {
+    if let Some(sel) = a.gpus {
         if timeline.scenario.start == scenario::Start::Now {
             return Err(crate::usage(format!(
                 "--gpus {sel}: {} starts now (it has no `start`, and no --start); --gpus names the GPUs whose packets start a scenario with start = \"first-packet\" or \"every-gpu\"",
