@@ -551,17 +551,32 @@ fn metrics_pass_promtool_and_equal_status() {
             "--fabric",
             "lt-met",
         ],
+        // The same, waiting for a packet from each GPU (the fabric is idle).
+        &[
+            "chaos",
+            later.to_str().unwrap(),
+            "--start",
+            "every-gpu",
+            "--detach",
+            "--fabric",
+            "lt-met",
+        ],
     ] {
         let out = closbox(args);
         assert!(out.status.success(), "{args:?}: {:?}", text(&out));
     }
     let chaos = |body: &str| {
-        ["partitioned", "timelines_running", "changes_pending"]
-            .map(|m| sample(body, &format!("closbox_{m}{{fabric=\"lt-met\"}}")))
+        [
+            "partitioned",
+            "timelines_running",
+            "timelines_waiting",
+            "changes_pending",
+        ]
+        .map(|m| sample(body, &format!("closbox_{m}{{fabric=\"lt-met\"}}")))
     };
-    assert_eq!(chaos(&scrape(addr, None)), [1.0, 1.0, 1.0]);
+    assert_eq!(chaos(&scrape(addr, None)), [1.0, 2.0, 1.0, 2.0]);
     assert!(closbox(&["reset", "lt-met"]).status.success());
-    assert_eq!(chaos(&scrape(addr, None)), [0.0, 0.0, 0.0]);
+    assert_eq!(chaos(&scrape(addr, None)), [0.0, 0.0, 0.0, 0.0]);
     // The data-plane thread's CPU use over the recent window, once it has a half second
     // behind it (sampled every half second): a share of one CPU, and of the window spent
     // waiting for one.

@@ -552,6 +552,13 @@ pub fn encode(s: &Status) -> String {
     );
     gauge_f(
         &mut reg,
+        "timelines_waiting",
+        "Of those, scenarios waiting for the GPUs' packets to start them",
+        None,
+        s.timelines.iter().filter(|t| t.waiting.is_some()).count() as f64,
+    );
+    gauge_f(
+        &mut reg,
         "changes_pending",
         "Scheduled changes not made yet (scenarios, flaps)",
         None,
