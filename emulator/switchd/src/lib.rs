@@ -2,9 +2,12 @@
 //! namespace and TUN per GPU), drives the fabric model in real time between the TUNs, and
 //! takes it down again, removing exactly what it made.
 //!
-//! All OS access goes through `sys` (the only module with `unsafe`); the model
-//! (`closbox_fabric`) stays free of I/O and clocks.
+//! All OS access goes through `sys` (with `bpf`, which loads the GPUs' DCTCP through
+//! libbpf, the only modules with `unsafe`); the model (`closbox_fabric`) stays free of
+//! I/O and clocks.
 
+#[allow(unsafe_code)]
+pub mod bpf;
 pub mod calibrate;
 pub mod chaos;
 pub mod control;
@@ -206,6 +209,16 @@ pub fn run_fabric(
     {
         tracing::warn!("fabric {name}: --idle-poll has no effect on this box: {why}");
     }
+    // `tcp_congestion = "dctcp"` on a kernel without its own: closbox's, registered for
+    // as long as this daemon lives (`bpf`), and the GPUs are given its name.
+    let _dctcp = match st.tcp_congestion.as_deref() {
+        Some("dctcp") => {
+            let d = bpf::dctcp()?;
+            st.tcp_congestion = Some(d.name().to_owned());
+            Some(d)
+        }
+        _ => None,
+    };
     if let Some(old) = State::load(&name)? {
         tracing::warn!("fabric {name}: a previous run left state behind; cleaning it up");
         state::kill_gpu_processes(&old, Duration::from_secs(2));

@@ -1,5 +1,6 @@
 //! Checks of the built topology against the file: address pool, switch radix, settings
-//! that apply to nothing, buffers below a packet, congestion controls the host forbids.
+//! that apply to nothing, buffers below a packet, congestion controls the host forbids
+//! (but DCTCP, which closbox brings where BTF lets it).
 
 use std::ops::Range;
 
@@ -20,6 +21,17 @@ pub(super) fn check_congestion(cx: &Cx, kind: &Spanned<String>) -> Result<(), Co
     let want = kind.get_ref();
     if allowed.split_whitespace().any(|a| a == want) {
         return Ok(());
+    }
+    // Without the kernel's own, `up` registers closbox's (a BPF program, which libbpf
+    // fits to the running kernel by its BTF).
+    if want == "dctcp" {
+        if std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+            return Ok(());
+        }
+        return Err(cx.err(
+            kind,
+            "`tcp_congestion` = \"dctcp\": this kernel lets network namespaces use no dctcp of its own (net.ipv4.tcp_allowed_congestion_control) and has no BTF (/sys/kernel/btf/vmlinux) for closbox's BPF one".to_string(),
+        ));
     }
     Err(cx.err(
         kind,
