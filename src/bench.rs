@@ -301,6 +301,8 @@ pub struct RunHealth {
     steal: f64,
     /// Packets the fabric's ports marked ECN CE during the run.
     ecn_marks: u64,
+    /// The GPUs' congestion control as the fabric set it (`None`: the host's default).
+    congestion: Option<String>,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -329,6 +331,20 @@ const FOOTER_EVENTS: usize = 20;
 
 /// How much lateness may add to an operation before results are flagged: 5 %.
 const LATENESS_SHARE: f64 = 0.05;
+
+/// How the GPUs' TCP answers ECN marks, by its congestion control.
+fn mark_reaction(congestion: Option<&str>) -> String {
+    match congestion {
+        Some("reno") => "the GPUs' TCP slows down at marks (Reno halves its window)".into(),
+        Some("cubic") => "the GPUs' TCP slows down at marks (Cubic cuts its window by 30 %)".into(),
+        Some("dctcp" | closbox_switchd::bpf::NAME) => {
+            "the GPUs' TCP slows down at marks (DCTCP cuts its window by half its running estimate of the share marked)".into()
+        }
+        Some("bbr") => "the GPUs' TCP (BBR) does not slow down at marks, but queues and pauses still add".into(),
+        Some(cc) => format!("the GPUs' TCP ({cc}) slows down at marks as it does"),
+        None => "the GPUs' TCP (the host's default) slows down at marks as it does".into(),
+    }
+}
 
 impl RunHealth {
     fn snapshot(fabric: &FabricName) -> Option<Status> {
@@ -372,6 +388,7 @@ impl RunHealth {
         let hist = Histogram::since(&before.lateness_buckets, &after.lateness_buckets);
         let marks = |s: &Status| s.ports.iter().map(|p| p.ecn_marked).sum::<u64>();
         RunHealth {
+            congestion: None,
             ecn_marks: marks(after).saturating_sub(marks(before)),
             packets: after.packets_in.saturating_sub(before.packets_in),
             fabric_drops: fabric_drops(after).saturating_sub(fabric_drops(before)),
@@ -561,8 +578,9 @@ impl RunHealth {
         if self.ecn_marks > 0 {
             let _ = writeln!(
                 s,
-                "# ECN: the fabric marked {} packets during the run; the GPUs' TCP slows down at marks (Reno halves its window), which the model leaves out: a result above the model may be that",
-                thousands(self.ecn_marks)
+                "# ECN: the fabric marked {} packets during the run; {}, which the model leaves out: a result above the model may be that",
+                thousands(self.ecn_marks),
+                mark_reaction(self.congestion.as_deref())
             );
         }
         if let Some((mode, events, paused_s)) = &self.pauses {
@@ -805,6 +823,7 @@ fn run_agents(
         endpoints,
         health: before.zip(after).map(|(b, a)| {
             let mut h = RunHealth::between(&st.fabric, &b, &a);
+            h.congestion = st.tcp_congestion.clone();
             if let Some(c) = connected {
                 h.buckets_connected = c;
             }
@@ -1372,6 +1391,7 @@ mod tests {
             cpu: None,
             steal: 0.0,
             ecn_marks: 0,
+            congestion: Some("reno".into()),
         }
     }
 
@@ -1382,6 +1402,13 @@ mod tests {
         h.ecn_marks = 3142;
         let f = h.footer(None);
         assert!(f.contains("# ECN: the fabric marked 3,142 packets"), "{f}");
+        assert!(f.contains("(Reno halves its window)"), "{f}");
+        h.congestion = Some("closbox_dctcp".into());
+        let f = h.footer(None);
+        assert!(
+            f.contains("(DCTCP cuts its window by half its running estimate of the share marked)"),
+            "{f}"
+        );
     }
 
     #[test]
