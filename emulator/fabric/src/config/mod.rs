@@ -855,6 +855,22 @@ gpus_per_leaf = 4
         assert_eq!(t.fabric.host_tcp.congestion, None);
         let e = err(&format!("{LS}[nic]\ntcp_congestion = \"no-such\"\n"));
         assert!(e.starts_with("t.toml:10:18: "), "{e}");
+        // DCTCP: the kernel's, or closbox's own where the kernel has BTF to load it by.
+        let dctcp = format!("{LS}[nic]\ntcp_congestion = \"dctcp\"\n");
+        let allowed = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control");
+        let kernel = allowed
+            .as_deref()
+            .map_or(true, |a| a.split_whitespace().any(|c| c == "dctcp"));
+        if kernel || std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+            let t = parse(&dctcp, "t.toml").unwrap();
+            assert_eq!(t.fabric.host_tcp.congestion.as_deref(), Some("dctcp"));
+        } else {
+            let e = err(&dctcp);
+            assert!(
+                e.starts_with("t.toml:10:18: ") && e.contains("no BTF"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
