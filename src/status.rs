@@ -457,6 +457,26 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
         approx_bytes(s.packet_memory),
         approx_bytes(s.packet_memory_limit),
     );
+    // The GPUs' TCP, when it is not the default (Reno with ECN).
+    let cc = st.tcp_congestion.as_deref();
+    if cc != Some("reno") || !st.tcp_ecn {
+        let _ = writeln!(
+            o,
+            "  gpu tcp   {}, ECN {}",
+            match cc {
+                Some(closbox_switchd::bpf::NAME) => {
+                    "closbox_dctcp (DCTCP, closbox's BPF congestion control)".to_owned()
+                }
+                Some(c) => c.to_owned(),
+                None => "the host's default congestion control".to_owned(),
+            },
+            if st.tcp_ecn {
+                "requested"
+            } else {
+                "not requested (tcp_ecn = false)"
+            }
+        );
+    }
     let memory_drops = drops(s, "memory_limit");
     if memory_drops > 0 {
         let _ = writeln!(

@@ -1653,6 +1653,12 @@ fn dctcp_keeps_a_shallow_marking_port_full() {
                 available()
             );
         }
+        let out = closbox(&["status", "lt-dctcp"]);
+        assert!(
+            text(&out).0.contains(&format!("  gpu tcp   {want}")),
+            "{}",
+            text(&out).0
+        );
         let dctcp = two_into_one(&f, 4) / line;
         let port = f.port("sw0->gpu0");
         let marked = port["ecn_marked"].as_u64().unwrap();

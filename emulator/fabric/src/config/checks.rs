@@ -24,8 +24,9 @@ pub(super) fn check_congestion(cx: &Cx, kind: &Spanned<String>) -> Result<(), Co
     }
     // Without the kernel's own, `up` registers closbox's (a BPF program, which libbpf
     // fits to the running kernel by its BTF).
+    let btf = std::path::Path::new("/sys/kernel/btf/vmlinux").exists();
     if want == "dctcp" {
-        if std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        if btf {
             return Ok(());
         }
         return Err(cx.err(
@@ -33,10 +34,20 @@ pub(super) fn check_congestion(cx: &Cx, kind: &Spanned<String>) -> Result<(), Co
             "`tcp_congestion` = \"dctcp\": this kernel lets network namespaces use no dctcp of its own (net.ipv4.tcp_allowed_congestion_control) and has no BTF (/sys/kernel/btf/vmlinux) for closbox's BPF one".to_string(),
         ));
     }
+    let dctcp = if btf && !allowed.split_whitespace().any(|a| a == "dctcp") {
+        ", or \"dctcp\" (closbox's own)"
+    } else {
+        ""
+    };
+    let hint = if want == "closbox_dctcp" && btf {
+        ": write \"dctcp\", and `up` registers closbox_dctcp for the fabric's life"
+    } else {
+        ""
+    };
     Err(cx.err(
         kind,
         format!(
-            "`tcp_congestion` = {want:?} is not one this host lets a network namespace use ({}; see net.ipv4.tcp_allowed_congestion_control)",
+            "`tcp_congestion` = {want:?} is not one this host lets a network namespace use ({}{dctcp}; see net.ipv4.tcp_allowed_congestion_control){hint}",
             allowed.split_whitespace().collect::<Vec<_>>().join(", ")
         ),
     ))

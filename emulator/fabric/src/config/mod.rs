@@ -864,6 +864,11 @@ gpus_per_leaf = 4
         if kernel || std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
             let t = parse(&dctcp, "t.toml").unwrap();
             assert_eq!(t.fabric.host_tcp.congestion.as_deref(), Some("dctcp"));
+            // Its registered name is not what a file asks for.
+            if !kernel {
+                let e = err(&format!("{LS}[nic]\ntcp_congestion = \"closbox_dctcp\"\n"));
+                assert!(e.contains("write \"dctcp\""), "{e}");
+            }
         } else {
             let e = err(&dctcp);
             assert!(
