@@ -602,8 +602,10 @@ impl Timeline {
             Ok(Reply::Cancelled { changes, repaired }) if changes > 0 || !repaired.is_empty() => {
                 let what = match changes {
                     0 => format!(": {} cancelled", self.file),
+                    // The daemon's steps (a flap is one change of the file, and a step
+                    // per transition), as its cancel event counts them.
                     n => format!(
-                        " before {n} change{} of {}: cancelled",
+                        " with {n} step{} of {} pending: cancelled",
                         if n == 1 { "" } else { "s" },
                         self.file
                     ),
