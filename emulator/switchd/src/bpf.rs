@@ -110,7 +110,8 @@ mod load {
         if level >= DEBUG {
             return 0;
         }
-        let mut buf = [0 as c_char; 1024];
+        // A failed load's verifier log comes as one message, and its end says why.
+        let mut buf = vec![0 as c_char; 64 << 10];
         // SAFETY: libbpf passes a format and its va_list (a pointer to it, as C passes a
         // va_list argument); vsnprintf writes at most buf.len() bytes, NUL included.
         let n = unsafe { vsnprintf(buf.as_mut_ptr(), buf.len(), fmt, ap) };
