@@ -3,7 +3,7 @@
 //! it and says so to a fabric that asks for `tcp_congestion = "dctcp"`; a clang that fails
 //! on the program fails the build (a broken program must not pass for a missing tool).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
@@ -13,20 +13,37 @@ fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let obj = out.join("dctcp.bpf.o");
     let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());
-    // Built again when clang appears or changes: a path that does not exist makes cargo
-    // run this script at every build, so installing clang later (`make test` does, after
-    // `make lint` built without it) is noticed.
+    // Built again when clang appears, goes or changes. Once found, its file is watched
+    // (cargo reruns this script when it is newer than the last run, or gone). Not found,
+    // the directories it would be found in are watched: a package manager keeps the
+    // mtime the file had when the package was built (years ago), so a watched path that
+    // appears is older than the last run and cargo would not notice it; the directory it
+    // appears in is changed now. So `make build` before `make test` installs clang is
+    // followed by a build with it, and a box without clang does not rebuild the crate at
+    // every build.
     let found = if clang.contains('/') {
-        Some(PathBuf::from(&clang))
+        Path::new(&clang).is_file().then(|| PathBuf::from(&clang))
     } else {
-        std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join(&clang))
-                .find(|c| c.is_file())
-        })
+        search_path()
+            .into_iter()
+            .map(|d| d.join(&clang))
+            .find(|c| c.is_file())
     };
-    let watch = found.unwrap_or_else(|| PathBuf::from("/usr/bin").join(&clang));
-    println!("cargo::rerun-if-changed={}", watch.display());
+    match &found {
+        Some(file) => println!("cargo::rerun-if-changed={}", file.display()),
+        None if clang.contains('/') => {
+            let dir = Path::new(&clang).parent().filter(|d| d.is_dir());
+            // A path whose directory does not exist either: watched as missing (cargo
+            // reruns this script at every build until it exists).
+            let watch = dir.map_or_else(|| PathBuf::from(&clang), Path::to_path_buf);
+            println!("cargo::rerun-if-changed={}", watch.display());
+        }
+        None => {
+            for dir in search_path() {
+                println!("cargo::rerun-if-changed={}", dir.display());
+            }
+        }
+    }
     let run = Command::new(&clang)
         .args(["-O2", "-g", "-target", "bpf", "-Wall", "-Werror", "-c"])
         .arg("bpf/dctcp.bpf.c")
@@ -48,4 +65,19 @@ fn main() {
             "cargo::warning=no {clang} ({e}): built without closbox's DCTCP for the GPUs (`tcp_congestion = \"dctcp\"` needs it on kernels without their own; install clang and rebuild)"
         ),
     }
+}
+
+/// The directories of `PATH` clang may be installed into: absolute, existing, not the
+/// root (cargo walks a watched directory's whole tree to find its newest file).
+fn search_path() -> Vec<PathBuf> {
+    let Some(path) = std::env::var_os("PATH") else {
+        return vec![PathBuf::from("/usr/bin")];
+    };
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for d in std::env::split_paths(&path) {
+        if d.is_absolute() && d.parent().is_some() && d.is_dir() && !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    dirs
 }
