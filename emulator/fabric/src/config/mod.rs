@@ -522,10 +522,21 @@ fn fabric_params(
         }
         None => Some(DEFAULT_CONGESTION.to_string()),
     };
+    let tcp_ecn = nic.and_then(|n| n.tcp_ecn.as_ref());
+    // DCTCP negotiates ECN on every connection whatever net.ipv4.tcp_ecn says (the kernel's
+    // and closbox's alike: it cannot work without the marks), so `false` would be a lie.
+    if let (Some(e), Some("dctcp")) = (tcp_ecn, congestion.as_deref()) {
+        if !*e.get_ref() {
+            return Err(cx.err(
+                e,
+                "`tcp_ecn` = false with `tcp_congestion` = \"dctcp\": DCTCP requests ECN on every connection whatever tcp_ecn says (it works from the marks); leave tcp_ecn out, or pick a congestion control that does not need ECN (\"reno\")",
+            ));
+        }
+    }
     Ok(FabricParams {
         host_tcp: crate::topology::HostTcp {
             congestion,
-            ecn: nic.and_then(|n| n.tcp_ecn).unwrap_or(true),
+            ecn: tcp_ecn.map_or(true, |e| *e.get_ref()),
             slow_start_after_idle: nic
                 .and_then(|n| n.tcp_slow_start_after_idle)
                 .unwrap_or(false),
@@ -864,6 +875,17 @@ gpus_per_leaf = 4
         if kernel || std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
             let t = parse(&dctcp, "t.toml").unwrap();
             assert_eq!(t.fabric.host_tcp.congestion.as_deref(), Some("dctcp"));
+            // It negotiates ECN whatever tcp_ecn says: `false` is refused where it stands.
+            let e = err(&format!("{dctcp}tcp_ecn = false\n"));
+            assert!(
+                e.starts_with("t.toml:11:11: `tcp_ecn` = false")
+                    && e.contains("DCTCP requests ECN"),
+                "{e}"
+            );
+            let t = parse(&format!("{dctcp}tcp_ecn = true\n"), "t.toml").unwrap();
+            assert!(t.fabric.host_tcp.ecn);
+            let t = parse(&format!("{LS}[nic]\ntcp_ecn = false\n"), "t.toml").unwrap();
+            assert!(!t.fabric.host_tcp.ecn);
             // Its registered name is not what a file asks for.
             if !kernel {
                 let e = err(&format!("{LS}[nic]\ntcp_congestion = \"closbox_dctcp\"\n"));

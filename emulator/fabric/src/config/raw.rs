@@ -110,7 +110,7 @@ pub(super) struct RawQueue {
     pub(super) buffer: Option<Spanned<Bytes>>,
     pub(super) ecn: Option<Spanned<RawEcn>>,
     pub(super) tcp_congestion: Option<Spanned<String>>,
-    pub(super) tcp_ecn: Option<bool>,
+    pub(super) tcp_ecn: Option<Spanned<bool>>,
     pub(super) tcp_slow_start_after_idle: Option<bool>,
     pub(super) scheduler: Option<Spanned<String>>,
 }
