@@ -280,7 +280,7 @@ pub fn choose(
             // Real time is kept when it holds (programs' own clocks and timeouts stay
             // right); otherwise one step more for headroom.
             let (chosen, headroom) = if k <= 1.0 {
-                (1.0, "real time kept")
+                (1.0, "real time carries that load")
             } else {
                 (next_125(k), "one 1-2-5 step more for headroom")
             };
