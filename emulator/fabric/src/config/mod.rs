@@ -536,7 +536,7 @@ fn fabric_params(
     Ok(FabricParams {
         host_tcp: crate::topology::HostTcp {
             congestion,
-            ecn: tcp_ecn.map_or(true, |e| *e.get_ref()),
+            ecn: tcp_ecn.is_none_or(|e| *e.get_ref()),
             slow_start_after_idle: nic
                 .and_then(|n| n.tcp_slow_start_after_idle)
                 .unwrap_or(false),
