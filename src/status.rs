@@ -493,6 +493,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
             gpus_with(&s.gpu_mtus)
         );
     }
+    if !s.gpu_qdiscs.is_empty() {
+        let _ = writeln!(
+            o,
+            "  qdisc     their hosts' own, left as they are: {} (closbox's htb held their non-TCP packets to their links' rates; above it such packets now drop in their NIC queues)",
+            gpus_with(&s.gpu_qdiscs)
+        );
+    }
     if !s.gpu_interfaces.is_empty() {
         let _ = writeln!(
             o,

@@ -536,6 +536,74 @@ fn udp_above_its_link_is_held_to_the_link_rate() {
     });
 }
 
+/// A root qdisc a GPU's host put in place of closbox's (`tc qdisc replace dev cb0 root
+/// tbf …`, or `del`, which leaves the kernel's default) is the host's: a change of the
+/// fabric that rewrites the pacing (here a rate set on its link) leaves it, and `status`
+/// names it; a GPU that kept closbox's htb gets the new rate. (Before, the next `link
+/// set` replaced the host's tbf with closbox's htb.)
+#[test]
+fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let f = TestFabric::up("lt-qdisc", &leaf_spine_4("100Mbit", "20us"));
+    let tc = |gpu: &str, args: &[&str]| {
+        let mut cmd = vec!["tc"];
+        cmd.extend_from_slice(args);
+        let out = f.exec(gpu, &cmd);
+        assert!(out.status.success(), "{gpu}: {cmd:?}: {:?}", text(&out));
+        text(&out).0
+    };
+    tc(
+        "gpu0",
+        &[
+            "qdisc", "replace", "dev", "cb0", "root", "tbf", "rate", "10mbit", "burst", "32k",
+            "latency", "10ms",
+        ],
+    );
+    tc("gpu1", &["qdisc", "del", "dev", "cb0", "root"]);
+    for (gpu, leaf) in [("gpu0", "leaf0"), ("gpu1", "leaf0"), ("gpu2", "leaf1")] {
+        let out = closbox(&[
+            "link", "set", gpu, leaf, "--rate", "50Mbit", "-f", "lt-qdisc",
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    }
+    // The pacer works on its own thread: wait for gpu2's class to follow.
+    let mut gpu2 = String::new();
+    for _ in 0..50 {
+        gpu2 = tc("gpu2", &["class", "show", "dev", "cb0"]);
+        if gpu2.contains("rate 50Mbit") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        gpu2.contains("rate 50Mbit"),
+        "gpu2 kept closbox's qdisc: {gpu2}"
+    );
+    let gpu0 = tc("gpu0", &["qdisc", "show", "dev", "cb0"]);
+    assert!(
+        gpu0.starts_with("qdisc tbf ") && gpu0.contains("rate 10Mbit"),
+        "{gpu0}"
+    );
+    let gpu1 = tc("gpu1", &["qdisc", "show", "dev", "cb0"]);
+    assert!(!gpu1.contains("htb"), "{gpu1}");
+    let st = f.status();
+    let own = st["gpu_qdiscs"].as_array().expect("gpu_qdiscs").clone();
+    let words = closbox(&["status", "lt-qdisc"]);
+    f.down();
+    assert_eq!(own.len(), 2, "{own:?}");
+    assert_eq!(own[0][0], "gpu0");
+    assert_eq!(own[0][1], "tbf");
+    assert_eq!(own[1][0], "gpu1");
+    let line = text(&words).0;
+    assert!(
+        line.contains("their hosts' own, left as they are: gpu0 tbf, gpu1 "),
+        "{line}"
+    );
+}
+
 /// GPUs with a NIC link to each of two switches, 100 Mbit/s links.
 const DUAL_HOMED: &str = "[topology]\nkind = \"custom\"\n[links.nic]\nrate = \"100Mbit\"\ndelay = \"20us\"\n[[switch]]\nname = \"s0\"\ntier = \"leaf\"\n[[switch]]\nname = \"s1\"\ntier = \"leaf\"\n[[host]]\nname = \"a\"\n[[host]]\nname = \"b\"\n[[link]]\na = \"a\"\nb = \"s0\"\n[[link]]\na = \"a\"\nb = \"s1\"\n[[link]]\na = \"b\"\nb = \"s0\"\n[[link]]\na = \"b\"\nb = \"s1\"\n";
 

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 
 use anyhow::Context;
 use closbox_fabric::routing::Routes;
@@ -189,6 +189,81 @@ pub fn reinstall(ifindex: u32, plan: &Plan) -> io::Result<()> {
     install(ifindex, plan)
 }
 
+/// closbox's root qdisc: htb, handle 1:.
+const ROOT_HANDLE: u32 = 0x0001_0000;
+
+/// The root qdisc of interface `ifindex` in the calling thread's network namespace: its
+/// handle and kind. A dump of the namespace's qdiscs (`RTM_GETQDISC`): a request for one
+/// qdisc is answered to its sender only with `NLM_F_ECHO` on some kernels.
+pub fn root_qdisc(ifindex: u32) -> io::Result<(u32, String)> {
+    let sock = sys::RouteSocket::open()?;
+    let mut m = Vec::with_capacity(36);
+    m.extend_from_slice(&36u32.to_ne_bytes());
+    m.extend_from_slice(&RTM_GETQDISC.to_ne_bytes());
+    m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    m.extend_from_slice(&1u32.to_ne_bytes()); // sequence
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&tcmsg(0, 0, 0, 0));
+    sock.send(&m)?;
+    let mut buf = vec![0u8; 32 << 10];
+    let mut root = None;
+    loop {
+        let n = sock.recv(&mut buf)?;
+        if qdiscs_in(&buf[..n], ifindex, &mut root)? {
+            break;
+        }
+    }
+    root.ok_or_else(|| io::Error::from_raw_os_error(libc::ENODEV))
+}
+
+/// Reads one datagram of a qdisc dump: the root qdisc of `ifindex` into `root` (its
+/// handle and `TCA_KIND`); true once the dump is done.
+fn qdiscs_in(buf: &[u8], ifindex: u32, root: &mut Option<(u32, String)>) -> io::Result<bool> {
+    let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+    let mut at = 0;
+    while at + 16 <= buf.len() {
+        let len = (word(at) as usize).min(buf.len() - at);
+        let ty = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+        if len < 16 {
+            break;
+        }
+        match ty {
+            NLMSG_DONE => return Ok(true),
+            NLMSG_ERROR if len >= 20 => {
+                let err = word(at + 16) as i32;
+                return Err(io::Error::from_raw_os_error(-err));
+            }
+            RTM_NEWQDISC if len >= 36 => {
+                let (index, handle, parent) = (word(at + 20), word(at + 24), word(at + 28));
+                if index == ifindex && parent == TC_H_ROOT {
+                    *root = Some((handle, kind_of(&buf[at + 36..at + len])));
+                }
+            }
+            _ => {}
+        }
+        at += (len + 3) & !3;
+    }
+    Ok(false)
+}
+
+/// The `TCA_KIND` among a qdisc message's attributes ("" if none).
+fn kind_of(mut attrs: &[u8]) -> String {
+    while attrs.len() >= 4 {
+        let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
+        let aty = u16::from_ne_bytes([attrs[2], attrs[3]]);
+        if alen < 4 || alen > attrs.len() {
+            break;
+        }
+        if aty == TCA_KIND {
+            let v = &attrs[4..alen];
+            let v = v.split(|&b| b == 0).next().unwrap_or(v);
+            return String::from_utf8_lossy(v).into_owned();
+        }
+        attrs = &attrs[((alen + 3) & !3).min(attrs.len())..];
+    }
+    String::new()
+}
+
 /// Changes the rates of the classes `install` made for `plan` (the same classes, new
 /// rates): what they hold stays queued.
 pub fn set_rates(ifindex: u32, plan: &Plan) -> io::Result<()> {
@@ -246,7 +321,13 @@ fn filters(nl: &mut Netlink, ifindex: i32, plan: &Plan) {
 /// rate, and the routes the fabric converged to after links went down or came up (a GPU
 /// whose packets to some destination now leave on other links gets classes for those).
 #[derive(Clone, Debug)]
-pub struct Pacer(mpsc::Sender<Change>);
+pub struct Pacer {
+    tx: mpsc::Sender<Change>,
+    /// Per GPU, the kind of the root qdisc its host put in place of closbox's (`tc qdisc
+    /// replace dev cb0 root tbf …`, or `del`, which leaves the kernel's default), as the
+    /// pacer found it when a change of the fabric would have rewritten it: left alone.
+    hosts_own: Arc<Mutex<Vec<Option<String>>>>,
+}
 
 /// What the data plane tells the pacer.
 #[derive(Debug)]
@@ -384,6 +465,8 @@ impl Pacer {
         let (tx, rx) = mpsc::channel::<Change>();
         let mut plans = Plans::new(topo, plans);
         let gpus = state.gpus.clone();
+        let hosts_own = Arc::new(Mutex::new(vec![None; gpus.len()]));
+        let found = Arc::clone(&hosts_own);
         // The thread goes back here after each change: a namespace is not held by it
         // once its GPU's fabric is down.
         let home = std::fs::File::open("/proc/thread-self/ns/net")?;
@@ -412,17 +495,32 @@ impl Pacer {
                         let done = std::fs::File::open(g.netns_path())
                             .and_then(|ns| sys::enter_netns(ns.as_fd()))
                             .and_then(|()| {
-                                // Rates alone where the classes are as laid; laid anew
-                                // where they are not (the GPU's host removed or replaced
-                                // its qdisc: `tc qdisc del dev cb0 root`).
-                                if rates_only && set_rates(ifindex[i], p).is_ok() {
-                                    Ok(())
-                                } else {
-                                    reinstall(ifindex[i], p)
+                                // A root that is not closbox's is the GPU's host's (it
+                                // replaced or deleted closbox's qdisc, as root in its
+                                // namespace may): left as the host made it.
+                                let (handle, kind) = root_qdisc(ifindex[i])?;
+                                if handle != ROOT_HANDLE || kind != "htb" {
+                                    return Ok(Some(kind));
                                 }
+                                // Rates alone where the classes are as laid; laid anew
+                                // where they are not.
+                                if !(rates_only && set_rates(ifindex[i], p).is_ok()) {
+                                    reinstall(ifindex[i], p)?;
+                                }
+                                Ok(None)
                             });
                         match done {
-                            Ok(()) => {}
+                            Ok(host) => {
+                                let mut own = found.lock().unwrap_or_else(|e| e.into_inner());
+                                if host.is_some() && own[i] != host {
+                                    tracing::info!(
+                                        "{}: its host replaced the qdisc closbox paces its non-TCP packets with (now {}): left as it is; such packets above its link's rate now drop in its NIC queue",
+                                        g.name,
+                                        host.as_deref().unwrap_or("?")
+                                    );
+                                }
+                                own[i] = host;
+                            }
                             // Deleted, or moved away, before the data plane said so.
                             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {
                                 plans.apply(Change::Gone(i));
@@ -442,23 +540,33 @@ impl Pacer {
                     }
                 }
             })?;
-        Ok(Pacer(tx))
+        Ok(Pacer { tx, hosts_own })
+    }
+
+    /// GPUs whose host's own root qdisc the pacer found and left (`Pacer::hosts_own`),
+    /// with its kind.
+    pub fn hosts_own(&self) -> Vec<(usize, String)> {
+        let own = self.hosts_own.lock().unwrap_or_else(|e| e.into_inner());
+        own.iter()
+            .enumerate()
+            .filter_map(|(i, k)| k.clone().map(|k| (i, k)))
+            .collect()
     }
 
     /// Link `link` now runs at `bps` (bits/s of fabric time).
     pub fn link_rate(&self, link: u32, bps: u64) {
         // The thread ends only with the process.
-        let _ = self.0.send(Change::Rate(link, bps));
+        let _ = self.tx.send(Change::Rate(link, bps));
     }
 
     /// Routes converged over the links for which `up[link]` holds.
     pub fn routes(&self, up: Vec<bool>) {
-        let _ = self.0.send(Change::Routes(up));
+        let _ = self.tx.send(Change::Routes(up));
     }
 
     /// GPU `gpu`'s interface is gone: no more pacing (or warnings) for it.
     pub fn gone(&self, gpu: usize) {
-        let _ = self.0.send(Change::Gone(gpu));
+        let _ = self.tx.send(Change::Gone(gpu));
     }
 }
 
@@ -513,6 +621,7 @@ const PARALLEL: usize = 4;
 
 const RTM_NEWQDISC: u16 = 36;
 const RTM_DELQDISC: u16 = 37;
+const RTM_GETQDISC: u16 = 38;
 const RTM_NEWTCLASS: u16 = 40;
 const RTM_NEWTFILTER: u16 = 44;
 const NLM_F_REQUEST: u16 = 0x1;
@@ -521,6 +630,8 @@ const NLM_F_REPLACE: u16 = 0x100;
 const NLM_F_EXCL: u16 = 0x200;
 const NLM_F_CREATE: u16 = 0x400;
 const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_DUMP: u16 = 0x300;
 const TC_H_ROOT: u32 = 0xFFFF_FFFF;
 const TCA_KIND: u16 = 1;
 const TCA_OPTIONS: u16 = 2;
@@ -843,6 +954,50 @@ mod tests {
             .all(|l| !l.contains(&(direct as u32))));
         // Nobody's classes use the failed link any more.
         assert!(!p.users.contains_key(&(direct as u32)));
+    }
+
+    #[test]
+    fn the_root_qdisc_of_an_interface_is_read_from_a_dump() {
+        // Messages as the kernel lays them: header, tcmsg, attributes.
+        let msg = |ty: u16, ifindex: i32, handle: u32, parent: u32, kind: &[u8]| {
+            let mut a = Attrs::default();
+            if !kind.is_empty() {
+                a.put(TCA_KIND, kind);
+            }
+            a.put(TCA_OPTIONS, &[0; 8]);
+            let mut m = Vec::new();
+            m.extend_from_slice(&((36 + a.0.len()) as u32).to_ne_bytes());
+            m.extend_from_slice(&ty.to_ne_bytes());
+            m.extend_from_slice(&[0; 10]);
+            m.extend_from_slice(&tcmsg(ifindex, handle, parent, 0));
+            m.extend_from_slice(&a.0);
+            m
+        };
+        let mut dump = msg(RTM_NEWQDISC, 1, 0, TC_H_ROOT, b"noqueue\0");
+        dump.extend(msg(RTM_NEWQDISC, 2, 0x8001_0000, 0x0001_0001, b"pfifo\0"));
+        dump.extend(msg(RTM_NEWQDISC, 2, ROOT_HANDLE, TC_H_ROOT, b"htb\0"));
+        let mut root = None;
+        assert!(!qdiscs_in(&dump, 2, &mut root).unwrap());
+        assert_eq!(root, Some((ROOT_HANDLE, "htb".to_string())));
+        // The end of the dump, in a datagram of its own; another interface's root.
+        let mut done = vec![0u8; 20];
+        done[0] = 20;
+        done[4..6].copy_from_slice(&NLMSG_DONE.to_ne_bytes());
+        let mut root = None;
+        assert!(!qdiscs_in(&dump, 1, &mut root).unwrap());
+        assert!(qdiscs_in(&done, 1, &mut root).unwrap());
+        assert_eq!(root, Some((0, "noqueue".to_string())));
+        // An error ends it with the error; a cut message is not read past its end.
+        let mut err = vec![0u8; 20];
+        err[0] = 20;
+        err[4..6].copy_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        err[16..20].copy_from_slice(&(-libc::EPERM).to_ne_bytes());
+        let e = qdiscs_in(&err, 1, &mut None).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+        let cut = &dump[..40];
+        let mut root = None;
+        assert!(!qdiscs_in(cut, 1, &mut root).unwrap());
+        assert_eq!(root, Some((0, String::new())));
     }
 
     #[test]

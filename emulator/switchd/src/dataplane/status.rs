@@ -248,6 +248,12 @@ pub struct Status {
     /// frames are dropped where they enter the fabric (both `over_mtu`).
     #[serde(default)]
     pub gpu_mtus: Vec<(String, u32)>,
+    /// GPUs whose host put its own root qdisc in place of the one closbox paces their
+    /// non-TCP packets with (`tc qdisc replace dev cb0 root …`), with its kind, as found
+    /// when a change of the fabric would have rewritten it: the fabric leaves it, and such
+    /// packets above the link's rate drop in the GPU's NIC queue.
+    #[serde(default)]
+    pub gpu_qdiscs: Vec<(String, String)>,
     /// GPUs whose port the data plane closed because reading their TUN failed (its
     /// interface deleted inside the GPU's namespace): nothing from them enters the fabric,
     /// and their links are down for good.
@@ -819,6 +825,12 @@ impl<P: Ports> DataPlane<P> {
                 .filter(|&(_, &m)| m != 0 && m != self.topo.fabric.mtu)
                 .map(|(h, &m)| (self.topo.hosts[h].name.clone(), m))
                 .collect(),
+            gpu_qdiscs: self.pacer.as_ref().map_or_else(Vec::new, |p| {
+                p.hosts_own()
+                    .into_iter()
+                    .filter_map(|(h, kind)| Some((self.topo.hosts.get(h)?.name.clone(), kind)))
+                    .collect()
+            }),
             gpu_interfaces: self
                 .host_if
                 .iter()
