@@ -324,8 +324,8 @@ fn filters(nl: &mut Netlink, ifindex: i32, plan: &Plan) {
 pub struct Pacer {
     tx: mpsc::Sender<Change>,
     /// Per GPU, the kind of the root qdisc its host put in place of closbox's (`tc qdisc
-    /// replace dev cb0 root tbf …`, or `del`, which leaves the kernel's default), as the
-    /// pacer found it when a change of the fabric would have rewritten it: left alone.
+    /// replace dev cb0 root tbf …`), as the pacer found it when a change of the fabric
+    /// would have rewritten it: left alone.
     hosts_own: Arc<Mutex<Vec<Option<String>>>>,
 }
 
@@ -495,16 +495,19 @@ impl Pacer {
                         let done = std::fs::File::open(g.netns_path())
                             .and_then(|ns| sys::enter_netns(ns.as_fd()))
                             .and_then(|()| {
-                                // A root that is not closbox's is the GPU's host's (it
-                                // replaced or deleted closbox's qdisc, as root in its
-                                // namespace may): left as the host made it.
+                                // A qdisc the GPU's host put in place of closbox's
+                                // (as root in its namespace may) is the host's: left as
+                                // it made it. The kernel's default (handle 0:, what a
+                                // `tc qdisc del dev cb0 root` leaves) is no qdisc of
+                                // anyone's: closbox's comes back.
                                 let (handle, kind) = root_qdisc(ifindex[i])?;
-                                if handle != ROOT_HANDLE || kind != "htb" {
+                                let ours = handle == ROOT_HANDLE && kind == "htb";
+                                if !ours && handle != 0 {
                                     return Ok(Some(kind));
                                 }
                                 // Rates alone where the classes are as laid; laid anew
                                 // where they are not.
-                                if !(rates_only && set_rates(ifindex[i], p).is_ok()) {
+                                if !(ours && rates_only && set_rates(ifindex[i], p).is_ok()) {
                                     reinstall(ifindex[i], p)?;
                                 }
                                 Ok(None)

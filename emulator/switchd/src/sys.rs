@@ -221,6 +221,14 @@ impl RouteSocket {
             SocketFlags::CLOEXEC,
             None, // NETLINK_ROUTE
         )?;
+        // The kernel answers a request before `send` returns; an answer that does not
+        // come (a request this kernel answers only to listeners) is an error, not a thread
+        // blocked for good (the pacer's, say).
+        rustix::net::sockopt::set_socket_timeout(
+            &fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(std::time::Duration::from_secs(5)),
+        )?;
         Ok(RouteSocket(fd))
     }
 
@@ -232,7 +240,14 @@ impl RouteSocket {
 
     /// Receives one datagram from the kernel; its length.
     pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        Ok(rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::empty())?.0)
+        match rustix::net::recv(&self.0, buf, rustix::net::RecvFlags::empty()) {
+            Ok((n, _)) => Ok(n),
+            Err(Errno::AGAIN) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "rtnetlink gave no answer within 5 s",
+            )),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The index of interface `name` in this socket's namespace.
