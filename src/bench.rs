@@ -823,7 +823,10 @@ fn run_agents(
         endpoints,
         health: before.zip(after).map(|(b, a)| {
             let mut h = RunHealth::between(&st.fabric, &b, &a);
-            h.congestion = st.tcp_congestion.clone();
+            h.congestion = st
+                .tcp_congestion
+                .clone()
+                .or_else(|| st.host_congestion.clone());
             if let Some(c) = connected {
                 h.buckets_connected = c;
             }

@@ -468,7 +468,10 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
                     "closbox_dctcp (DCTCP, closbox's BPF congestion control)".to_owned()
                 }
                 Some(c) => c.to_owned(),
-                None => "the host's default congestion control".to_owned(),
+                None => match &st.host_congestion {
+                    Some(h) => format!("the host's default congestion control ({h})"),
+                    None => "the host's default congestion control".to_owned(),
+                },
             },
             if st.tcp_ecn {
                 "requested"

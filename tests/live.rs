@@ -1687,6 +1687,36 @@ fn two_into_one(f: &TestFabric, secs: u32) -> f64 {
 /// the rate measured) where Reno, halving its window at each marked round trip, leaves it
 /// idle a third of the time (63 %); no drops either way. Unregistered when the fabric goes
 /// down.
+/// `tcp_congestion = "host"`: the GPUs keep the host's default congestion control, and
+/// `status` names it (it said "the host's default" without saying which; `bench`'s ECN
+/// footnote then said how "the host's default" answers marks, BBR's not at all).
+#[test]
+fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let host = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap();
+    let host = host.trim();
+    let f = TestFabric::up(
+        "lt-hostcc",
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n[nic]\ntcp_congestion = \"host\"\n",
+    );
+    let out = f.exec(
+        "gpu0",
+        &["cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+    );
+    let said = text(&closbox(&["status", "lt-hostcc"])).0;
+    f.down();
+    assert_eq!(text(&out).0.trim(), host);
+    assert!(
+        said.contains(&format!(
+            "  gpu tcp   the host's default congestion control ({host}), ECN requested"
+        )),
+        "{said}"
+    );
+}
+
 #[test]
 fn dctcp_keeps_a_shallow_marking_port_full() {
     let _s = serial();

@@ -83,6 +83,14 @@ pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
         prefix_len: topo.fabric.pool.prefix,
         tun: TUN_NAME.into(),
         tcp_congestion: topo.fabric.host_tcp.congestion.clone(),
+        // A new network namespace starts with the host's default congestion control.
+        host_congestion: match topo.fabric.host_tcp.congestion {
+            Some(_) => None,
+            None => std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+                .ok()
+                .map(|c| c.trim().to_owned())
+                .filter(|c| !c.is_empty() && c.len() <= 15),
+        },
         tcp_ecn: topo.fabric.host_tcp.ecn,
         tcp_slow_start_after_idle: topo.fabric.host_tcp.slow_start_after_idle,
         time_scale_note: None,

@@ -154,6 +154,10 @@ pub struct State {
     /// TCP congestion control and ECN inside the GPU namespaces.
     #[serde(default)]
     pub tcp_congestion: Option<String>,
+    /// With `tcp_congestion` unset (`"host"`): the host's default, which each GPU's
+    /// namespace started with, as read at `up`.
+    #[serde(default)]
+    pub host_congestion: Option<String>,
     #[serde(default)]
     pub tcp_ecn: bool,
     #[serde(default)]
@@ -251,7 +255,7 @@ impl State {
         if self.prefix_len > 32 {
             bail!("prefix length out of range");
         }
-        if let Some(cc) = &self.tcp_congestion {
+        for cc in self.tcp_congestion.iter().chain(&self.host_congestion) {
             if cc.is_empty()
                 || cc.len() > 15
                 || !cc.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
