@@ -1680,13 +1680,6 @@ fn two_into_one(f: &TestFabric, secs: u32) -> f64 {
     total
 }
 
-/// `tcp_congestion = "dctcp"`: on this kernel (no tcp_dctcp) the daemon registers
-/// closbox's BPF DCTCP for its life, the GPUs run it, and it does what DCTCP is for: two
-/// senders into one GPU through a port that marks above 24 KiB, a third of the path's
-/// bandwidth-delay product (10 Gbit/s, ~80 µs round trip: ~100 KB), keep it full (95 % of
-/// the rate measured) where Reno, halving its window at each marked round trip, leaves it
-/// idle a third of the time (63 %); no drops either way. Unregistered when the fabric goes
-/// down.
 /// `tcp_congestion = "host"`: the GPUs keep the host's default congestion control, and
 /// `status` names it (it said "the host's default" without saying which; `bench`'s ECN
 /// footnote then said how "the host's default" answers marks, BBR's not at all).
@@ -1717,6 +1710,13 @@ fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
     );
 }
 
+/// `tcp_congestion = "dctcp"`: on this kernel (no tcp_dctcp) the daemon registers
+/// closbox's BPF DCTCP for its life, the GPUs run it, and it does what DCTCP is for: two
+/// senders into one GPU through a port that marks above 24 KiB, a third of the path's
+/// bandwidth-delay product (10 Gbit/s, ~80 µs round trip: ~100 KB), keep it full (95 % of
+/// the rate measured) where Reno, halving its window at each marked round trip, leaves it
+/// idle a third of the time (63 %); no drops either way. Unregistered when the fabric goes
+/// down.
 #[test]
 fn dctcp_keeps_a_shallow_marking_port_full() {
     let _s = serial();
