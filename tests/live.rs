@@ -256,6 +256,46 @@ fn lifecycle_exec_run_and_errors() {
         text(&out)
     );
 
+    // A server a job left behind in a GPU (in a session of its own: not the job's process
+    // group) outlives the job; `down` stops it and says so, daemon running or not.
+    let out = closbox(&[
+        "run",
+        "--fabric",
+        "lt-life",
+        "--gpus",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let server: i32 = text(&out)
+        .0
+        .trim()
+        .trim_start_matches("[0] ")
+        .parse()
+        .unwrap();
+    // Alive: a state other than zombie in /proc/PID/stat (gone: no file, or a zombie its
+    // new parent, the box's init, has not reaped yet).
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| Some(s.rsplit_once(") ")?.1.starts_with(|c| c != 'Z')))
+            .unwrap_or(false)
+    };
+    assert!(alive(server));
+    let out = closbox(&["down", "lt-life"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let said = text(&out).0;
+    assert!(
+        said.contains("daemon stopped")
+            && said.contains(&format!(
+                "stopped 1 process(es) left in its GPUs: [{server}]"
+            )),
+        "{said:?}"
+    );
+    assert!(!alive(server));
     f.down();
     // Idempotent.
     let out = closbox(&["down", "lt-life"]);

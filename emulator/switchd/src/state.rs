@@ -826,28 +826,16 @@ pub fn down(name: &FabricName) -> anyhow::Result<String> {
     if name.lock_path().symlink_metadata().is_err() && name.dir().symlink_metadata().is_err() {
         return Ok(format!("fabric {name} is not up; nothing to do"));
     }
-    let (lock, how) = take_from_daemon(name)?;
+    // Processes a running daemon's GPUs still hold are stopped by `down` itself, before
+    // the daemon (which would do it silently), so that it can say which.
+    let mut stopped = Stopped::default();
+    let (lock, how) = take_from_daemon(name, &mut stopped)?;
     // With the lock held, no daemon of this fabric runs, and no `up` of it is under way.
     let out = match State::load(name)? {
         Some(state) => {
-            let stopped = kill_gpu_processes(&state, Duration::from_secs(2));
+            stopped.add(kill_gpu_processes(&state, Duration::from_secs(2)));
             remove_objects(&state)?;
-            let mut msg = format!("fabric {name} is down ({how})");
-            if !stopped.stopped.is_empty() {
-                msg += &format!(
-                    "; stopped {} process(es) left in its GPUs: {:?}",
-                    stopped.stopped.len(),
-                    stopped.stopped
-                );
-            }
-            if !stopped.survivors.is_empty() {
-                msg += &format!(
-                    "; {} process(es) did not exit after SIGKILL: {:?}",
-                    stopped.survivors.len(),
-                    stopped.survivors
-                );
-            }
-            msg
+            format!("fabric {name} is down ({how}){}", stopped.said_for_down())
         }
         None if name.dir().symlink_metadata().is_ok() => {
             let foreign = remove_own_files(name)?;
@@ -863,7 +851,7 @@ pub fn down(name: &FabricName) -> anyhow::Result<String> {
             format!("fabric {name}: removed its state directory (it held no state)")
         }
         None if how == DownHow::NotRunning => format!("fabric {name} is not up; nothing to do"),
-        None => format!("fabric {name} is down ({how})"),
+        None => format!("fabric {name} is down ({how}){}", stopped.said_for_down()),
     };
     drop(lock);
     Ok(out)
@@ -889,10 +877,15 @@ impl fmt::Display for DownHow {
 /// Takes the fabric's lock; if a closbox daemon holds it, stops that daemon first. An `up`
 /// of the name that takes the lock as its daemon lets go (run at the same time as this
 /// `down`) is stopped in turn: `down` ends with the fabric down, a few times over at most.
-fn take_from_daemon(name: &FabricName) -> anyhow::Result<(FabricLock, DownHow)> {
+/// The processes in the fabric's GPUs are stopped (into `stopped`) once the lock holder is
+/// known to be a closbox `up`, before it is signalled.
+fn take_from_daemon(
+    name: &FabricName,
+    stopped: &mut Stopped,
+) -> anyhow::Result<(FabricLock, DownHow)> {
     let mut how = DownHow::NotRunning;
     for _ in 0..3 {
-        match take_once(name)? {
+        match take_once(name, stopped)? {
             Taken::Lock(l, h) => return Ok((l, if h == DownHow::NotRunning { how } else { h })),
             Taken::Retaken(h) => how = h,
         }
@@ -906,7 +899,7 @@ enum Taken {
     Retaken(DownHow),
 }
 
-fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
+fn take_once(name: &FabricName, stopped: &mut Stopped) -> anyhow::Result<Taken> {
     let deadline = Instant::now() + Duration::from_secs(1);
     let pid = loop {
         match FabricLock::try_acquire(name)? {
@@ -972,14 +965,19 @@ fn take_once(name: &FabricName) -> anyhow::Result<Taken> {
             "fabric {name}'s lock is held by pid {pid}, which is not a closbox daemon; it was not signalled"
         ),
     }
+    // The daemon is closbox's: its GPUs' processes first (a state that cannot be read is
+    // left to the checks after the lock).
+    if let Ok(Some(state)) = State::load(name) {
+        stopped.add(kill_gpu_processes(&state, Duration::from_secs(2)));
+    }
     let mut daemon = Daemon {
         name,
         fd,
         pid: pid as i32,
         lock: None,
     };
-    let stopped = terminate(&mut daemon, DAEMON_GRACE, KILL_WAIT);
-    let how = if stopped.killed {
+    let ended = terminate(&mut daemon, DAEMON_GRACE, KILL_WAIT);
+    let how = if ended.killed {
         DownHow::Killed
     } else {
         DownHow::Stopped

@@ -28,6 +28,46 @@ pub struct Stopped {
     pub killed: bool,
 }
 
+impl Stopped {
+    /// Adds what a later round stopped (a process that survived one round and was gone by
+    /// the next counts as stopped).
+    pub fn add(&mut self, later: Stopped) {
+        self.survivors.retain(|p| !later.stopped.contains(p));
+        for p in later.stopped {
+            if !self.stopped.contains(&p) {
+                self.stopped.push(p);
+            }
+        }
+        for p in later.survivors {
+            if !self.survivors.contains(&p) {
+                self.survivors.push(p);
+            }
+        }
+        self.killed |= later.killed;
+    }
+
+    /// What `down` says of it: nothing, or "; stopped 2 process(es) left in its GPUs: [..]"
+    /// and the survivors.
+    pub fn said_for_down(&self) -> String {
+        let mut msg = String::new();
+        if !self.stopped.is_empty() {
+            msg += &format!(
+                "; stopped {} process(es) left in its GPUs: {:?}",
+                self.stopped.len(),
+                self.stopped
+            );
+        }
+        if !self.survivors.is_empty() {
+            msg += &format!(
+                "; {} process(es) did not exit after SIGKILL: {:?}",
+                self.survivors.len(),
+                self.survivors
+            );
+        }
+        msg
+    }
+}
+
 /// SIGTERM to all, up to `grace` for them to exit, SIGKILL to the rest, up to `kill_wait`
 /// for the kernel to let go of them.
 pub fn terminate(t: &mut impl Targets, grace: Duration, kill_wait: Duration) -> Stopped {
@@ -99,5 +139,28 @@ mod tests {
         assert_eq!(s.stopped, vec![1, 2]);
         assert_eq!(s.survivors, vec![3]);
         assert!(s.killed);
+    }
+
+    #[test]
+    fn rounds_add_up_and_a_survivor_gone_later_counts_as_stopped() {
+        let mut s = Stopped {
+            stopped: vec![1],
+            survivors: vec![2],
+            killed: true,
+        };
+        assert_eq!(
+            s.said_for_down(),
+            "; stopped 1 process(es) left in its GPUs: [1]; 1 process(es) did not exit after SIGKILL: [2]"
+        );
+        s.add(Stopped {
+            stopped: vec![2, 1, 3],
+            survivors: Vec::new(),
+            killed: false,
+        });
+        assert_eq!(
+            (&s.stopped[..], &s.survivors[..], s.killed),
+            (&[1, 2, 3][..], &[][..], true)
+        );
+        assert_eq!(Stopped::default().said_for_down(), "");
     }
 }
