@@ -141,7 +141,7 @@ pub fn up(
         let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
         return up_detached(file, &name, metrics, time_scale, sched);
     }
-    closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, |st, took| {
+    let stopped = closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, |st, took| {
         let how = if log_to.is_some() {
             format!(
                 "detached daemon pid {}; `closbox down {}` to stop",
@@ -162,7 +162,11 @@ pub fn up(
         );
         let _ = std::io::stdout().flush();
     })?;
-    println!("fabric {} is down", topo.fabric.name);
+    println!(
+        "fabric {} is down{}",
+        topo.fabric.name,
+        stopped.said_for_down()
+    );
     Ok(())
 }
 

@@ -303,6 +303,62 @@ fn lifecycle_exec_run_and_errors() {
     assert!(text(&out).0.contains("not up"));
 }
 
+/// `up` in the foreground, ended by Ctrl-C (SIGINT): it takes the fabric down and names the
+/// processes it stopped in the GPUs.
+#[test]
+fn a_foreground_up_ended_by_ctrl_c_says_what_it_stopped() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    use std::io::BufRead as _;
+    let name = "lt-fg";
+    assert!(leftovers(name).is_empty(), "{:?}", leftovers(name));
+    let config = scratch_dir().join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "[fabric]\nname = \"{name}\"\n{}",
+            leaf_spine_4("1Gbit", "1us")
+        ),
+    )
+    .unwrap();
+    let mut up = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["up", config.to_str().unwrap(), "--time-scale", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(up.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("fabric lt-fg up: 4 GPUs"), "{first:?}");
+    let out = closbox(&[
+        "exec",
+        "-f",
+        name,
+        "gpu3",
+        "--",
+        "sh",
+        "-c",
+        "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!",
+    ]);
+    let server: i32 = text(&out).0.trim().parse().unwrap();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &up.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    assert!(up.wait().unwrap().success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert_eq!(
+        rest,
+        [format!(
+            "fabric lt-fg is down; stopped 1 process(es) left in its GPUs: [{server}]"
+        )]
+    );
+    assert!(leftovers(name).is_empty(), "{:?}", leftovers(name));
+}
+
 #[test]
 fn down_cleans_up_after_sigkill_and_two_fabrics_coexist() {
     let _s = serial();

@@ -38,6 +38,7 @@ use closbox_fabric::{TimeScale, Topology};
 use crate::dataplane::{Ctl, DataPlane, TunPorts};
 use crate::links::LinkWatch;
 use crate::state::{FabricLock, FabricName, GpuState, LockAttempt, Phase, State, TUN_NAME};
+use crate::stop::Stopped;
 use crate::sys::EventFd;
 
 /// `MemAvailable` of /proc/meminfo, in bytes.
@@ -156,7 +157,7 @@ pub fn run_fabric(
     metrics: Option<std::net::SocketAddr>,
     sched: Scheduling,
     ready: impl FnOnce(&State, Duration),
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stopped> {
     require_root("closbox up")?;
     let started = Instant::now();
     let (offload, writers) = tuning_from_env()?;
@@ -249,8 +250,8 @@ pub fn run_fabric(
     }
     st.save()?;
     let teardown = |st: &State| {
-        state::kill_gpu_processes(st, Duration::from_secs(2));
-        state::remove_objects(st)
+        let stopped = state::kill_gpu_processes(st, Duration::from_secs(2));
+        state::remove_objects(st).map(|()| stopped)
     };
     let (tuns, watches) = match netns::create_all(&st, topo, offload) {
         Ok(t) => t,
