@@ -546,7 +546,7 @@ pub(crate) enum LinkCmd {
     Down(LinkArgs),
     /// Bring the link(s) back; routes use them again after `route_convergence`.
     Up(LinkArgs),
-    /// Degrade or change the link(s), both directions: rate and delay at once (what a port holds drains at the new rate), loss and buffer for packets from now on.
+    /// Degrade or change the link(s), both directions (or the one `--from` names): rate and delay at once (what a port holds drains at the new rate), loss and buffer for packets from now on.
     Set {
         #[command(flatten)]
         link: LinkArgs,
@@ -568,7 +568,7 @@ pub(crate) enum LinkCmd {
         /// one-way gray failure. Both directions when absent.
         #[arg(long, value_name = "END")]
         from: Option<String>,
-        /// Egress buffer at both ends, e.g. 1MiB.
+        /// Egress buffer at both ends (or the `--from` end), e.g. 1MiB.
         #[arg(long)]
         buffer: Option<closbox_fabric::Bytes>,
     },
