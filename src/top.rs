@@ -170,61 +170,60 @@ fn util_style(u: f64) -> Style {
 fn draw(f: &mut Frame, v: &View) {
     let s = &v.status;
     let drops: u64 = s.drops.iter().map(|d| d.1).sum();
-    let header = vec![
-        Line::from(vec![
-            Span::styled(
-                format!("fabric {}", s.fabric),
-                Style::default().add_modifier(Modifier::BOLD),
-            ),
-            Span::raw(format!(
-                "  {}  time_scale {}  fabric time {:.6} s{}",
-                crate::bench::plural(s.gpus, "GPU"),
-                s.time_scale,
-                s.fabric_time_s,
-                {
-                    // Scenarios waiting for the GPUs' packets are not running yet.
-                    let waiting = s.timelines.iter().filter(|t| t.waiting.is_some()).count();
-                    match (s.timelines.len(), waiting) {
-                        (0, _) => String::new(),
-                        (n, 0) => format!("  chaos {n} running"),
-                        (n, w) => format!("  chaos {n} ({w} waiting)"),
-                    }
-                }
-            )),
-        ]),
-        Line::from(vec![
-            if !s.deadlocked.is_empty() {
-                Span::styled(
-                    format!("DEADLOCK ({} ports paused for good)", s.deadlocked.len()),
-                    Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
-                )
-            } else if s.behind {
-                let hint = behind_hint(
-                    s.cpu_recent.as_ref(),
-                    s.realtime,
-                    s.full_load_time_scale,
-                    s.time_scale.get(),
-                );
-                Span::styled(
-                    hint,
-                    Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
-                )
-            } else {
-                Span::styled("health ok", Style::default().fg(Color::Green))
-            },
-            Span::raw(format!(
-                "  lateness p99 {:.1} us  packets {}  drops {}  loads {}  changes {}",
-                s.lateness_recent.p99_us,
-                s.packets_in,
-                drops,
-                s.loads.iter().filter(|l| l.active).count(),
-                s.events,
-            )),
-        ]),
+    // The fabric, then its health and counts, each packed into the frame's width (an
+    // 80-column `--once` cut "drops 0  loads 0  changes 0" off after a long BEHIND).
+    let mut about = vec![
+        Span::styled(
+            format!("fabric {}", s.fabric),
+            Style::default().add_modifier(Modifier::BOLD),
+        ),
+        Span::raw(crate::bench::plural(s.gpus, "GPU")),
+        Span::raw(format!("time_scale {}", s.time_scale)),
+        Span::raw(format!("fabric time {:.6} s", s.fabric_time_s)),
     ];
+    // Scenarios waiting for the GPUs' packets are not running yet.
+    let waiting = s.timelines.iter().filter(|t| t.waiting.is_some()).count();
+    match (s.timelines.len(), waiting) {
+        (0, _) => {}
+        (n, 0) => about.push(Span::raw(format!("chaos {n} running"))),
+        (n, w) => about.push(Span::raw(format!("chaos {n} ({w} waiting)"))),
+    }
+    let health = if !s.deadlocked.is_empty() {
+        Span::styled(
+            format!("DEADLOCK ({} ports paused for good)", s.deadlocked.len()),
+            Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        )
+    } else if s.behind {
+        let hint = behind_hint(
+            s.cpu_recent.as_ref(),
+            s.realtime,
+            s.full_load_time_scale,
+            s.time_scale.get(),
+        );
+        Span::styled(
+            hint,
+            Style::default().fg(Color::Red).add_modifier(Modifier::BOLD),
+        )
+    } else {
+        Span::styled("health ok", Style::default().fg(Color::Green))
+    };
+    let counts = vec![
+        health,
+        Span::raw(format!("lateness p99 {:.1} us", s.lateness_recent.p99_us)),
+        Span::raw(format!("packets {}", crate::plan::thousands(s.packets_in))),
+        Span::raw(format!("drops {}", crate::plan::thousands(drops))),
+        Span::raw(format!(
+            "loads {}",
+            s.loads.iter().filter(|l| l.active).count()
+        )),
+        Span::raw(format!("changes {}", s.events)),
+    ];
+    let width = f.area().width as usize;
+    let mut header = pack(about, width);
+    header.extend(pack(counts, width));
     let matrix = uplink_matrix(v);
     let rows = Layout::vertical([
-        Constraint::Length(2),
+        Constraint::Length(header.len() as u16),
         Constraint::Length(matrix.as_ref().map_or(0, |m| m.1 as u16 + 2)),
         Constraint::Min(5),
         Constraint::Length(4),
@@ -374,6 +373,31 @@ fn uplink_matrix(v: &View) -> Option<(Table<'static>, usize)> {
 /// What `top` says of a fabric that is behind, from its data plane's recent CPU use,
 /// `up --realtime`, `plan`'s full-load time scale and its own: the likeliest cause first
 /// (as `dataplane::behind_advice` words it at length).
+/// `spans` in lines of at most `width` columns, two spaces apart; a span is never cut
+/// between lines (one wider than a line stands alone, and the frame cuts it).
+fn pack(spans: Vec<Span<'static>>, width: usize) -> Vec<Line<'static>> {
+    let mut lines = Vec::new();
+    let mut line: Vec<Span> = Vec::new();
+    let mut used = 0;
+    for span in spans {
+        let w = span.width();
+        if !line.is_empty() && used + 2 + w > width {
+            lines.push(Line::from(std::mem::take(&mut line)));
+            used = 0;
+        }
+        if !line.is_empty() {
+            line.push(Span::raw("  "));
+            used += 2;
+        }
+        used += w;
+        line.push(span);
+    }
+    if !line.is_empty() {
+        lines.push(Line::from(line));
+    }
+    lines
+}
+
 fn behind_hint(cpu: Option<&CpuUse>, realtime: bool, full_load: f64, time_scale: f64) -> String {
     match LateCause::of(cpu, cpu.map_or(0.0, |c| c.steal), realtime) {
         LateCause::Stolen(steal) => format!(
@@ -391,6 +415,35 @@ fn behind_hint(cpu: Option<&CpuUse>, realtime: bool, full_load: f64, time_scale:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_spans_are_packed_into_the_width_never_cut() {
+        let spans = || {
+            [
+                "BEHIND (hypervisor took 24 % of the CPUs)",
+                "lateness p99 14614.5 us",
+            ]
+            .into_iter()
+            .chain(["packets 228,294", "drops 0", "loads 0", "changes 0"])
+            .map(Span::raw)
+            .collect::<Vec<_>>()
+        };
+        let text =
+            |lines: Vec<Line>| -> Vec<String> { lines.iter().map(|l| l.to_string()).collect() };
+        assert_eq!(
+            text(pack(spans(), 80)),
+            [
+                "BEHIND (hypervisor took 24 % of the CPUs)  lateness p99 14614.5 us",
+                "packets 228,294  drops 0  loads 0  changes 0",
+            ]
+        );
+        assert_eq!(text(pack(spans(), 200)).len(), 1);
+        // Narrower than a span: it stands alone on its line.
+        let narrow = text(pack(spans(), 10));
+        assert_eq!(narrow.len(), 6);
+        assert_eq!(narrow[0], "BEHIND (hypervisor took 24 % of the CPUs)");
+        assert!(pack(Vec::new(), 80).is_empty());
+    }
 
     #[test]
     fn behind_names_the_hypervisor_then_the_scheduler_then_the_scale() {
