@@ -1700,7 +1700,9 @@ fn a_small_message_goes_ahead_of_its_gpus_bulk_flow_with_an_fq_nic() {
     if !root_or_skip() {
         return;
     }
-    for scheduler in ["fq", "fifo"] {
+    // The ping's median beside the bulk flow (ms), gpu0's NIC queue peak, and whether the
+    // fabric said it was behind.
+    let measure = |scheduler: &str| {
         let body = format!(
             "{}[nic]\nscheduler = \"{scheduler}\"\n",
             leaf_spine_4("1Gbit", "5us")
@@ -1712,6 +1714,7 @@ fn a_small_message_goes_ahead_of_its_gpus_bulk_flow_with_an_fq_nic() {
         std::thread::sleep(Duration::from_millis(1500));
         let out = f.exec("gpu0", &["ping", "-c", "10", "-i", "0.1", "198.18.0.4"]);
         let nic = f.port("gpu0->leaf0");
+        let behind = f.status()["behind"] == true;
         let _ = bulk.wait();
         let _ = server.wait();
         f.down();
@@ -1728,18 +1731,23 @@ fn a_small_message_goes_ahead_of_its_gpus_bulk_flow_with_an_fq_nic() {
         let median_ms = rtts[rtts.len() / 2];
         let peak = nic["max_queue_bytes"].as_u64().unwrap();
         eprintln!(
-            "scheduler {scheduler}: ping beside a bulk flow {median_ms:.2} ms (median; {rtts:?}); gpu0's NIC queue peaked at {peak} bytes"
+            "scheduler {scheduler}: ping beside a bulk flow {median_ms:.2} ms (median; {rtts:?}); gpu0's NIC queue peaked at {peak} bytes (behind {behind})"
         );
         // The bulk flow queued megabytes in gpu0's NIC either way.
         assert!(peak > 1 << 20, "{scheduler}: NIC queue peak {peak}");
-        if scheduler == "fq" {
-            // A 20 µs path; 64 KiB at 1 Gbit/s is 0.54 ms.
-            assert!(
-                median_ms < 2.0,
-                "fq: ping {median_ms} ms beside a bulk flow"
-            );
+        (median_ms, behind)
+    };
+    // A 20 µs path; 64 KiB at 1 Gbit/s is 0.54 ms. A run the fabric reports behind is
+    // repeated (`unless_behind`: two CI runs in a stealing hour read 5.4 and 7.4 ms).
+    common::unless_behind("fq: ping beside a bulk flow (ms)", |_| {
+        let (median_ms, behind) = measure("fq");
+        common::Measured {
+            value: median_ms,
+            met: median_ms < 2.0,
+            behind,
         }
-    }
+    });
+    measure("fifo");
 }
 
 /// Two TCP senders into one GPU for `secs` (gpu1 and gpu2 to gpu0, each its own iperf3
