@@ -513,7 +513,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
     if let Some(n) = s.gpu_socket_dropped.filter(|&n| n > 0) {
         let _ = writeln!(
             o,
-            "  sockets   {} UDP datagrams dropped inside the GPUs at receiving sockets whose buffers were full (gpu_socket: delivered by the fabric, then dropped because the programs read too slowly; `nstat` in a GPU shows UdpRcvbufErrors)",
+            "  sockets   {} UDP datagrams dropped inside the GPUs at receiving sockets whose buffers were full (gpu_socket: delivered by the fabric, then dropped because the programs read too slowly: on a box with few cores their processes wait for CPUs they share with the other GPUs and the data plane, even well below line rate; a larger receive buffer, e.g. `iperf3 -w 4M`, absorbs the waits; `nstat` in a GPU shows UdpRcvbufErrors)",
             thousands(n)
         );
     }
