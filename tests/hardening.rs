@@ -1371,6 +1371,45 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     trickle.join().unwrap();
     let out = closbox(&["status", "lt-ctl"]);
     assert!(out.status.success(), "{:?}", text(&out));
+    // The daemon serves MAX_CLIENTS at once and tells one more it is busy, without reading
+    // its request; closbox's commands then ask again (60 `status` at once: 10 said
+    // "Broken pipe" or "busy" and exited 3).
+    let max = closbox_switchd::control::MAX_CLIENTS;
+    let held: Vec<UnixStream> = (0..max)
+        .map(|_| UnixStream::connect(sock).unwrap())
+        .collect();
+    let mut extra = UnixStream::connect(sock).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reply = String::new();
+    let _ = extra.read_to_string(&mut reply);
+    assert!(reply.contains("busy:"), "{reply:?}");
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        drop(held);
+    });
+    let out = closbox(&["status", "lt-ctl", "--json"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    release.join().unwrap();
+    let many: Vec<_> = (0..3 * max)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_closbox"))
+                .args(["status", "lt-ctl", "--json"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in many {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     // Port counters on demand: every port, idle ones too, or those matching a pattern.
     let out = closbox(&["status", "lt-ctl", "--ports"]);
     let all = text(&out).0;

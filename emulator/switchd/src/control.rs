@@ -174,8 +174,11 @@ fn version_of(line: &str) -> Option<u64> {
         .map(|x| x.v.unwrap_or(0))
 }
 
-/// Clients served at once; more are told to come back.
-const MAX_CLIENTS: usize = 16;
+/// Clients served at once; more are told to come back (`BUSY`), and closbox's own
+/// clients do, for a while (`exchange`).
+pub const MAX_CLIENTS: usize = 16;
+/// How a "come back later" reply starts.
+const BUSY: &str = "busy:";
 /// Longest request line.
 pub const MAX_REQUEST: u64 = 4 << 20;
 /// The time a client has to send its whole request line.
@@ -199,20 +202,27 @@ pub fn serve(
     let listener = bound.with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     let shared = Arc::new((state, ifindex, Mutex::new(ctl), wake));
-    let clients = Arc::new(AtomicUsize::new(0));
+    let count = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             for mut conn in listener.incoming().flatten() {
-                if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-                    clients.fetch_sub(1, Ordering::AcqRel);
-                    let _ = reply(&mut conn, &Reply::error("busy: too many clients"));
+                if count.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                    count.fetch_sub(1, Ordering::AcqRel);
+                    let _ = reply(
+                        &mut conn,
+                        &Reply::error(format!("{BUSY} {MAX_CLIENTS} clients served at once")),
+                    );
                     continue;
                 }
-                let (shared, clients) = (Arc::clone(&shared), Arc::clone(&clients));
+                // Held by the client's thread: its slot is given back however the thread
+                // ends (a panic too), or here if the thread cannot start.
+                let slot = Slot(Arc::clone(&count));
+                let shared = Arc::clone(&shared);
                 let spawned = std::thread::Builder::new()
                     .name("control-client".into())
                     .spawn(move || {
+                        let _slot = slot;
                         let (state, ifindex, ctl, wake) = &*shared;
                         let request = read_request(&mut conn);
                         tracing::debug!("control: {request:?}");
@@ -248,7 +258,6 @@ pub fn serve(
                                     },
                                     |start| Ctl::EndCapture(start.id),
                                 );
-                                clients.fetch_sub(1, Ordering::AcqRel);
                                 return;
                             }
                             Ok(Request::Record {
@@ -276,7 +285,6 @@ pub fn serve(
                                     |c, _| stream_record(c, &ports, rx, &ended),
                                     |id| Ctl::EndRecord(*id),
                                 );
-                                clients.fetch_sub(1, Ordering::AcqRel);
                                 return;
                             }
                             _ => {}
@@ -329,14 +337,23 @@ pub fn serve(
                             Err(e) => Reply::error(format!("{e:#}")),
                         };
                         let _ = reply(&mut conn, &answer);
-                        clients.fetch_sub(1, Ordering::AcqRel);
                     });
                 if spawned.is_err() {
+                    // (The connection and the slot went with the closure.)
                     tracing::warn!("control: could not start a client thread");
                 }
             }
         })?;
     Ok(())
+}
+
+/// A client's place among the `MAX_CLIENTS`, given back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A streaming request: asks the data plane to `start` it, answers with `header` (or
@@ -654,23 +671,8 @@ fn unanswered(fabric: &FabricName, e: std::io::Error) -> anyhow::Error {
 /// Sends one request to a fabric's daemon.
 pub fn request(fabric: &FabricName, req: &Request) -> anyhow::Result<Reply> {
     let sent = request_line(req)?;
-    let path = fabric.control_path();
-    let mut conn = UnixStream::connect(&path).with_context(|| {
-        format!(
-            "connecting to the daemon of fabric {fabric} ({})",
-            path.display()
-        )
-    })?;
-    conn.set_read_timeout(Some(REPLY_DEADLINE))?;
-    conn.write_all(&sent)?;
-    let mut line = String::new();
-    BufReader::new((&conn).take(64 << 20))
-        .read_line(&mut line)
-        .map_err(|e| unanswered(fabric, e))?;
-    if line.is_empty() {
-        bail!("the daemon of fabric {fabric} closed the connection");
-    }
-    parse_reply(fabric, &line)
+    let (reply, _) = exchange(fabric, &sent, 64 << 20)?;
+    Ok(reply)
 }
 
 /// Starts a streaming request (capture, record): the daemon's reply, and the connection,
@@ -681,26 +683,67 @@ pub fn open_stream(
     req: &Request,
 ) -> anyhow::Result<(Reply, BufReader<UnixStream>)> {
     let sent = request_line(req)?;
-    let path = fabric.control_path();
-    let mut conn = UnixStream::connect(&path).with_context(|| {
-        format!(
-            "connecting to the daemon of fabric {fabric} ({})",
-            path.display()
-        )
-    })?;
-    conn.write_all(&sent)?;
-    conn.set_read_timeout(Some(REPLY_DEADLINE))?;
-    let mut reader = BufReader::new(conn);
-    let mut line = String::new();
-    (&mut reader)
-        .take(1 << 20)
-        .read_line(&mut line)
-        .map_err(|e| unanswered(fabric, e))?;
-    if line.is_empty() {
-        bail!("the daemon of fabric {fabric} closed the connection");
-    }
+    let (reply, reader) = exchange(fabric, &sent, 1 << 20)?;
     reader.get_ref().set_read_timeout(None)?;
-    Ok((parse_reply(fabric, &line)?, reader))
+    Ok((reply, reader))
+}
+
+/// How long a client keeps asking a daemon that serves `MAX_CLIENTS` already.
+const BUSY_FOR: Duration = Duration::from_secs(10);
+
+/// Sends a request line and reads the reply line (at most `limit` bytes), asking again
+/// while the daemon is busy with `MAX_CLIENTS` others: it then answers "busy" without
+/// reading the request, so the request was not acted on (the write may fail, or the
+/// read be reset, for the bytes it left unread).
+fn exchange(
+    fabric: &FabricName,
+    sent: &[u8],
+    limit: u64,
+) -> anyhow::Result<(Reply, BufReader<UnixStream>)> {
+    use std::io::ErrorKind;
+    let path = fabric.control_path();
+    let began = std::time::Instant::now();
+    let mut pause = Duration::from_millis(5);
+    loop {
+        let conn = UnixStream::connect(&path).with_context(|| {
+            format!(
+                "connecting to the daemon of fabric {fabric} ({})",
+                path.display()
+            )
+        })?;
+        conn.set_read_timeout(Some(REPLY_DEADLINE))?;
+        let refused = |e: &std::io::Error| {
+            matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset)
+        };
+        let busy = match (&conn).write_all(sent) {
+            Err(e) if refused(&e) => true,
+            Err(e) => return Err(e.into()),
+            Ok(()) => {
+                let mut reader = BufReader::new(conn);
+                let mut line = String::new();
+                match (&mut reader).take(limit).read_line(&mut line) {
+                    Err(e) if refused(&e) => true,
+                    Err(e) => return Err(unanswered(fabric, e)),
+                    Ok(_) if line.is_empty() => {
+                        bail!("the daemon of fabric {fabric} closed the connection")
+                    }
+                    Ok(_) => match parse_reply(fabric, &line)? {
+                        Reply::Error { message } if message.starts_with(BUSY) => true,
+                        reply => return Ok((reply, reader)),
+                    },
+                }
+            }
+        };
+        debug_assert!(busy);
+        if began.elapsed() >= BUSY_FOR {
+            bail!(
+                "the daemon of fabric {fabric} serves {MAX_CLIENTS} clients at once (commands, captures, recordings, `top`s) and stayed busy for {} s",
+                BUSY_FOR.as_secs()
+            );
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
 }
 
 #[cfg(test)]
