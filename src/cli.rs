@@ -33,6 +33,11 @@ pub(crate) enum Command {
         /// Return once the fabric is ready; the daemon keeps running.
         #[arg(long)]
         detach: bool,
+        /// Bring the file's fabric up under this name instead of its `[fabric] name`
+        /// (namespaces, state, logs and commands' `-f` go by it): one topology file up
+        /// twice at once, e.g. by tests that run in parallel.
+        #[arg(long, value_name = "NAME")]
+        name: Option<FabricName>,
         /// (Internal, used by --detach) once the fabric's lock is taken, send all output
         /// to this file.
         #[arg(long, hide = true, conflicts_with = "detach")]

@@ -60,6 +60,7 @@ pub struct Fabric {
 #[derive(Debug, Clone, Default)]
 pub struct Options {
     binary: Option<PathBuf>,
+    name: Option<String>,
     args: Vec<String>,
     env: Vec<(String, String)>,
 }
@@ -68,6 +69,14 @@ impl Options {
     /// The `closbox` binary to drive (default: [`Fabric::binary`]).
     pub fn binary(mut self, path: impl Into<PathBuf>) -> Options {
         self.binary = Some(path.into());
+        self
+    }
+
+    /// The fabric's name instead of its file's `[fabric] name` (`closbox up --name`): tests
+    /// that run at once (cargo's default) can each bring the same file up under a name
+    /// of their own (1 to 16 characters of a-z, 0-9 and '-', starting with a letter).
+    pub fn name(mut self, name: impl Into<String>) -> Options {
+        self.name = Some(name.into());
         self
     }
 
@@ -94,11 +103,14 @@ impl Options {
         let config = config.as_ref();
         // Checked here first: a bad file is an error naming file:line, before any process.
         let topo = closbox_fabric::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let name: FabricName = topo
-            .fabric
-            .name
-            .parse()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?;
+        let name: FabricName = match &self.name {
+            Some(n) => n.parse().map_err(anyhow::Error::msg)?,
+            None => topo
+                .fabric
+                .name
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?,
+        };
         let binary = match self.binary {
             Some(b) => b,
             None => Fabric::binary()?,
@@ -107,6 +119,7 @@ impl Options {
             .arg("up")
             .arg(config)
             .arg("--detach")
+            .args(self.name.iter().flat_map(|n| ["--name", n.as_str()]))
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())

@@ -110,12 +110,16 @@ fn time_scale_note(st: &State) -> String {
 pub fn up(
     file: &Path,
     detach: bool,
+    name: Option<&FabricName>,
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
     sched: closbox_switchd::Scheduling,
 ) -> anyhow::Result<()> {
     let mut topo = closbox_fabric::load(file)?;
+    if let Some(name) = name {
+        topo.fabric.name = name.to_string();
+    }
     match time_scale {
         Some(TimeScaleArg::Auto) => topo.fabric.time_scale_auto = true,
         Some(TimeScaleArg::Fixed(k)) => {
@@ -138,8 +142,9 @@ pub fn up(
         );
     }
     if detach {
-        let name = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
-        return up_detached(file, &name, metrics, time_scale, sched);
+        let fabric = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
+        let renamed = name.is_some();
+        return up_detached(file, &fabric, renamed, metrics, time_scale, sched);
     }
     let stopped = closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, |st, took| {
         let how = if log_to.is_some() {
@@ -173,6 +178,7 @@ pub fn up(
 fn up_detached(
     file: &Path,
     name: &FabricName,
+    renamed: bool,
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
     sched: closbox_switchd::Scheduling,
@@ -198,6 +204,9 @@ fn up_detached(
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(exe);
         cmd.arg("up").arg(file).arg("--log-to").arg(&log_path);
+        if renamed {
+            cmd.arg("--name").arg(name.as_str());
+        }
         if let Some(addr) = metrics {
             cmd.arg("--metrics").arg(addr.to_string());
         }

@@ -125,6 +125,7 @@ fn main() -> ExitCode {
         Command::Up {
             file,
             detach,
+            name,
             log_to,
             metrics,
             time_scale,
@@ -133,6 +134,7 @@ fn main() -> ExitCode {
         } => live::up(
             &file,
             detach,
+            name.as_ref(),
             log_to.as_deref(),
             metrics,
             time_scale,

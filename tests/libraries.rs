@@ -127,6 +127,51 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
         "{:?}",
         common::leftovers("lfix")
     );
+
+    // One file up twice at once, each under a name of its own (`closbox up --name`), as
+    // tests that run at once would: each its own GPUs, daemon and counters.
+    let file = dir.join("twice.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[fabric]\nname = \"lfix\"\n{}",
+            common::leaf_spine_4("1Gbit", "1us")
+        ),
+    )
+    .unwrap();
+    let up = |name: &str| closbox::Fabric::options().binary(bin).name(name).up(&file);
+    let a = up("lfix-a").unwrap();
+    let b = up("lfix-b").unwrap();
+    assert_eq!((a.name(), b.name()), ("lfix-a", "lfix-b"));
+    for f in [&a, &b] {
+        let out = f
+            .exec("gpu0", &["ping", "-c", "1", "-W", "5", "gpu3"])
+            .unwrap();
+        assert!(out.status.success(), "{}: {out:?}", f.name());
+        let st = f.status().unwrap();
+        assert_eq!(st.fabric, f.name());
+        assert!(
+            st.delivered >= 2,
+            "{}: {} delivered",
+            f.name(),
+            st.delivered
+        );
+    }
+    // A name already up is refused, and the fabric under it left alone; a bad one named.
+    let err = up("lfix-a").unwrap_err();
+    assert!(format!("{err:#}").contains("already up"), "{err:#}");
+    assert!(a.status().is_ok());
+    let err = up("Lfix").unwrap_err();
+    assert!(format!("{err:#}").contains("fabric name"), "{err:#}");
+    drop(a);
+    drop(b);
+    for name in ["lfix", "lfix-a", "lfix-b"] {
+        assert!(
+            common::leftovers(name).is_empty(),
+            "{:?}",
+            common::leftovers(name)
+        );
+    }
 }
 
 /// NetPIPE (Debian netpipe-openmpi and netpipe-mpich2, unmodified) between gpu0 and gpu15
@@ -543,12 +588,17 @@ fn pytest_plugin_sample_suite_passes() {
         .args(["-m", "pytest", "pkg/tests", "-q", "-p", "no:cacheprovider"])
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
-    assert!(out.contains("9 passed") && !out.contains("failed"), "{out}");
     assert!(
-        common::leftovers("pyt").is_empty(),
-        "{:?}",
-        common::leftovers("pyt")
+        out.contains("10 passed") && !out.contains("failed"),
+        "{out}"
     );
+    for name in ["pyt", "pyt-a", "pyt-b"] {
+        assert!(
+            common::leftovers(name).is_empty(),
+            "{:?}",
+            common::leftovers(name)
+        );
+    }
     let _ = std::fs::remove_dir_all(&scratch);
 }
 

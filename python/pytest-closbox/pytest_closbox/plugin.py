@@ -205,28 +205,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def closbox_fabric(request: pytest.FixtureRequest):
     """A factory: `closbox_fabric(path)` or `closbox_fabric(toml=TEXT)` brings a fabric up
-    and returns a `Fabric`; every fabric it made goes down after the test."""
+    and returns a `Fabric`; every fabric it made goes down after the test. `name=` brings
+    it up under that name instead of its file's (`closbox up --name`): one file up twice
+    at once, e.g. in tests run in parallel (pytest-xdist)."""
     if os.geteuid() != 0:
         pytest.skip("closbox fabrics need root (network namespaces, TUN devices)")
     binary = _binary(request.config)
     made: list[Fabric] = []
 
     def make(path: Optional[os.PathLike | str] = None, *, toml: Optional[str] = None,
-             args: Iterable[str] = ()) -> Fabric:
+             name: Optional[str] = None, args: Iterable[str] = ()) -> Fabric:
         if (path is None) == (toml is None):
             raise TypeError("closbox_fabric: give a topology file path or toml=, not both")
         temp = None
         if toml is not None:
-            fd, name = tempfile.mkstemp(prefix="closbox-pytest-", suffix=".toml")
+            fd, temp_name = tempfile.mkstemp(prefix="closbox-pytest-", suffix=".toml")
             with os.fdopen(fd, "w") as f:
                 f.write(toml)
-            temp = Path(name)
+            temp = Path(temp_name)
             path = temp
         path = Path(path)
         try:
-            name = _fabric_name(binary, path)
+            renamed = [] if name is None else ["--name", name]
+            if name is None:
+                name = _fabric_name(binary, path)
             r = subprocess.run(
-                [binary, "up", str(path), "--detach", *args],
+                [binary, "up", str(path), "--detach", *renamed, *args],
                 stdin=subprocess.DEVNULL, capture_output=True, text=True,
             )
             if r.returncode != 0:

@@ -49,6 +49,18 @@ def test_every_gpu_is_a_host(closbox_fabric):
         assert r.stdout.strip() == gpu
 
 
+def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
+    a = closbox_fabric(toml=SMALL, name="pyt-a")
+    b = closbox_fabric(toml=SMALL, name="pyt-b")
+    assert (a.name, b.name) == ("pyt-a", "pyt-b")
+    for fabric in (a, b):
+        r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert fabric.status()["fabric"] == fabric.name
+    with pytest.raises(ClosboxError, match="already up"):
+        closbox_fabric(toml=SMALL, name="pyt-a")
+
+
 def test_torch_allreduce_across_the_fabric(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
     job = fabric.run(["/usr/bin/python3", "-c", ALLREDUCE], timeout=120)
