@@ -35,7 +35,7 @@ pub fn resolve(fabric: Option<&FabricName>) -> anyhow::Result<State> {
             } else {
                 format!(" (up: {})", join(&up))
             },
-            file_named_like(&name)
+            renamed_ones(&name) + &file_named_like(&name)
         );
     };
     if !st.daemon_alive() {
@@ -66,6 +66,29 @@ pub(crate) fn file_named_like(name: &FabricName) -> String {
         }
     }
     String::new()
+}
+
+/// "; its file's fabric is up as t-one (`up --name`)": fabrics up under other names from a
+/// file whose fabric is `name` (a `down FILE` or `-f FILE` means the file's own name).
+pub(crate) fn renamed_ones(name: &FabricName) -> String {
+    let renamed: Vec<FabricName> = state::fabrics()
+        .into_iter()
+        .filter(|up| up != name)
+        .filter(|up| {
+            State::load(up)
+                .ok()
+                .flatten()
+                .is_some_and(|st| fabric_of_file(&st.config).is_ok_and(|of_file| &of_file == name))
+        })
+        .collect();
+    if renamed.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; its topology file's fabric is up as {} (`up --name`)",
+            join(&renamed)
+        )
+    }
 }
 
 /// The fabric a topology file describes (its `[fabric] name`); its errors name the file
@@ -295,7 +318,7 @@ pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
         let hint = if up.contains(&n) {
             String::new()
         } else {
-            file_named_like(&n)
+            renamed_ones(&n) + &file_named_like(&n)
         };
         match state::down(&n) {
             Ok(msg) => println!("{msg}{hint}"),

@@ -157,6 +157,13 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
             st.delivered
         );
     }
+    // `down FILE` means the file's own name: nothing to do, saying where its fabric is up.
+    let out = closbox(&["down", file.to_str().unwrap()]);
+    let said = text(&out).0;
+    assert!(
+        out.status.success() && said.contains("is up as lfix-a, lfix-b"),
+        "{said}"
+    );
     // A name already up is refused, and the fabric under it left alone; a bad one named.
     let err = up("lfix-a").unwrap_err();
     assert!(format!("{err:#}").contains("already up"), "{err:#}");
