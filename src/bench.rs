@@ -808,7 +808,7 @@ fn run_agents(
         st,
         sel,
         timeout: t.timeout,
-        master_port: 29500,
+        master_port: Some(crate::run::DEFAULT_MASTER_PORT),
         cmd: &cmd,
         sink: Some(sink),
         chaos,

@@ -503,9 +503,10 @@ pub(crate) enum Command {
         /// Stop every rank after this many seconds, or 1.5m, 2h (exit 124).
         #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
         timeout: Option<std::time::Duration>,
-        /// MASTER_PORT for torch.distributed-style rendezvous.
-        #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
-        master_port: u16,
+        /// MASTER_PORT for torch.distributed-style rendezvous (default: 29500, or the
+        /// first port after it that another job on the first GPU does not hold).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+        master_port: Option<u16>,
         /// A chaos scenario (`closbox chaos`) to run with the job: its time 0 is the job's
         /// start (or as its `start` or --chaos-start says); it is cancelled when the job
         /// ends, as `closbox cancel` does (repairs of what it broke made at once, its loads

@@ -413,7 +413,7 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         st: &st,
         sel: &sel[..1],
         timeout: a.timeout,
-        master_port: 29500,
+        master_port: Some(crate::run::DEFAULT_MASTER_PORT),
         cmd: &line,
         sink: Some(Arc::new(|_, is_err, line: &str| {
             if is_err {

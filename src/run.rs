@@ -24,13 +24,63 @@ pub struct RunArgs<'a> {
     /// Indexes into `st.gpus`, in rank order (see `select`).
     pub sel: &'a [usize],
     pub timeout: Option<Duration>,
-    pub master_port: u16,
+    /// None: `DEFAULT_MASTER_PORT`, or the first port after it free for this job
+    /// (`rendezvous_port`).
+    pub master_port: Option<u16>,
     pub cmd: &'a [String],
     /// Default: print with a `[rank]` prefix.
     pub sink: Option<Sink>,
     /// A chaos timeline to start with the job (its time 0 is when every rank is started)
     /// and whose rest is cancelled when the job ends.
     pub chaos: Option<&'a crate::chaos::Timeline>,
+}
+
+/// MASTER_PORT unless asked otherwise: torchrun's.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Ports tried after it.
+const MASTER_PORTS: u16 = 100;
+
+/// The rendezvous port of a job whose first GPU is `master`: the first from
+/// `DEFAULT_MASTER_PORT` that no other `run` of this fabric holds (an abstract Unix socket
+/// named after the fabric and port, held for the job's life and gone with its process:
+/// no file) and that nothing in `master`'s namespace listens on. Two jobs on one GPU at
+/// once otherwise share port 29500: the second's rank 0 cannot bind it, and its other
+/// ranks join the first job's rendezvous.
+fn rendezvous_port(
+    st: &State,
+    master: &closbox_switchd::state::GpuState,
+) -> anyhow::Result<(u16, std::os::unix::net::UnixListener)> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    let net = netns::open_gpu(st, master)?.net;
+    for port in DEFAULT_MASTER_PORT..DEFAULT_MASTER_PORT + MASTER_PORTS {
+        let name = format!("closbox/{}/{}/rendezvous/{port}", st.fabric, master.name);
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
+        let Ok(held) = UnixListener::bind_addr(&addr) else {
+            continue;
+        };
+        let fd = net.try_clone()?;
+        // (A thread of its own enters the namespace, and ends with the check.)
+        let free = std::thread::spawn(move || -> std::io::Result<bool> {
+            sys::enter_netns(std::os::fd::AsFd::as_fd(&fd))?;
+            match std::net::TcpListener::bind(("0.0.0.0", port)) {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(false),
+                Err(e) => Err(e),
+            }
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the port check in {} panicked", master.name))?
+        .with_context(|| format!("checking port {port} in {}", master.name))?;
+        if free {
+            return Ok((port, held));
+        }
+    }
+    bail!(
+        "no rendezvous port free in {} among {DEFAULT_MASTER_PORT}–{}: name one with --master-port",
+        master.name,
+        DEFAULT_MASTER_PORT + MASTER_PORTS - 1
+    )
 }
 
 /// Prints a rank's line with its rank as prefix.
@@ -77,6 +127,20 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         node_rank.entry(st.gpus[i].node).or_insert(next);
     }
     let master = &st.gpus[sel[0]];
+    // Held until the job ends: another `run` of this fabric takes another port.
+    let (master_port, _held) = match a.master_port {
+        Some(p) => (p, None),
+        None => {
+            let (p, held) = rendezvous_port(st, master)?;
+            if p != DEFAULT_MASTER_PORT {
+                eprintln!(
+                    "closbox: MASTER_PORT {p}: {DEFAULT_MASTER_PORT} is taken in {} (another job's rendezvous?); --master-port chooses",
+                    master.name
+                );
+            }
+            (p, Some(held))
+        }
+    };
     let peer_names: Vec<&str> = sel.iter().map(|&i| st.gpus[i].name.as_str()).collect();
     let node_list: Vec<String> = sel.iter().map(|&i| st.gpus[i].node.to_string()).collect();
     let sink = a.sink.clone().unwrap_or_else(print_sink);
@@ -129,7 +193,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 .env("LOCAL_WORLD_SIZE", peers.len().to_string())
                 .env("NODE_RANK", node_rank[&g.node].to_string())
                 .env("MASTER_ADDR", &master.name)
-                .env("MASTER_PORT", a.master_port.to_string())
+                .env("MASTER_PORT", master_port.to_string())
                 .env("CLOSBOX_PEERS", peer_names.join(","))
                 .env("CLOSBOX_NODES", node_list.join(","))
                 .stdin(Stdio::null())

@@ -159,6 +159,63 @@ fn lifecycle_exec_run_and_errors() {
         let want = format!("[{r}] {r}/4 0 {r} gpu0:29500 cb0 lt-life gpu{r} {r}");
         assert!(o.lines().any(|l| l == want), "missing {want:?} in\n{o}");
     }
+    // Two jobs on one GPU at once get rendezvous ports of their own, and a port something
+    // in the first GPU listens on is passed over (both shared 29500: the second's rank 0
+    // could not bind it and its other ranks joined the first's rendezvous); --master-port
+    // is taken as given.
+    let job = |extra: &[&str]| {
+        let mut args = vec!["run", "--fabric", "lt-life", "--gpus", "0-1"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "sh", "-c", "echo port $MASTER_PORT; sleep 1"]);
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+    };
+    let port_of = |out: std::process::Output| {
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "{o}{e}");
+        let ports: Vec<&str> = o.lines().filter_map(|l| l.split("port ").nth(1)).collect();
+        assert_eq!(ports.len(), 2, "{o}");
+        assert_eq!(ports[0], ports[1], "{o}");
+        (ports[0].to_owned(), e)
+    };
+    let (a, b) = (job(&[]), job(&[]));
+    let (a, b) = (
+        port_of(a.wait_with_output().unwrap()),
+        port_of(b.wait_with_output().unwrap()),
+    );
+    let mut ports = [a.0.as_str(), b.0.as_str()];
+    ports.sort();
+    assert_eq!(ports, ["29500", "29501"], "{a:?} {b:?}");
+    let said = if a.0 == "29501" { &a.1 } else { &b.1 };
+    assert!(
+        said.contains("MASTER_PORT 29501: 29500 is taken in gpu0"),
+        "{said}"
+    );
+    let mut listener = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["exec", "-f", "lt-life", "gpu0", "/usr/bin/python3", "-c"])
+        .arg("import socket, time\ns = socket.create_server(('', 29500))\nprint('listening', flush=True)\ntime.sleep(30)")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(listener.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "listening\n");
+    assert_eq!(port_of(job(&[]).wait_with_output().unwrap()).0, "29501");
+    assert_eq!(
+        port_of(job(&["--master-port", "29500"]).wait_with_output().unwrap()).0,
+        "29500"
+    );
+    let _ = listener.kill();
+    let _ = listener.wait();
     // A failing rank stops the others and names itself; a rank that ends within a moment
     // after it still says why (the first to fail is often not where a job broke).
     let started = Instant::now();
