@@ -157,6 +157,17 @@ pub fn up(
             eprintln!("WARNING: --idle-poll has no effect on this box: {why}");
         }
     }
+    // A name already up is said before anything is measured.
+    if log_to.is_none() {
+        if let Ok(name) = topo.fabric.name.parse::<FabricName>() {
+            if let Some(st) = State::load(&name)?.filter(State::daemon_alive) {
+                bail!(
+                    "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or `up --name` another name",
+                    st.daemon_pid
+                );
+            }
+        }
+    }
     // (The detached daemon, started with --log-to, would say it again into its log.)
     if topo.fabric.time_scale_auto && log_to.is_none() {
         eprintln!(
@@ -209,7 +220,7 @@ fn up_detached(
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
             bail!(
-                "fabric {name} is already up (daemon pid {}); `closbox down {name}` first",
+                "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or `up --name` another name",
                 st.daemon_pid
             );
         }

@@ -147,6 +147,21 @@ fn lifecycle_exec_run_and_errors() {
     let out = closbox(&["up", f.config.to_str().unwrap(), "--detach"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).1.contains("already up"), "{:?}", text(&out));
+    // Said before anything is measured (it followed `auto`'s calibration notice), with
+    // the way to have both.
+    let out = closbox(&[
+        "up",
+        f.config.to_str().unwrap(),
+        "--detach",
+        "--time-scale",
+        "auto",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out).1;
+    assert!(
+        e.contains("already up") && e.contains("up --name") && !e.contains("measuring"),
+        "{e}"
+    );
 
     // run: one process per GPU with launcher variables, output prefixed by rank.
     let out = closbox(&[

@@ -168,7 +168,7 @@ pub fn run_fabric(
     let _lock = match FabricLock::try_acquire(&name)? {
         LockAttempt::Acquired(l) => l,
         LockAttempt::Held(pid) => bail!(
-            "fabric {name} is already up, or being brought up or down ({}); `closbox down {name}` first, or give the fabric another name",
+            "fabric {name} is already up, or being brought up or down ({}); `closbox down {name}` first, or `up --name` another name",
             pid.map_or("its lock is held".to_owned(), |p| format!("lock held by pid {p}"))
         ),
     };
