@@ -67,10 +67,10 @@ pub(crate) enum Command {
     },
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
-        /// Fabric name, or the topology file it was brought up from (default: the only
-        /// fabric up).
+        /// Fabric names, or the topology files they were brought up from (default: the
+        /// only fabric up).
         #[arg(value_parser = fabric_ref)]
-        fabric: Option<FabricName>,
+        fabric: Vec<FabricName>,
         /// The same, as other commands take it.
         #[arg(long = "fabric", short = 'f', value_name = "FABRIC", value_parser = fabric_ref, conflicts_with = "fabric")]
         fabric_flag: Option<FabricName>,

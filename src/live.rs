@@ -300,19 +300,28 @@ fn up_detached(
     }
 }
 
-pub fn down(fabric: Option<&FabricName>, all: bool) -> anyhow::Result<()> {
+pub fn down(fabrics: &[FabricName], all: bool) -> anyhow::Result<()> {
     closbox_switchd::require_root("closbox down")?;
-    let names = match (fabric, all) {
-        (Some(n), _) => vec![n.clone()],
-        (None, true) => state::fabrics(),
-        (None, false) => match state::fabrics().as_slice() {
+    let names = match (fabrics, all) {
+        ([_, ..], _) => {
+            // (Each once, in the order given.)
+            let mut names: Vec<FabricName> = Vec::new();
+            for n in fabrics {
+                if !names.contains(n) {
+                    names.push(n.clone());
+                }
+            }
+            names
+        }
+        ([], true) => state::fabrics(),
+        ([], false) => match state::fabrics().as_slice() {
             [] => {
                 println!("no fabric is up");
                 return Ok(());
             }
             [one] => vec![one.clone()],
             many => bail!(
-                "several fabrics are up ({}): name one, or use --all",
+                "several fabrics are up ({}): name them, or use --all",
                 join(many)
             ),
         },

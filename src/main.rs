@@ -148,7 +148,11 @@ fn main() -> ExitCode {
             fabric,
             fabric_flag,
             all,
-        } => live::down(fabric.or(fabric_flag).as_ref(), all).map(|()| ExitCode::SUCCESS),
+        } => live::down(
+            &fabric.into_iter().chain(fabric_flag).collect::<Vec<_>>(),
+            all,
+        )
+        .map(|()| ExitCode::SUCCESS),
         Command::Status {
             fabric,
             fabric_flag,

@@ -170,6 +170,15 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     assert!(a.status().is_ok());
     let err = up("Lfix").unwrap_err();
     assert!(format!("{err:#}").contains("fabric name"), "{err:#}");
+    // Both down in one command (their guards then find nothing to do).
+    let out = closbox(&["down", "lfix-a", "lfix-b"]);
+    let said = text(&out).0;
+    assert!(
+        out.status.success()
+            && said.contains("fabric lfix-a is down")
+            && said.contains("fabric lfix-b is down"),
+        "{said}"
+    );
     drop(a);
     drop(b);
     for name in ["lfix", "lfix-a", "lfix-b"] {
