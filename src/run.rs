@@ -41,9 +41,9 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 const MASTER_PORTS: u16 = 100;
 
 /// The rendezvous port of a job whose first GPU is `master`: the first from
-/// `DEFAULT_MASTER_PORT` that no other `run` of this fabric holds (an abstract Unix socket
-/// named after the fabric and port, held for the job's life and gone with its process:
-/// no file) and that nothing in `master`'s namespace listens on. Two jobs on one GPU at
+/// `DEFAULT_MASTER_PORT` that no other `run` with the same first GPU holds (an abstract
+/// Unix socket named after the fabric, that GPU and the port, held for the job's life and
+/// gone with its process: no file) and that nothing in `master`'s namespace listens on. Two jobs on one GPU at
 /// once otherwise share port 29500: the second's rank 0 cannot bind it, and its other
 /// ranks join the first job's rendezvous.
 fn rendezvous_port(
