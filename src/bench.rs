@@ -303,6 +303,8 @@ pub struct RunHealth {
     ecn_marks: u64,
     /// The GPUs' congestion control as the fabric set it (`None`: the host's default).
     congestion: Option<String>,
+    /// Other jobs on the fabric during the run (`jobs::shared_with`).
+    shared: Option<String>,
 }
 
 /// A lateness histogram snapshot, as `status` exports it (`Histogram::since`).
@@ -389,6 +391,7 @@ impl RunHealth {
         let marks = |s: &Status| s.ports.iter().map(|p| p.ecn_marked).sum::<u64>();
         RunHealth {
             congestion: None,
+            shared: None,
             ecn_marks: marks(after).saturating_sub(marks(before)),
             packets: after.packets_in.saturating_sub(before.packets_in),
             fabric_drops: fabric_drops(after).saturating_sub(fabric_drops(before)),
@@ -631,6 +634,12 @@ impl RunHealth {
         for l in &self.loads {
             let _ = writeln!(s, "# synthetic load during the run: {l}");
         }
+        if let Some(line) = &self.shared {
+            let _ = writeln!(
+                s,
+                "# shared: {line}; the counts above are the fabric's (its traffic too), and the predictions assume this job alone on the fabric and the box's CPUs"
+            );
+        }
         let why_advice = if self.tun_drops > 0 {
             Some((
                 "the kernel dropped packets the daemon read too late".to_owned(),
@@ -763,6 +772,7 @@ fn agent_timeout(
 fn run_agents(
     st: &State,
     sel: &[usize],
+    kind: &str,
     t: &Target,
     chaos: Option<&crate::chaos::Timeline>,
     agent_args: Vec<String>,
@@ -803,6 +813,7 @@ fn run_agents(
                 _ => {}
             },
         );
+    let mut job = crate::jobs::Job::begin(st, sel, kind);
     let before = RunHealth::snapshot(&st.fabric);
     let code = run::run(RunArgs {
         st,
@@ -817,6 +828,7 @@ fn run_agents(
         bail!("the agents failed (see above)");
     }
     let after = RunHealth::snapshot(&st.fabric);
+    let shared = crate::jobs::shared_with(st.fabric.as_str(), &job.others());
     let endpoints = std::mem::take(&mut *endpoints.lock().expect("endpoints lock"));
     let connected = connected.lock().expect("connected").take();
     Ok(Ran {
@@ -830,6 +842,7 @@ fn run_agents(
             if let Some(c) = connected {
                 h.buckets_connected = c;
             }
+            h.shared = shared;
             h
         }),
     })
@@ -952,6 +965,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let ran = run_agents(
         &st,
         &sel,
+        "bench",
         &a.target,
         timeline.as_ref(),
         args,
@@ -1207,6 +1221,7 @@ pub fn train(a: TrainArgs) -> anyhow::Result<()> {
     let ran = run_agents(
         &st,
         &sel,
+        "train",
         &a.target,
         timeline.as_ref(),
         args,
@@ -1395,7 +1410,25 @@ mod tests {
             steal: 0.0,
             ecn_marks: 0,
             congestion: Some("reno".into()),
+            shared: None,
         }
+    }
+
+    #[test]
+    fn other_jobs_on_the_fabric_are_said_only_when_there_were_any() {
+        let mut h = health(100.0, 1.0, 0);
+        assert!(!h.footer(None).contains("shared"));
+        let other = crate::jobs::JobInfo {
+            kind: "run".into(),
+            pid: 4242,
+            gpus: "4-7".into(),
+        };
+        h.shared = crate::jobs::shared_with("ls16", &[other]);
+        let f = h.footer(None);
+        assert!(
+            f.contains("# shared: another job on fabric ls16 ran during this one: run (pid 4242, GPUs 4-7); the counts above are the fabric's (its traffic too), and the predictions assume this job alone"),
+            "{f}"
+        );
     }
 
     #[test]

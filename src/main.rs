@@ -12,6 +12,7 @@ mod capture;
 mod chaos;
 mod cli;
 mod flows;
+mod jobs;
 mod live;
 mod mpirun;
 mod plan;
@@ -457,7 +458,8 @@ fn main() -> ExitCode {
                     t.gpus = sel.iter().map(|&i| st.gpus[i].name.clone()).collect();
                     t
                 });
-            run::run(run::RunArgs {
+            let mut job = jobs::Job::begin(&st, &sel, "run");
+            let code = run::run(run::RunArgs {
                 st: &st,
                 sel: &sel,
                 timeout,
@@ -465,7 +467,9 @@ fn main() -> ExitCode {
                 cmd: &cmd,
                 sink: None,
                 chaos: timeline.as_ref(),
-            })
+            })?;
+            jobs::say_shared(&st, &mut job);
+            Ok(code)
         })(),
     };
     match result {

@@ -409,7 +409,8 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
         MpiImpl::Openmpi => Some(MpiJobDir::create()?),
         MpiImpl::Mpich => None,
     };
-    run(RunArgs {
+    let mut job = crate::jobs::Job::begin(&st, &sel, "mpirun");
+    let code = run(RunArgs {
         st: &st,
         sel: &sel[..1],
         timeout: a.timeout,
@@ -423,7 +424,9 @@ pub fn mpirun(a: MpirunArgs) -> anyhow::Result<ExitCode> {
             }
         })),
         chaos: timeline.as_ref(),
-    })
+    })?;
+    crate::jobs::say_shared(&st, &mut job);
+    Ok(code)
 }
 
 /// Whether `program` (a path, or a name looked up on PATH) can be started: 127 "command

@@ -18,8 +18,16 @@ const SHOWN_DONE_LOADS: usize = 8;
 #[derive(Debug, Serialize)]
 #[serde(untagged)]
 enum Answer {
-    Status(Box<Status>),
-    Error { fabric: String, error: String },
+    Status {
+        #[serde(flatten)]
+        status: Box<Status>,
+        /// The jobs (`run`, `mpirun`, `bench`, `train`) running on the fabric.
+        jobs: Vec<crate::jobs::JobInfo>,
+    },
+    Error {
+        fabric: String,
+        error: String,
+    },
 }
 
 pub fn status(
@@ -66,7 +74,10 @@ pub fn status(
                     Some(pattern) => p.port.contains(pattern),
                     None => p.rx_packets > 0 || p.load_tx_bytes > 0 || p.load_drops > 0,
                 });
-                Answer::Status(s)
+                Answer::Status {
+                    status: s,
+                    jobs: crate::jobs::running(n.as_str()),
+                }
             }
             Reply::Error { message } => Answer::Error {
                 fabric: n.to_string(),
@@ -336,18 +347,22 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
     if let Some(why) = &st.time_scale_note {
         let _ = writeln!(o, "  time_scale chosen at up (auto): {why}");
     }
-    let s = match answer {
+    let (s, jobs) = match answer {
         Answer::Error { error, .. } => {
             let _ = writeln!(o, "  daemon    ERROR: {error}");
             return o;
         }
-        Answer::Status(s) => s,
+        Answer::Status { status, jobs } => (status, jobs),
     };
     let _ = writeln!(
         o,
         "  daemon    pid {}, up {:.1} s (fabric time {:.3} s)",
         st.daemon_pid, s.uptime_s, s.fabric_time_s
     );
+    if !jobs.is_empty() {
+        let list: Vec<String> = jobs.iter().map(ToString::to_string).collect();
+        let _ = writeln!(o, "  jobs      {}", list.join("; "));
+    }
     let _ = writeln!(
         o,
         "  packets   in {}  delivered {}  queued {}  in flight {}",

@@ -231,6 +231,66 @@ fn lifecycle_exec_run_and_errors() {
     );
     let _ = listener.kill();
     let _ = listener.wait();
+    // Jobs that share a fabric know of each other: `status` lists them, and each names
+    // the others that ran during it, also one that began and ended within it (both
+    // counted every packet of both as theirs).
+    let go = scratch_dir().join("jobs-go");
+    let _ = std::fs::remove_file(&go);
+    let wait_for_go = format!("while [ ! -e {} ]; do sleep 0.02; done", go.display());
+    let spawn = |gpus: &str, script: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+            .args(["run", "--fabric", "lt-life", "--gpus", gpus])
+            .args(["--", "sh", "-c", script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let long = spawn("0-1", &wait_for_go);
+    let listed = format!("run (pid {}, GPUs 0-1)", long.id());
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut st = String::new();
+    while Instant::now() < until && !st.contains(&listed) {
+        std::thread::sleep(Duration::from_millis(50));
+        st = text(&closbox(&["status", "lt-life"])).0;
+    }
+    assert!(st.contains(&format!("  jobs      {listed}\n")), "{st}");
+    let json = text(&closbox(&["status", "lt-life", "--json"])).0;
+    let jobs = &serde_json::from_str::<serde_json::Value>(&json).unwrap()[0]["jobs"];
+    assert_eq!(
+        jobs,
+        &serde_json::json!([{"kind": "run", "pid": long.id(), "gpus": "0-1"}]),
+        "{json}"
+    );
+    let short = spawn("2,3", "true");
+    let short_id = short.id();
+    let short = short.wait_with_output().unwrap();
+    assert!(short.status.success(), "{:?}", text(&short));
+    assert!(
+        text(&short).1.contains(&format!(
+            "closbox: another job on fabric lt-life ran during this one: {listed}: its traffic shared the fabric and the box's CPUs"
+        )),
+        "{:?}",
+        text(&short)
+    );
+    std::fs::write(&go, "").unwrap();
+    let long = long.wait_with_output().unwrap();
+    assert!(long.status.success(), "{:?}", text(&long));
+    assert!(
+        text(&long).1.contains(&format!(
+            "another job on fabric lt-life ran during this one: run (pid {short_id}, GPUs 2-3)"
+        )),
+        "{:?}",
+        text(&long)
+    );
+    // Alone again: nothing listed, nothing said.
+    assert!(!text(&closbox(&["status", "lt-life"])).0.contains("jobs"));
+    let out = closbox(&["run", "--fabric", "lt-life", "--", "true"]);
+    assert!(
+        out.status.success() && !text(&out).1.contains("another job"),
+        "{:?}",
+        text(&out)
+    );
     // A failing rank stops the others and names itself; a rank that ends within a moment
     // after it still says why (the first to fail is often not where a job broke).
     let started = Instant::now();
