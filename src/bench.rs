@@ -705,6 +705,7 @@ fn far_from_model_note(
     predicted: &[f64],
     late: &[bool],
     signals: (u64, u64),
+    shared: bool,
 ) -> Option<String> {
     const NAMED: usize = 4;
     let far: Vec<String> = named
@@ -726,6 +727,8 @@ fn far_from_model_note(
     };
     let endpoints = "the agents' system calls, thread start-ups and wake-ups per channel, wall time that a larger time_scale shrinks in fabric time";
     let why = match signals {
+        // Its traffic was in the queues and its processes on the CPUs: said first.
+        _ if shared => format!("another job ran on the fabric during the run (`# shared` above): its packets shared the fabric's queues and its processes the box's CPUs, which the model (this job alone) leaves out; the rest is at the endpoints ({endpoints})"),
         (0, 0) => format!("the difference is at the endpoints, which the model leaves out ({endpoints}; and their TCP)"),
         (drops, marks) => format!(
             "the fabric dropped {} and ECN-marked {} packets during the run, and the GPUs' TCP slows down at both, which the model (loss-free, without TCP's reaction) leaves out; the rest is at the endpoints ({endpoints})",
@@ -1079,7 +1082,9 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         let mut f = h.footer(late.as_ref());
         if h.tun_drops == 0 {
             let signals = (h.fabric_drops, h.ecn_marks);
-            if let Some(note) = far_from_model_note(&named, &predicted, &late_flags, signals) {
+            if let Some(note) =
+                far_from_model_note(&named, &predicted, &late_flags, signals, h.shared.is_some())
+            {
                 f += &note;
             }
         }
@@ -1541,26 +1546,41 @@ mod tests {
         .collect();
         // 2 × and more, on time: named; late ones are the warning's; near the model, none.
         let predicted = [25.2, 299.0, 480.0];
-        let note = far_from_model_note(&named, &predicted, &[false, false, false], (0, 0))
+        let note = far_from_model_note(&named, &predicted, &[false, false, false], (0, 0), false)
             .expect("a note");
         assert!(
             note.starts_with("# NOTE: 2 of 3 results took 2 × the model's time or more while the fabric kept its schedule (allgather 1KiB 44.8 ×, allgather 64KiB 3.9 ×): the difference is at the endpoints"),
             "{note}"
         );
         // Drops or marks during the run: TCP's backing off is named first.
-        let note = far_from_model_note(&named, &predicted, &[false, false, false], (314, 56_532))
-            .expect("a note");
+        let note = far_from_model_note(
+            &named,
+            &predicted,
+            &[false, false, false],
+            (314, 56_532),
+            false,
+        )
+        .expect("a note");
         assert!(
             note.contains(
                 "3.9 ×): the fabric dropped 314 and ECN-marked 56,532 packets during the run"
             ),
             "{note}"
         );
-        let none = far_from_model_note(&named, &predicted, &[true, true, false], (0, 0));
+        // Another job on the fabric meanwhile: named as the likelier cause.
+        let note = far_from_model_note(&named, &predicted, &[false, false, false], (314, 0), true)
+            .expect("a note");
+        assert!(
+            note.contains(
+                "3.9 ×): another job ran on the fabric during the run (`# shared` above)"
+            ),
+            "{note}"
+        );
+        let none = far_from_model_note(&named, &predicted, &[true, true, false], (0, 0), false);
         assert_eq!(none, None);
         // No prediction (one rank): nothing to compare.
         assert_eq!(
-            far_from_model_note(&named[..1], &[0.0], &[false], (0, 0)),
+            far_from_model_note(&named[..1], &[0.0], &[false], (0, 0), false),
             None
         );
     }
