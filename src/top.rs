@@ -42,6 +42,8 @@ struct View {
     events: Vec<Event>,
     /// Fabric seconds between the snapshots.
     span_s: f64,
+    /// Jobs running on the fabric (`jobs::running`).
+    jobs: usize,
 }
 
 fn snapshot(fabric: &FabricName) -> anyhow::Result<Status> {
@@ -81,6 +83,7 @@ fn view(prev: &Status, now: Status, events: Vec<Event>) -> View {
         })
         .collect();
     View {
+        jobs: crate::jobs::running(now.fabric.as_str()).len(),
         status: now,
         ports,
         events,
@@ -187,6 +190,9 @@ fn draw(f: &mut Frame, v: &View) {
         (0, _) => {}
         (n, 0) => about.push(Span::raw(format!("chaos {n} running"))),
         (n, w) => about.push(Span::raw(format!("chaos {n} ({w} waiting)"))),
+    }
+    if v.jobs > 0 {
+        about.push(Span::raw(crate::bench::plural(v.jobs, "job")));
     }
     let health = if !s.deadlocked.is_empty() {
         Span::styled(
