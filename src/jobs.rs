@@ -103,7 +103,18 @@ fn parse(rest: &str) -> Option<JobInfo> {
     let kind = it.next()?;
     let gpus = it.next()?;
     let pid = id.split('.').next()?.parse().ok()?;
-    (!kind.is_empty() && !gpus.is_empty()).then(|| JobInfo {
+    // What closbox writes, nothing else (any local process may bind such a name, and it
+    // is printed): a kind in lowercase letters, GPUs as `describe` gives them.
+    let digits = gpus.strip_suffix('…').unwrap_or(gpus);
+    let gpus_ok = gpus == "all"
+        || (!digits.is_empty()
+            && digits
+                .bytes()
+                .all(|b| b.is_ascii_digit() || b == b',' || b == b'-'))
+        || gpus == "…";
+    let kind_ok =
+        !kind.is_empty() && kind.len() <= 16 && kind.bytes().all(|b| b.is_ascii_lowercase());
+    (kind_ok && gpus_ok).then(|| JobInfo {
         kind: kind.into(),
         pid,
         gpus: gpus.into(),
@@ -308,6 +319,8 @@ Num       RefCount Protocol Flags    Type St Inode Path
 0000000000000000: 00000002 00000000 00010000 0001 01 2179514 @closbox/ls1/job/4260.0/run/all
 0000000000000000: 00000002 00000000 00010000 0001 01 2179515 @closbox/ls16/job/x/run/all
 0000000000000000: 00000002 00000000 00010000 0001 01 2179516 @closbox/ls16/gpu0/rendezvous/29500
+0000000000000000: 00000002 00000000 00010000 0001 01 2179517 @closbox/ls16/job/4270.0/run/\x1b[2J
+0000000000000000: 00000002 00000000 00010000 0001 01 2179518 @closbox/ls16/job/4271.0/Run!/0-3
 ";
         let jobs: Vec<String> = listening(table, "ls16")
             .into_iter()
