@@ -54,8 +54,12 @@ pub use tun::TunPorts;
 const SPIN: StdDuration = StdDuration::from_micros(40);
 const MAX_SPIN: StdDuration = StdDuration::from_micros(500);
 
-/// Packets read from one TUN before looking at the others (fairness).
+/// Frames read from one TUN before looking at the others (fairness) and writing what
+/// fell due meanwhile: at most `READ_BATCH`, and no more than `READ_BYTES` (what a read
+/// turn costs is mostly its copies: 64 frames of 9000 bytes are ~9 super-packets, whose
+/// reads held back every write due meanwhile; 128 KiB is about two).
 const READ_BATCH: usize = 64;
+const READ_BYTES: usize = 128 << 10;
 /// Lateness above which the fabric is reported as not keeping up (p99 of the last window),
 /// in real time; with dilated time the bar is also a quarter of the shortest GPU-to-GPU
 /// latency in fabric time (whichever is larger): lateness shifts fabric timings by
@@ -612,9 +616,14 @@ impl<P: Ports> DataPlane<P> {
     }
 
     fn read_port(&mut self, host: usize) {
+        let mut bytes = 0;
         for _ in 0..READ_BATCH {
+            if bytes >= READ_BYTES {
+                return;
+            }
             match self.ports.recv(host) {
                 Ok(Some((buf, at))) => {
+                    bytes += buf.len();
                     // Not before what the model has seen (a frame cut from an earlier read).
                     let now = self.fabric_now(at).max(self.model.now());
                     // A timeline waiting for this GPU's traffic starts before its packet
