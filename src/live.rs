@@ -340,8 +340,23 @@ pub fn down(fabrics: &[FabricName], all: bool) -> anyhow::Result<()> {
         } else {
             renamed_ones(&n) + &file_named_like(&n)
         };
+        // Jobs on it end with it: said, since each will report its ranks gone.
+        let jobs = crate::jobs::running(n.as_str());
         match state::down(&n) {
-            Ok(msg) => println!("{msg}{hint}"),
+            Ok(msg) if jobs.is_empty() => println!("{msg}{hint}"),
+            Ok(msg) => {
+                let list: Vec<String> = jobs.iter().map(ToString::to_string).collect();
+                println!(
+                    "{msg}{hint}; {} running on it lost {}: {}",
+                    crate::bench::plural(jobs.len(), "job"),
+                    if jobs.len() == 1 {
+                        "its GPUs"
+                    } else {
+                        "their GPUs"
+                    },
+                    list.join("; ")
+                );
+            }
             Err(e) => {
                 eprintln!("closbox: fabric {n}: {e:#}");
                 failed.push(n.to_string());

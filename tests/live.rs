@@ -417,17 +417,35 @@ fn lifecycle_exec_run_and_errors() {
             .unwrap_or(false)
     };
     assert!(alive(server));
+    // A job still running: `down` says it ends with the fabric (its rank is stopped too).
+    let mut job = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["run", "--fabric", "lt-life", "--gpus", "0", "--"])
+        .args(["sh", "-c", "echo started; exec sleep 300"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(job.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "[0] started\n");
+    let listed = format!("run (pid {}, GPUs 0)", job.id());
     let out = closbox(&["down", "lt-life"]);
     assert!(out.status.success(), "{:?}", text(&out));
     let said = text(&out).0;
     assert!(
         said.contains("daemon stopped")
-            && said.contains(&format!(
-                "stopped 1 process(es) left in its GPUs: [{server}]"
-            )),
+            && said.contains("stopped 2 process(es) left in its GPUs: [")
+            && said.contains(&server.to_string())
+            && said.contains(&format!("; 1 job running on it lost its GPUs: {listed}")),
         "{said:?}"
     );
     assert!(!alive(server));
+    let ended = job.wait_with_output().unwrap();
+    assert!(!ended.status.success());
     f.down();
     // Idempotent.
     let out = closbox(&["down", "lt-life"]);
