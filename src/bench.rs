@@ -827,6 +827,10 @@ fn run_agents(
         sink: Some(sink),
         chaos,
     })?;
+    if code == ExitCode::from(130) {
+        // `run` said it ("interrupted; the other ranks were stopped"): not a failure.
+        return Err(anyhow::Error::new(crate::Interrupted));
+    }
     if code != ExitCode::SUCCESS {
         bail!("the agents failed (see above)");
     }

@@ -64,6 +64,19 @@ impl std::fmt::Display for CannotRun {
 
 impl std::error::Error for CannotRun {}
 
+/// A job stopped by Ctrl-C or SIGTERM, said where it stopped: exit 130, as shells report
+/// a command ended by SIGINT.
+#[derive(Debug)]
+pub(crate) struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 fn run_bench(ops: Vec<String>, target: &TargetArgs, o: BenchOpts) -> anyhow::Result<()> {
     let ops = if ops.is_empty() {
         vec!["allreduce".to_owned()]
@@ -474,6 +487,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // (A job stopped by a signal has said so, with what it stopped.)
+        Err(e) if e.downcast_ref::<Interrupted>().is_some() => ExitCode::from(130),
         Err(e) => {
             eprintln!("closbox: {e:#}");
             if e.downcast_ref::<Usage>().is_some() {

@@ -283,6 +283,41 @@ fn lifecycle_exec_run_and_errors() {
         "{:?}",
         text(&long)
     );
+    // A bench ended by Ctrl-C exits 130 and says it was interrupted, not that it failed.
+    let bench = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "bench",
+            "allreduce",
+            "--fabric",
+            "lt-life",
+            "--sizes",
+            "1M",
+            "--iters",
+            "100000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once its job is known to the fabric, and a moment for its agents to start.
+    let listed = format!("bench (pid {}, GPUs all)", bench.id());
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until && !text(&closbox(&["status", "lt-life"])).0.contains(&listed) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let int = std::process::Command::new("kill")
+        .args(["-INT", &bench.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(int.success());
+    let ended = bench.wait_with_output().unwrap();
+    let e = text(&ended).1;
+    assert_eq!(ended.status.code(), Some(130), "{e}");
+    assert!(
+        e.contains("interrupted; the other ranks were stopped") && !e.contains("failed"),
+        "{e}"
+    );
     // Alone again: nothing listed, nothing said.
     assert!(!text(&closbox(&["status", "lt-life"])).0.contains("jobs"));
     let out = closbox(&["run", "--fabric", "lt-life", "--", "true"]);
