@@ -23,9 +23,12 @@ use closbox_switchd::state::State;
 /// Longest abstract socket name (`sun_path` less the leading NUL).
 const MAX_NAME: usize = 107;
 
-/// How long the end of a job waits for the name of a job that connected to it: written
-/// right after the connection, so only a job stopped between the two takes that long.
+/// How long a look at the jobs that connected waits, in all, for names not there yet:
+/// each is written right after its connection, so only a job stopped between the two
+/// (or a local process that connects and writes nothing) makes it wait.
 const NAME_WAIT: Duration = Duration::from_millis(100);
+/// Connections a look takes at most (a listener's backlog is 4,096 here).
+const MAX_TOLD: usize = 4096;
 
 /// A job running on a fabric (as another job or `status` sees it).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -213,24 +216,49 @@ impl Job {
         self.seen.iter().map(|(_, j)| j.clone()).collect()
     }
 
-    /// The names of the jobs that connected since the last look.
+    /// The names of the jobs that connected since the last look: read as they are (each
+    /// is written right after its connection), then, for connections without one yet,
+    /// waited for up to `NAME_WAIT` in all.
     fn take_told(&mut self, l: &UnixListener) {
-        let prefix = prefix_of(&self.name);
-        while let Ok((mut s, _)) = l.accept() {
-            let _ = s.set_nonblocking(false);
-            let _ = s.set_read_timeout(Some(NAME_WAIT));
+        let mut waiting = Vec::new();
+        for _ in 0..MAX_TOLD {
+            let Ok((s, _)) = l.accept() else {
+                break;
+            };
             let mut buf = Vec::new();
-            let _ = (&mut s).take(MAX_NAME as u64 + 1).read_to_end(&mut buf);
-            let Ok(name) = String::from_utf8(buf) else {
-                continue;
-            };
-            let Some(job) = name.strip_prefix(&prefix).and_then(parse) else {
-                continue;
-            };
-            if name != self.name && !self.seen.iter().any(|(n, _)| *n == name) {
-                self.seen.push((name, job));
+            // (Accepted sockets block: nothing there yet is an error, `WouldBlock`.)
+            let _ = s.set_nonblocking(true);
+            let _ = (&s).take(MAX_NAME as u64 + 1).read_to_end(&mut buf);
+            if !self.told(&buf) {
+                waiting.push((s, buf));
             }
         }
+        let until = std::time::Instant::now() + NAME_WAIT;
+        for (s, mut buf) in waiting {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_read_timeout(Some(left));
+            let room = (MAX_NAME + 1).saturating_sub(buf.len()) as u64;
+            let _ = (&s).take(room).read_to_end(&mut buf);
+            self.told(&buf);
+        }
+    }
+
+    /// Takes a connection's bytes as a job's name: whether they were one.
+    fn told(&mut self, bytes: &[u8]) -> bool {
+        let Ok(name) = std::str::from_utf8(bytes) else {
+            return false;
+        };
+        let Some(job) = name.strip_prefix(&prefix_of(&self.name)).and_then(parse) else {
+            return false;
+        };
+        if name != self.name && !self.seen.iter().any(|(n, _)| n == name) {
+            self.seen.push((name.to_owned(), job));
+        }
+        true
     }
 }
 
@@ -306,6 +334,34 @@ mod tests {
         assert_eq!(describe(3, &[2, 1, 0], 40), "2,1,0");
         assert_eq!(describe(100, &[0, 10, 20, 30, 40], 9), "0,10,20…");
         assert_eq!(describe(100, &[12345], 3), "…");
+    }
+
+    #[test]
+    fn names_told_are_taken_and_a_silent_connection_hides_none() {
+        let pid = std::process::id();
+        let fabric = format!("jt{pid}");
+        let name = format!("closbox/{fabric}/job/{pid}.0/run/all");
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let l = UnixListener::bind_addr(&addr).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let mut job = Job {
+            listener: Some(l),
+            name: name.clone(),
+            seen: Vec::new(),
+        };
+        // Connected, nothing written (a job stopped at once, or another local process).
+        let silent = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        announce(&name, &format!("closbox/{fabric}/job/1.0/bench/0-3"));
+        announce(&name, &format!("closbox/{fabric}/job/2.0/run/\x1b[2J"));
+        announce(&name, "closbox/other/job/3.0/run/all");
+        announce(&name, &name);
+        announce(&name, &format!("closbox/{fabric}/job/4.0/train/all"));
+        announce(&name, &format!("closbox/{fabric}/job/1.0/bench/0-3"));
+        let told: Vec<String> = job.others().iter().map(ToString::to_string).collect();
+        assert_eq!(told, ["bench (pid 1, GPUs 0-3)", "train (pid 4, GPUs all)"]);
+        drop(silent);
+        // Taken once: a second look adds nothing new.
+        assert_eq!(job.others().len(), 2);
     }
 
     #[test]
