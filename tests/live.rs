@@ -11,6 +11,29 @@ use common::{
     TestFabric,
 };
 
+/// `status FABRIC` once it lists `job` (or after 20 s, as it is then).
+fn status_listing(fabric: &str, job: &str) -> String {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = text(&closbox(&["status", fabric])).0;
+        if st.contains(job) || Instant::now() >= until {
+            return st;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first line a child process prints (its stdout, piped, is closed after it).
+fn first_line(child: &mut std::process::Child) -> String {
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    line
+}
+
 #[test]
 fn lifecycle_exec_run_and_errors() {
     let _s = serial();
@@ -217,13 +240,7 @@ fn lifecycle_exec_run_and_errors() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(listener.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "listening\n");
+    assert_eq!(first_line(&mut listener), "listening\n");
     assert_eq!(port_of(job(&[]).wait_with_output().unwrap()).0, "29501");
     assert_eq!(
         port_of(job(&["--master-port", "29500"]).wait_with_output().unwrap()).0,
@@ -248,12 +265,7 @@ fn lifecycle_exec_run_and_errors() {
     };
     let long = spawn("0-1", &wait_for_go);
     let listed = format!("run (pid {}, GPUs 0-1)", long.id());
-    let until = Instant::now() + Duration::from_secs(20);
-    let mut st = String::new();
-    while Instant::now() < until && !st.contains(&listed) {
-        std::thread::sleep(Duration::from_millis(50));
-        st = text(&closbox(&["status", "lt-life"])).0;
-    }
+    let st = status_listing("lt-life", &listed);
     assert!(st.contains(&format!("  jobs      {listed}\n")), "{st}");
     let json = text(&closbox(&["status", "lt-life", "--json"])).0;
     let jobs = &serde_json::from_str::<serde_json::Value>(&json).unwrap()[0]["jobs"];
@@ -301,10 +313,7 @@ fn lifecycle_exec_run_and_errors() {
         .unwrap();
     // Once its job is known to the fabric, and a moment for its agents to start.
     let listed = format!("bench (pid {}, GPUs all)", bench.id());
-    let until = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < until && !text(&closbox(&["status", "lt-life"])).0.contains(&listed) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    status_listing("lt-life", &listed);
     std::thread::sleep(Duration::from_secs(1));
     let int = std::process::Command::new("kill")
         .args(["-INT", &bench.id().to_string()])
@@ -460,13 +469,7 @@ fn lifecycle_exec_run_and_errors() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(job.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "[0] started\n");
+    assert_eq!(first_line(&mut job), "[0] started\n");
     let listed = format!("run (pid {}, GPUs 0)", job.id());
     let out = closbox(&["down", "lt-life"]);
     assert!(out.status.success(), "{:?}", text(&out));
