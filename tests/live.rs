@@ -274,27 +274,18 @@ fn lifecycle_exec_run_and_errors() {
         &serde_json::json!([{"kind": "run", "pid": long.id(), "gpus": "0-1"}]),
         "{json}"
     );
+    // Each ends with a line naming the other.
+    let ran_beside = |out: &std::process::Output, other: &str| {
+        let (o, e) = text(out);
+        assert!(out.status.success(), "{o}{e}");
+        let line = format!("closbox: another job on fabric lt-life ran during this one: {other}: its traffic shared the fabric and the box's CPUs");
+        assert!(e.contains(&line), "{e}");
+    };
     let short = spawn("2,3", "true");
-    let short_id = short.id();
-    let short = short.wait_with_output().unwrap();
-    assert!(short.status.success(), "{:?}", text(&short));
-    assert!(
-        text(&short).1.contains(&format!(
-            "closbox: another job on fabric lt-life ran during this one: {listed}: its traffic shared the fabric and the box's CPUs"
-        )),
-        "{:?}",
-        text(&short)
-    );
+    let short_listed = format!("run (pid {}, GPUs 2-3)", short.id());
+    ran_beside(&short.wait_with_output().unwrap(), &listed);
     std::fs::write(&go, "").unwrap();
-    let long = long.wait_with_output().unwrap();
-    assert!(long.status.success(), "{:?}", text(&long));
-    assert!(
-        text(&long).1.contains(&format!(
-            "another job on fabric lt-life ran during this one: run (pid {short_id}, GPUs 2-3)"
-        )),
-        "{:?}",
-        text(&long)
-    );
+    ran_beside(&long.wait_with_output().unwrap(), &short_listed);
     // A bench ended by Ctrl-C exits 130 and says it was interrupted, not that it failed.
     let bench = std::process::Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args([
