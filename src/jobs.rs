@@ -303,12 +303,17 @@ pub fn say_shared(st: &State, job: &mut Job) {
     }
 }
 
+/// Jobs as one line ("run (pid 4242, GPUs 0-3); bench (pid 4250, GPUs all)").
+pub fn list(jobs: &[JobInfo]) -> String {
+    let each: Vec<String> = jobs.iter().map(ToString::to_string).collect();
+    each.join("; ")
+}
+
 /// One line naming the other jobs (`others`), for a job's report.
 pub fn shared_with(fabric: &str, others: &[JobInfo]) -> Option<String> {
     if others.is_empty() {
         return None;
     }
-    let list: Vec<String> = others.iter().map(ToString::to_string).collect();
     Some(format!(
         "{} on fabric {fabric} ran during this one: {}",
         if others.len() == 1 {
@@ -316,7 +321,7 @@ pub fn shared_with(fabric: &str, others: &[JobInfo]) -> Option<String> {
         } else {
             format!("{} other jobs", others.len())
         },
-        list.join("; ")
+        list(others)
     ))
 }
 

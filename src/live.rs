@@ -345,7 +345,6 @@ pub fn down(fabrics: &[FabricName], all: bool) -> anyhow::Result<()> {
         match state::down(&n) {
             Ok(msg) if jobs.is_empty() => println!("{msg}{hint}"),
             Ok(msg) => {
-                let list: Vec<String> = jobs.iter().map(ToString::to_string).collect();
                 println!(
                     "{msg}{hint}; {} running on it lost {}: {}",
                     crate::bench::plural(jobs.len(), "job"),
@@ -354,7 +353,7 @@ pub fn down(fabrics: &[FabricName], all: bool) -> anyhow::Result<()> {
                     } else {
                         "their GPUs"
                     },
-                    list.join("; ")
+                    crate::jobs::list(&jobs)
                 );
             }
             Err(e) => {

@@ -360,8 +360,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
         st.daemon_pid, s.uptime_s, s.fabric_time_s
     );
     if !jobs.is_empty() {
-        let list: Vec<String> = jobs.iter().map(ToString::to_string).collect();
-        let _ = writeln!(o, "  jobs      {}", list.join("; "));
+        let _ = writeln!(o, "  jobs      {}", crate::jobs::list(jobs));
     }
     let _ = writeln!(
         o,
