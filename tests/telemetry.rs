@@ -444,6 +444,51 @@ fn sample(text: &str, prefix: &str) -> f64 {
         .unwrap()
 }
 
+/// The shipped Grafana dashboard's queries (docs/grafana-dashboard.json) are PromQL that
+/// Prometheus parses (`promtool check rules`, each as a recording rule, with the
+/// dashboard's variables as Grafana fills them) and name only metrics a scrape `body`
+/// serves.
+fn dashboard_queries_parse_and_name_served_metrics(body: &str) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/grafana-dashboard.json");
+    let board: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let exprs: Vec<String> = board["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+        .collect();
+    assert!(exprs.len() >= 8, "{exprs:?}");
+    let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
+    for (i, e) in exprs.iter().enumerate() {
+        let filled = e
+            .replace("$__rate_interval", "1m")
+            .replace("$fabric", "lt-met");
+        rules.push_str(&format!(
+            "  - record: dashboard_query_{i}\n    expr: {}\n",
+            serde_json::to_string(&filled).unwrap()
+        ));
+        for name in e
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("closbox_"))
+        {
+            let served = name.strip_suffix("_bucket").unwrap_or(name);
+            assert!(
+                body.lines().any(|l| l.starts_with(served)),
+                "the dashboard asks for {name}, which no scrape serves: {e}"
+            );
+        }
+    }
+    let file = scratch_dir().join("lt-met-dashboard-rules.yml");
+    std::fs::write(&file, &rules).unwrap();
+    let out = Command::new("promtool")
+        .args(["check", "rules", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "promtool: {:?}\n{rules}", text(&out));
+}
+
 #[test]
 fn metrics_pass_promtool_and_equal_status() {
     let _s = serial();
@@ -527,7 +572,19 @@ fn metrics_pass_promtool_and_equal_status() {
             "{reason}"
         );
     }
-    assert!(sample(&body, "closbox_write_lateness_seconds_count") >= 10.0);
+    assert!(
+        sample(
+            &body,
+            "closbox_write_lateness_seconds_count{fabric=\"lt-met\"}"
+        ) >= 10.0
+    );
+    // Every sample names its fabric (a dashboard's fabric filter, two fabrics in one
+    // Prometheus): the lateness histogram's did not.
+    let unlabelled: Vec<&str> = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.contains("fabric=\"lt-met\""))
+        .collect();
+    assert!(unlabelled.is_empty(), "{unlabelled:?}");
     assert_eq!(
         sample(
             &body,
@@ -593,6 +650,7 @@ fn metrics_pass_promtool_and_equal_status() {
     assert!((0.0..=1.05).contains(&busy), "{busy}");
     let wait = sample(&body, "closbox_dataplane_cpu_wait{fabric=\"lt-met\"}");
     assert!((0.0..=1.0).contains(&wait), "{wait}");
+    dashboard_queries_parse_and_name_served_metrics(&body);
     // Prometheus itself asks for OpenMetrics, and gets it.
     let om = scrape(
         addr,

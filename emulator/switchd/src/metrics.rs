@@ -228,9 +228,12 @@ struct FabricReason {
 }
 
 /// A histogram from counts already kept elsewhere (the data plane's lateness histogram):
-/// per upper bound (seconds), the samples in that bucket alone.
+/// per upper bound (seconds), the samples in that bucket alone; labelled with its fabric,
+/// as every other sample is (without it a dashboard's fabric filter missed it, and two
+/// fabrics' histograms scraped into one Prometheus summed into one).
 #[derive(Debug)]
 struct FixedHistogram {
+    fabric: FabricLabel,
     sum: f64,
     count: u64,
     buckets: Vec<(f64, u64)>,
@@ -242,12 +245,14 @@ impl TypedMetric for FixedHistogram {
 
 impl EncodeMetric for FixedHistogram {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
-            self.sum,
-            self.count,
-            &self.buckets,
-            None,
-        )
+        encoder
+            .encode_family(&self.fabric)?
+            .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                self.sum,
+                self.count,
+                &self.buckets,
+                None,
+            )
     }
 
     fn metric_type(&self) -> MetricType {
@@ -261,7 +266,7 @@ const LATENESS_BOUNDS: [f64; 16] = [
     50e-3, 100e-3,
 ];
 
-fn lateness(buckets: &[(u64, u64)]) -> FixedHistogram {
+fn lateness(fabric: FabricLabel, buckets: &[(u64, u64)]) -> FixedHistogram {
     let mut out: Vec<(f64, u64)> = LATENESS_BOUNDS.iter().map(|&b| (b, 0)).collect();
     out.push((f64::MAX, 0));
     let (mut sum, mut count) = (0.0, 0);
@@ -276,6 +281,7 @@ fn lateness(buckets: &[(u64, u64)]) -> FixedHistogram {
         out[i].1 += n;
     }
     FixedHistogram {
+        fabric,
         sum,
         count,
         buckets: out,
@@ -605,7 +611,7 @@ pub fn encode(s: &Status) -> String {
         "write_lateness",
         "How late packets left the fabric (write start minus scheduled departure, wall time)",
         Unit::Seconds,
-        lateness(&s.lateness_buckets),
+        lateness(fabric.clone(), &s.lateness_buckets),
     );
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String");
