@@ -105,6 +105,22 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         assert!(text(&out).1.contains(says), "{:?}", text(&out));
         assert_eq!(std::fs::read_to_string(&kept).unwrap(), "precious\n");
     }
+    // Bounded by a --duration too long, it names the longest it takes; that one is taken.
+    let out = record(&["--interval", "100ns", "--duration", "1s"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    let err = text(&out).1;
+    assert!(!err.contains("with the recordings running"), "{err}");
+    let longest = err
+        .split("a --duration of at most ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .unwrap_or_else(|| panic!("no duration advised: {err}"));
+    let out = record(&["--interval", "100ns", "--duration", longest]);
+    assert!(
+        out.status.success(),
+        "--duration {longest}: {:?}",
+        text(&out)
+    );
     // Bounded by --duration, the same interval is fine.
     let out = record(&["--interval", "100ns", "--duration", "10us"]);
     assert!(out.status.success(), "{:?}", text(&out));

@@ -175,12 +175,26 @@ impl<P: Ports> DataPlane<P> {
         };
         let others: f64 = self.recordings.iter().map(|r| r.samples_per_wall_s).sum();
         if asked + others > MAX_RECORD_SAMPLES_PER_WALL_S {
+            let running = if others > 0.0 {
+                format!(" ({:.0} with the recordings running)", asked + others)
+            } else {
+                String::new()
+            };
+            // The longest recording held to no budget (`short`) at this interval.
+            let rounds = (SHORT_RECORD_SAMPLES / ports.len() as f64).floor() as u64;
+            let duration = if rounds >= 1 {
+                format!(
+                    ", or a --duration of at most {} (a recording of at most {SHORT_RECORD_SAMPLES} port samples in all is taken at any rate)",
+                    closbox_fabric::Duration::from_nanos(rounds.saturating_mul(spec.interval_ns))
+                )
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "{} ports every {} of fabric time at time_scale {} are {asked:.0} port samples a second of wall time ({:.0} with the recordings running), more than the {MAX_RECORD_SAMPLES_PER_WALL_S} the data plane takes beside its packets: a longer --interval, fewer --ports, a --duration, or a larger time_scale",
+                "{} ports every {} of fabric time at time_scale {} are {asked:.0} port samples a second of wall time{running}, more than the {MAX_RECORD_SAMPLES_PER_WALL_S} the data plane takes beside its packets: a longer --interval, fewer --ports, a larger time_scale{duration}",
                 ports.len(),
                 closbox_fabric::Duration::from_nanos(spec.interval_ns),
                 self.time_scale,
-                asked + others
             ));
         }
         let now = self.fabric_now(self.ports.now());
