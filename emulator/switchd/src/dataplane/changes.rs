@@ -338,9 +338,13 @@ impl<P: Ports> DataPlane<P> {
                 .map(|spec| self.load_packets_per_wall_s(spec))
                 .sum::<f64>();
         if added + others > MAX_LOAD_PACKETS_PER_WALL_S {
+            let running = if others > 0.0 {
+                format!(" ({:.0} with those running or scheduled)", added + others)
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "loads would generate {added:.0} packets a second of wall time ({:.0} with those running or scheduled), more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: use slower or fewer loads (an incast: fewer bytes or sources), larger packets (--packet, up to the mtu), or a larger time_scale",
-                added + others,
+                "loads would generate {added:.0} packets a second of wall time{running}, more than the {MAX_LOAD_PACKETS_PER_WALL_S} the data plane generates beside the GPUs' traffic: use slower or fewer loads (an incast: fewer bytes or sources), larger packets (--packet, up to the mtu), or a larger time_scale",
             ));
         }
         Ok(())
