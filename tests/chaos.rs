@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{closbox, leaf_spine_4, root_or_skip, serial, text, wait_for_port, TestFabric};
+use common::{
+    closbox, closbox_ok, leaf_spine_4, root_or_skip, serial, text, wait_for_port, TestFabric,
+};
 
 fn fabric() -> String {
     format!(
@@ -334,8 +336,7 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
     let started = std::time::Instant::now();
     let running = std::thread::spawn(move || job("30"));
     std::thread::sleep(Duration::from_secs(8));
-    let out = closbox(&["partition", "gpu3", "--fabric", "lt-part"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["partition", "gpu3", "--fabric", "lt-part"]);
     let out = running.join().unwrap();
     let took = started.elapsed();
     let (o, e) = text(&out);
@@ -373,10 +374,9 @@ fn a_gloo_job_fails_on_a_partition_within_its_timeout_and_runs_after_heal() {
         "{:?}",
         text(&out)
     );
-    let out = closbox(&[
+    closbox_ok(&[
         "bench", "--fabric", "lt-part", "--gpus", "0-2", "--sizes", "64K", "--iters", "1",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     // Healed, the same job runs through.
     assert!(closbox(&["heal", "--fabric", "lt-part"]).status.success());
     assert!(closbox(&["gpu", "down", "gpu2", "--fabric", "lt-part"])
@@ -640,17 +640,15 @@ fn scenario_files_are_checked_then_run_on_schedule() {
          [[event]]\nat = \"200ms\"\nevery = \"10ms\"\ncount = 3\ndo = \"load\"\nfrom = \"gpu0\"\nto = \"spine1\"\nrate = \"100Mbit\"\nfor = \"5ms\"\n",
     )
     .unwrap();
-    let out = closbox(&[
+    let out = closbox_ok(&[
         "chaos",
         good.to_str().unwrap(),
         "--dry-run",
         "--fabric",
         "lt-scen",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     assert_eq!(text(&out).0.lines().count(), 5, "{:?}", text(&out));
-    let out = closbox(&["chaos", good.to_str().unwrap(), "--fabric", "lt-scen"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["chaos", good.to_str().unwrap(), "--fabric", "lt-scen"]);
     // At its end, what the fabric did meanwhile.
     assert!(
         text(&out)
@@ -792,7 +790,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
     assert_eq!(f.status()["partition"], serde_json::json!([]));
     // `--chaos-start` replaces the file's start (the same never-started job, `good` starts
     // now).
-    let out = closbox(&[
+    let out = closbox_ok(&[
         "run",
         "--fabric",
         "lt-scen",
@@ -805,7 +803,6 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "--",
         "true",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     assert!(
         text(&out).1.contains("started (start = \"every-gpu\": not every GPU it waited for sent a packet): cancelled, its 5 changes dropped"),
         "{:?}",
@@ -838,14 +835,13 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "[[event]]\nat = \"0ms\"\ndo = \"load\"\nfrom = \"leaf0\"\nto = \"leaf1\"\nrate = \"10Mbit\"\nfor = \"60s\"\n",
     )
     .unwrap();
-    let out = closbox(&[
+    closbox_ok(&[
         "chaos",
         long.to_str().unwrap(),
         "--detach",
         "--fabric",
         "lt-scen",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let timelines = f.status()["timelines"].clone();
     assert_eq!(timelines.as_array().map(Vec::len), Some(1), "{timelines}");
     let id = timelines[0]["id"].as_u64().unwrap();
@@ -857,8 +853,7 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         "{:?}",
         text(&out)
     );
-    let out = closbox(&["cancel", &id.to_string(), "--fabric", "lt-scen"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["cancel", &id.to_string(), "--fabric", "lt-scen"]);
     assert!(
         text(&out)
             .0
@@ -932,22 +927,20 @@ fn scenario_files_are_checked_then_run_on_schedule() {
         common::down_then_up("leaf1", "spine1", "100ms", "110ms"),
     )
     .unwrap();
-    let out = closbox(&[
+    closbox_ok(&[
         "chaos",
         other.to_str().unwrap(),
         "--detach",
         "--fabric",
         "lt-scen",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
-    let out = closbox(&[
+    let out = closbox_ok(&[
         "chaos",
         short.to_str().unwrap(),
         "--json",
         "--fabric",
         "lt-scen",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let events: Vec<serde_json::Value> =
         serde_json::from_slice(&closbox(&["events", "--json", "--fabric", "lt-scen"]).stdout)
             .unwrap();
@@ -996,14 +989,13 @@ fn scenario_files_are_checked_then_run_on_schedule() {
             ),
         )
         .unwrap();
-        let out = closbox(&[
+        closbox_ok(&[
             "chaos",
             path.to_str().unwrap(),
             "--detach",
             "--fabric",
             "lt-scen",
         ]);
-        assert!(out.status.success(), "{:?}", text(&out));
         let timelines = f.status()["timelines"].clone();
         timelines.as_array().unwrap().last().unwrap()["id"]
             .as_u64()
@@ -1140,8 +1132,7 @@ fn a_load_on_the_uplinks_slows_an_alltoall_as_predicted() {
     let (alone, ratio_alone) = alltoall("lt-3to1", "8M");
     // Half of every uplink and downlink taken, both ways.
     for (a, b) in [("leaf0", "leaf1"), ("leaf1", "leaf0")] {
-        let out = closbox(&["load", a, b, "--rate", "200Gbit", "--fabric", "lt-3to1"]);
-        assert!(out.status.success(), "{:?}", text(&out));
+        closbox_ok(&["load", a, b, "--rate", "200Gbit", "--fabric", "lt-3to1"]);
     }
     let (loaded, ratio_loaded) = alltoall("lt-3to1", "8M");
     eprintln!(
@@ -1227,8 +1218,7 @@ fn iperf3_flows_stall_on_a_failed_uplink_and_settle_at_the_capacity_left() {
     std::thread::sleep(Duration::from_millis(100));
     let last = link_tx();
     let (carried, recent) = (last - earlier, last - late);
-    let out = closbox(&["link", "down", "leaf0", "spine0", "--fabric", "lt-iperf"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["link", "down", "leaf0", "spine0", "--fabric", "lt-iperf"]);
     let at_failure = link_tx();
     let out = client.join().unwrap();
     let _ = server.wait();
@@ -1351,8 +1341,7 @@ fn an_mpi_job_under_a_partition_is_ended_by_its_timeout_and_runs_after_heal() {
     let job = std::thread::scope(|s| {
         let job = s.spawn(|| mpirun(&f, "25", &["60"]));
         std::thread::sleep(Duration::from_secs(8));
-        let out = closbox(&["partition", "gpu3", "--fabric", "lt-mpipart"]);
-        assert!(out.status.success(), "{:?}", text(&out));
+        closbox_ok(&["partition", "gpu3", "--fabric", "lt-mpipart"]);
         job.join().unwrap()
     });
     let took = started.elapsed();
@@ -1408,8 +1397,7 @@ fn a_ring_allreduce_with_a_spine_down_is_correct_and_as_predicted() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let out = closbox(&["switch", "down", "spine0", "--fabric", "lt-spine"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["switch", "down", "spine0", "--fabric", "lt-spine"]);
     std::thread::sleep(Duration::from_millis(1500));
     let out = closbox(&[
         "bench",

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use common::{closbox, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric};
+use common::{
+    closbox, closbox_ok, leftovers, root_or_skip, serial, text, wait_for_port, TestFabric,
+};
 
 fn scratch(name: &str) -> PathBuf {
     let d = common::scratch_dir().join(name);
@@ -71,8 +73,7 @@ fn a_topology_file_stands_for_its_fabric() {
         "[topology]\nkind = \"single-switch\"\ngpus = 2\n",
     );
     let file = f.config.to_str().unwrap().to_owned();
-    let out = closbox(&["status", &file]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["status", &file]);
     assert!(
         text(&out).0.contains("fabric lt-byfile"),
         "{:?}",
@@ -101,8 +102,7 @@ fn a_topology_file_stands_for_its_fabric() {
     );
     // The stem of a shipped file is not its fabric's name: said where it is taken as one
     // (`down` of it is otherwise "nothing to do" while the fabric stays up).
-    let out = closbox(&["down", "single-switch-8"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["down", "single-switch-8"]);
     assert!(
         text(&out)
             .0
@@ -120,8 +120,7 @@ fn a_topology_file_stands_for_its_fabric() {
     );
     // Still up, then down by its file.
     assert!(closbox(&["status", "lt-byfile"]).status.success());
-    let out = closbox(&["down", &file]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", &file]);
     assert!(
         leftovers("lt-byfile").is_empty(),
         "{:?}",
@@ -139,8 +138,7 @@ fn a_state_directory_without_state_is_reported_not_deleted() {
     // file; a mistyped `down` used to leave one).
     let lock = Path::new("/run/closbox/locks/lt-neverup.lock");
     let _ = std::fs::remove_file(lock);
-    let out = closbox(&["down", "lt-neverup"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["down", "lt-neverup"]);
     assert!(
         text(&out).0.contains("is not up; nothing to do"),
         "{:?}",
@@ -165,8 +163,7 @@ fn a_state_directory_without_state_is_reported_not_deleted() {
     // Once only closbox's own leftovers remain, `down` clears them.
     std::fs::remove_file(dir.join("precious")).unwrap();
     std::fs::write(dir.join("state.json.tmp.3.4"), "{").unwrap();
-    let out = closbox(&["down", "lt-nostate"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-nostate"]);
     assert!(!dir.exists());
 }
 
@@ -212,8 +209,7 @@ fn crafted_state_files_cannot_aim_down_elsewhere() {
     let pin = Path::new("/run/netns/cb-lt-craft.gpu0");
     let _ = std::fs::remove_file(pin);
     std::os::unix::fs::symlink(format!("/proc/{pid}/ns/net"), pin).unwrap();
-    let out = closbox(&["down", "lt-craft"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-craft"]);
     assert!(
         alive(&mut sleeper),
         "down signalled a process it did not start"
@@ -253,8 +249,7 @@ fn crafted_state_files_cannot_aim_down_elsewhere() {
         "the state stays while something it lists is left"
     );
     std::fs::remove_file(etc).unwrap();
-    let out = closbox(&["down", "lt-craft"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-craft"]);
     // A fabric directory that is a symlink: nothing in its target is touched.
     std::fs::write(elsewhere.join("state.json.tmp.1.2"), "keep").unwrap();
     std::os::unix::fs::symlink(&elsewhere, "/run/closbox/fabrics/lt-craft").unwrap();
@@ -341,8 +336,7 @@ fn the_fabric_lock_serializes_up_and_down() {
     assert!(text(lost).1.contains("already up"), "{:?}", text(lost));
     let out = closbox(&["exec", "--fabric", "lt-race", "gpu1", "--", "hostname"]);
     assert_eq!(text(&out).0.trim(), "gpu1", "the winner's fabric is whole");
-    let out = closbox(&["down", "lt-race"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-race"]);
     assert!(
         leftovers("lt-race").is_empty(),
         "{:?}",
@@ -386,8 +380,7 @@ fn the_fabric_lock_serializes_up_and_down() {
                 text(&out)
             );
         }
-        let out = closbox(&["down", "lt-race"]);
-        assert!(out.status.success(), "{:?}", text(&out));
+        closbox_ok(&["down", "lt-race"]);
         assert!(
             leftovers("lt-race").is_empty(),
             "round {round}: {:?}",
@@ -431,8 +424,7 @@ fn the_fabric_lock_serializes_up_and_down() {
         .unwrap();
     assert!(killed.success());
     // Its holders gone, the file it left is closbox's to remove.
-    let out = closbox(&["down", "lt-held"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-held"]);
     assert!(!Path::new("/run/closbox/locks/lt-held.lock").exists());
 }
 
@@ -689,8 +681,7 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
         said.contains("ICMP answers held back by the switches' icmp_rate (spine0 "),
         "{said}"
     );
-    let out = closbox(&["switch", "down", "spine1", "--fabric", "lt-ttl"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["switch", "down", "spine1", "--fabric", "lt-ttl"]);
     let (ok, said) = ping("spine1");
     assert!(!ok, "{said}");
     assert!(ping("spine0").0);
@@ -919,8 +910,7 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
         "{:?}",
         text(&out)
     );
-    let out = closbox(&["reset", "lt-ifdown"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["reset", "lt-ifdown"]);
     assert_eq!(link(&f.status())["down_by_host"], true);
     // `bench` refuses at once, naming who can bring it back.
     let out = closbox(&["bench", "-f", "lt-ifdown", "--sizes", "1K"]);
@@ -975,7 +965,7 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
         let out = f.exec("gpu1", args);
         assert!(out.status.success(), "{args:?}: {:?}", text(&out));
     }
-    let out = closbox(&[
+    closbox_ok(&[
         "link",
         "set",
         "-f",
@@ -985,7 +975,6 @@ fn a_gpu_that_sets_its_interface_down_takes_its_link_down() {
         "--rate",
         "100Mbit",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let mut classes = String::new();
     for _ in 0..50 {
         classes = text(&f.exec("gpu1", &["tc", "class", "show", "dev", "eth7"])).0;
@@ -1139,10 +1128,9 @@ fn a_gpu_that_deletes_its_interface_closes_its_port_once() {
     // classes, and pacing stayed off).
     let out = f.exec("gpu2", &["tc", "qdisc", "del", "dev", "cb0", "root"]);
     assert!(out.status.success(), "{:?}", text(&out));
-    let out = closbox(&[
+    closbox_ok(&[
         "link", "set", "-f", "lt-del", "gpu2", "sw0", "--rate", "100Mbit",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let mut classes = String::new();
     for _ in 0..50 {
         classes = text(&f.exec("gpu2", &["tc", "class", "show", "dev", "cb0"])).0;
@@ -1309,8 +1297,7 @@ fn up_refuses_what_cannot_fit_before_creating_anything() {
     for r in 0..60 {
         assert!(o.contains(&format!("[{r}] {r}\n")), "rank {r} missing: {o}");
     }
-    let out = closbox(&["down", "lt-files"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-files"]);
     assert!(
         leftovers("lt-files").is_empty(),
         "{:?}",
@@ -1339,8 +1326,7 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     assert_eq!(dir_mode, 0o700);
     // A client that connects and says nothing.
     let _silent = UnixStream::connect(sock).unwrap();
-    let out = closbox(&["status", "lt-ctl", "--json"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["status", "lt-ctl", "--json"]);
     // A request line far over the limit gets an error, not unbounded buffering.
     let mut big = UnixStream::connect(sock).unwrap();
     let chunk = vec![b'x'; closbox_switchd::control::MAX_REQUEST as usize + 1];
@@ -1369,8 +1355,7 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     assert!(reply.contains("not complete within"), "{reply:?}");
     drop(slow);
     trickle.join().unwrap();
-    let out = closbox(&["status", "lt-ctl"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["status", "lt-ctl"]);
     // The daemon serves MAX_CLIENTS at once and tells one more it is busy, without reading
     // its request; closbox's commands then ask again (60 `status` at once: 10 said
     // "Broken pipe" or "busy" and exited 3).
@@ -1389,8 +1374,7 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
         std::thread::sleep(Duration::from_millis(500));
         drop(held);
     });
-    let out = closbox(&["status", "lt-ctl", "--json"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["status", "lt-ctl", "--json"]);
     release.join().unwrap();
     let many: Vec<_> = (0..3 * max)
         .map(|_| {
@@ -1650,8 +1634,7 @@ fn random_control_requests_are_answered_and_the_daemon_lives() {
         "{errors} errors of {answered}"
     );
     assert_eq!(f.daemon_pid(), daemon, "the daemon is the one that came up");
-    let out = closbox(&["status", "lt-ctlfuzz", "--json"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["status", "lt-ctlfuzz", "--json"]);
     f.down();
 }
 
@@ -1742,8 +1725,7 @@ fn a_topology_redirected_to_standard_input_comes_up_detached() {
         "{:?}",
         text(&out)
     );
-    let out = closbox(&["down", "lt-stdin"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-stdin"]);
     assert!(
         leftovers("lt-stdin").is_empty(),
         "{:?}",

@@ -605,7 +605,7 @@ fn pytest_plugin_sample_suite_passes() {
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
-        out.contains("10 passed") && !out.contains("failed"),
+        out.contains("11 passed") && !out.contains("failed"),
         "{out}"
     );
     for name in ["pyt", "pyt-a", "pyt-b"] {

@@ -7,8 +7,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    closbox, leaf_spine_4, leftovers, root_or_skip, scratch_dir, serial, text, wait_for_port,
-    TestFabric,
+    closbox, closbox_ok, leaf_spine_4, leftovers, root_or_skip, scratch_dir, serial, text,
+    wait_for_port, TestFabric,
 };
 
 /// `status FABRIC` once it lists `job` (or after 20 s, as it is then).
@@ -373,7 +373,7 @@ fn lifecycle_exec_run_and_errors() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("goes downward"), "{:?}", text(&out));
     // Ranges of names too ("gpu1-gpu3" said there was no GPU of that name).
-    let out = closbox(&[
+    let out = closbox_ok(&[
         "run",
         "-f",
         "lt-life",
@@ -382,7 +382,6 @@ fn lifecycle_exec_run_and_errors() {
         "--",
         "hostname",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let stdout = text(&out).0;
     let mut names: Vec<&str> = stdout.lines().collect();
     names.sort();
@@ -425,7 +424,7 @@ fn lifecycle_exec_run_and_errors() {
 
     // A server a job left behind in a GPU (in a session of its own: not the job's process
     // group) outlives the job; `down` stops it and says so, daemon running or not.
-    let out = closbox(&[
+    let out = closbox_ok(&[
         "run",
         "--fabric",
         "lt-life",
@@ -436,7 +435,6 @@ fn lifecycle_exec_run_and_errors() {
         "-c",
         "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     let server: i32 = text(&out)
         .0
         .trim()
@@ -462,8 +460,7 @@ fn lifecycle_exec_run_and_errors() {
         .unwrap();
     assert_eq!(first_line(&mut job), "[0] started\n");
     let listed = format!("run (pid {}, GPUs 0)", job.id());
-    let out = closbox(&["down", "lt-life"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["down", "lt-life"]);
     let said = text(&out).0;
     assert!(
         said.contains("daemon stopped")
@@ -657,8 +654,7 @@ fn broken_config_and_half_made_fabric_leak_nothing() {
     std::thread::sleep(Duration::from_millis(30));
     up.kill().unwrap();
     up.wait().unwrap();
-    let out = closbox(&["down", "lt-kill"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["down", "lt-kill"]);
     assert!(
         leftovers("lt-kill").is_empty(),
         "{:?}",
@@ -782,10 +778,9 @@ fn udp_above_its_link_is_held_to_the_link_rate() {
         let f = TestFabric::up("lt-udp", &leaf_spine_4("100Mbit", "20us"));
         assert_eq!(f.status()["gpu_pacing"], true);
         let (full, lost_full) = iperf_udp(&f, "300M");
-        let out = closbox(&[
+        closbox_ok(&[
             "link", "set", "gpu0", "leaf0", "--rate", "50Mbit", "-f", "lt-udp",
         ]);
-        assert!(out.status.success(), "{:?}", text(&out));
         let (half, lost_half) = iperf_udp(&f, "300M");
         let nic = f.port("gpu0->leaf0");
         let st = f.status();
@@ -840,10 +835,9 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
     );
     tc("gpu1", &["qdisc", "del", "dev", "cb0", "root"]);
     for (gpu, leaf) in [("gpu0", "leaf0"), ("gpu1", "leaf0"), ("gpu2", "leaf1")] {
-        let out = closbox(&[
+        closbox_ok(&[
             "link", "set", gpu, leaf, "--rate", "50Mbit", "-f", "lt-qdisc",
         ]);
-        assert!(out.status.success(), "{:?}", text(&out));
     }
     // The pacer works on its own thread: wait for gpu2's class to follow.
     let mut gpu2 = String::new();
@@ -896,8 +890,7 @@ fn udp_of_a_gpu_that_lost_a_nic_link_is_held_to_the_link_left() {
     }
     common::unless_behind("UDP at 3 x the NIC link left", |_| {
         let f = TestFabric::up("lt-dual", DUAL_HOMED);
-        let out = closbox(&["link", "down", "a", "s1", "-f", "lt-dual"]);
-        assert!(out.status.success(), "{:?}", text(&out));
+        closbox_ok(&["link", "down", "a", "s1", "-f", "lt-dual"]);
         // Routes converge a few ms of fabric time later (real time here); the pacer then
         // lays a's classes anew.
         std::thread::sleep(Duration::from_millis(300));
@@ -1206,10 +1199,9 @@ fn realtime_data_plane_with_its_safety_valve() {
     // fill the link (its window short of the path, as in one CI run where the box was
     // slow: one way 1,105 µs) sends in bursts, the loop sleeps between them, and the
     // valve had nothing to do.
-    let out = closbox(&[
+    closbox_ok(&[
         "load", "gpu0", "gpu1", "--rate", "1Gbit", "--for", "300ms", "--fabric", "lt-rt",
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     std::thread::sleep(Duration::from_millis(600));
     let st = f.status();
     // What the thread did over the last seconds (the flow's 2 s among them), read from the
@@ -2047,7 +2039,7 @@ fn dctcp_keeps_a_shallow_marking_port_full() {
         assert!(marked > 0, "no ECN marks: {port}");
         assert_eq!(port["drops_buffer"], 0, "{port}");
         // The same GPUs with Reno (new connections take the namespace's default).
-        let out = closbox(&[
+        closbox_ok(&[
             "run",
             "--fabric",
             "lt-dctcp",
@@ -2056,7 +2048,6 @@ fn dctcp_keeps_a_shallow_marking_port_full() {
             "-qw",
             "net.ipv4.tcp_congestion_control=reno",
         ]);
-        assert!(out.status.success(), "{:?}", text(&out));
         let reno = two_into_one(&f, 4) / line;
         let behind = f.status()["behind"] == true;
         f.down();

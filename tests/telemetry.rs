@@ -5,7 +5,9 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{closbox, root_or_skip, scratch_dir, serial, text, wait_for_port, TestFabric};
+use common::{
+    closbox, closbox_ok, root_or_skip, scratch_dir, serial, text, wait_for_port, TestFabric,
+};
 
 /// 8 GPUs under one 1 Gbit/s switch with 256 KiB port buffers.
 const INCAST: &str = r#"
@@ -250,13 +252,12 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     );
     assert!(peak > 256 * 1024 * 9 / 10 && peak <= 256 * 1024, "{peak}");
     let svg = scratch_dir().join("incast.svg");
-    let out = closbox(&[
+    closbox_ok(&[
         "plot",
         series.to_str().unwrap(),
         "-o",
         svg.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{:?}", text(&out));
     assert!(std::fs::read_to_string(&svg)
         .unwrap()
         .contains("sw0-&gt;gpu0"));
@@ -376,8 +377,7 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let out = closbox(&["link", "down", "gpu7", "sw0", "-f", "lt-cap"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    closbox_ok(&["link", "down", "gpu7", "sw0", "-f", "lt-cap"]);
     // (Kept open to the end: a follower whose output is closed fails.)
     let mut follow_out = std::io::BufReader::new(follow.stdout.take().unwrap());
     let mut first = String::new();
@@ -826,8 +826,7 @@ fn flows_show_an_ecmp_collision() {
     // Together they get one uplink's worth, not two.
     assert!(total < 1.0e9, "{total}");
     assert!(busy > 100 * idle.max(1), "{busy} vs {idle}");
-    let out = closbox(&["flows", "--fabric", "lt-flows", "--json"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["flows", "--fabric", "lt-flows", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     // The two data flows, found by their ports: both on the shared uplink. Together they
     // carried the uplink's worth; how they split it is not checked: a tail-drop queue fed
@@ -866,8 +865,7 @@ fn flows_show_an_ecmp_collision() {
     assert!(cells[0] < 5.0 && cells[1] > 90.0, "{up_row}");
     // Without a terminal (output piped, as here), `top` prints one frame as text (it
     // panicked in ratatui's terminal set-up).
-    let out = closbox(&["top", "--fabric", "lt-flows"]);
-    assert!(out.status.success(), "{:?}", text(&out));
+    let out = closbox_ok(&["top", "--fabric", "lt-flows"]);
     assert!(
         text(&out).0.starts_with("fabric lt-flows"),
         "{:?}",

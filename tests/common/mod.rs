@@ -14,6 +14,19 @@ pub fn closbox(args: &[&str]) -> Output {
         .expect("run closbox")
 }
 
+/// `closbox ARGS`, which must succeed: a failure names the arguments and what it printed.
+pub fn closbox_ok(args: &[&str]) -> Output {
+    let out = closbox(args);
+    assert!(
+        out.status.success(),
+        "closbox {}: {}\n{:?}",
+        args.join(" "),
+        out.status,
+        text(&out)
+    );
+    out
+}
+
 pub fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
