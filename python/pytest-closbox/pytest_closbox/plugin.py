@@ -117,18 +117,23 @@ class Fabric:
             args += ["--chaos-start", chaos_start]
         return self._closbox([*args, "--", *cmd])
 
-    def status(self) -> dict:
-        """The daemon's counters, as `closbox status --json` reports them (busy ports)."""
-        r = self._closbox(["status", self.name, "--json"])
-        answers = json.loads(r.stdout or "[]")
-        if not answers or "error" in answers[0]:
+    def _status(self, *args: str) -> dict:
+        r = self._closbox(["status", self.name, "--json", *args])
+        try:
+            answers = json.loads(r.stdout or "[]")
+        except json.JSONDecodeError:
+            answers = []
+        if not answers or not isinstance(answers[0], dict) or "error" in answers[0]:
             raise ClosboxError(f"status of {self.name}: {r.stdout.strip()} {r.stderr.strip()}")
         return answers[0]
 
+    def status(self) -> dict:
+        """The daemon's counters, as `closbox status --json` reports them (busy ports)."""
+        return self._status()
+
     def port(self, port: str) -> dict:
         """One egress port's counters ("leaf0->spine1"; one of parallel links: "leaf0->spine1 #3")."""
-        r = self._closbox(["status", self.name, "--json", "--ports", port], check=False)
-        for p in json.loads(r.stdout)[0].get("ports", []):
+        for p in self._status("--ports", port).get("ports", []):
             if p["port"] == port:
                 return p
         raise ClosboxError(f"fabric {self.name} has no port {port}")

@@ -170,3 +170,16 @@ def test_a_topology_in_any_toml_spelling(closbox_fabric):
 def test_a_bad_topology_names_its_line(closbox_fabric):
     with pytest.raises(ClosboxError, match=r"\.toml:6:10: `leaves` = -2"):
         closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
+
+
+def test_a_fabric_gone_raises_closbox_errors(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    assert fabric.port("leaf0->spine0")["port"] == "leaf0->spine0"
+    with pytest.raises(ClosboxError, match="no port leaf0->nowhere"):
+        fabric.port("leaf0->nowhere")
+    fabric.down()
+    # (`port` read closbox's empty output as JSON: a JSONDecodeError.)
+    with pytest.raises(ClosboxError, match="not up"):
+        fabric.port("leaf0->spine0")
+    with pytest.raises(ClosboxError, match="not up"):
+        fabric.status()
