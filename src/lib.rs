@@ -269,18 +269,16 @@ impl Fabric {
 
     /// The daemon's counters: packets, drops by reason, per-port counters, lateness.
     pub fn status(&self) -> anyhow::Result<Status> {
-        match control::request(&self.name, &Request::Status)? {
+        match self.ask(&Request::Status)? {
             Reply::Status(s) => Ok(*s),
-            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
         }
     }
 
     /// Applies a change now (links, switches, GPUs, partitions; see `ChangeRequest`).
     pub fn change(&self, change: ChangeRequest) -> anyhow::Result<()> {
-        match control::request(&self.name, &Request::Change(change))? {
+        match self.ask(&Request::Change(change))? {
             Reply::Changed { .. } => Ok(()),
-            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
         }
     }
@@ -288,10 +286,18 @@ impl Fabric {
     /// Every change since the fabric came up, oldest first (what `closbox events` lists):
     /// changes applied, and loads that started, were stopped or ended.
     pub fn events(&self) -> anyhow::Result<Vec<Event>> {
-        match control::request(&self.name, &Request::Events { after: 0 })? {
+        match self.ask(&Request::Events { after: 0 })? {
             Reply::Events { events } => Ok(events),
-            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
+        }
+    }
+
+    /// The daemon's reply to `req`; its refusal (`Reply::Error`) as an error naming the
+    /// fabric.
+    fn ask(&self, req: &Request) -> anyhow::Result<Reply> {
+        match control::request(&self.name, req)? {
+            Reply::Error { message } => bail!("fabric {}: {message}", self.name),
+            reply => Ok(reply),
         }
     }
 

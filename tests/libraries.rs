@@ -92,7 +92,12 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     f.link_down("leaf0", "spine0").unwrap();
     let st = f.status().unwrap();
     assert_eq!(st.changed_links.len(), 1, "{:?}", st.changed_links);
-    assert!(f.link_down("leaf0", "nowhere").is_err());
+    // The daemon's refusal, as an error naming the fabric and what it refused.
+    let err = format!("{:#}", f.link_down("leaf0", "nowhere").unwrap_err());
+    assert!(
+        err.starts_with("fabric lfix: ") && err.contains("nowhere"),
+        "{err}"
+    );
     let events = f.events().unwrap();
     let what: Vec<&str> = events.iter().map(|e| e.what.as_str()).collect();
     assert_eq!(what, ["link leaf0-spine0 #0 down"], "{events:?}");
