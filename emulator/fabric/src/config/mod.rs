@@ -282,6 +282,14 @@ pub fn plain_words(msg: &str) -> String {
     {
         out = format!("`{n}` is too large{rest}");
     }
+    // Beyond a signed 64-bit whole number, within 64 bits unsigned.
+    if let Some((n, rest)) = out
+        .strip_prefix("invalid value: integer `")
+        .and_then(|r| r.split_once('`'))
+        .filter(|(n, _)| n.parse::<u64>().is_ok_and(|n| n > i64::MAX as u64))
+    {
+        out = format!("`{n}` is too large{rest}");
+    }
     out
 }
 
@@ -1073,6 +1081,7 @@ gpus_per_leaf = 4
             ("[fabric]\nname = \"x\"\ntime_scale = []\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: invalid type: sequence, expected a number (1 is real time) or \"auto\""),
             ("[fabric]\nname = \"x\"\ntime_scale = 18446744073709551616\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "t.toml:3:14: `18446744073709551616` is too large, expected a number"),
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 99999999999999999999\n", "t.toml:5:8: `99999999999999999999` is too large, expected a whole number"),
+            ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 18446744073709551615\n", "t.toml:5:8: `18446744073709551615` is too large, expected a whole number"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.1/15\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n", "host bits"),
             ("[fabric]\nname = \"x\"\naddress_pool = \"198.18.0.0/30\"\n[topology]\nkind = \"full-mesh\"\ngpus = 3\n", "do not fit"),
             ("[fabric]\nname = \"x\"\n[topology]\nkind = \"full-mesh\"\ngpus = 2\n[links.nic]\nloss = 1.5\n", "[0, 1)"),
