@@ -69,14 +69,36 @@ pub fn select_gpus(
     let ranks = || format!("fabric {fabric} has ranks 0 to {}", n.saturating_sub(1));
     let index = |name: &str| names.iter().position(|g| *g == name);
     let mut out = Vec::new();
+    // Ranks beyond any fabric's (more digits than fit) read as past its last GPU.
+    let rank = |s: &str| -> Option<usize> {
+        (!s.is_empty() && s.bytes().all(|c| c.is_ascii_digit()))
+            .then(|| s.parse().unwrap_or(usize::MAX))
+    };
     for part in sel.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(format!(
+                "GPU selection {sel:?} has an empty part (\"all\", or ranks and names \
+                 separated by commas, as \"0-3,6\" or \"gpu0,gpu4-gpu7\")"
+            ));
+        }
         let rank_range = part
             .split_once('-')
-            .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+            .and_then(|(a, b)| Some((rank(a)?, rank(b)?)));
         // "gpu2-gpu5" (names may hold dashes themselves: every dash is tried).
         let name_range = || {
             part.match_indices('-')
                 .find_map(|(i, _)| Some((index(&part[..i])?, index(&part[i + 1..])?)))
+        };
+        // "gpu0-gpu9" on 4 GPUs: one end a GPU, the other not.
+        let half_range = || {
+            part.match_indices('-').find_map(|(i, _)| {
+                let (a, b) = (&part[..i], &part[i + 1..]);
+                match (index(a), index(b)) {
+                    (Some(_), None) if !b.is_empty() => Some(b),
+                    (None, Some(_)) if !a.is_empty() => Some(a),
+                    _ => None,
+                }
+            })
         };
         if let Some((a, b)) = rank_range {
             if a > b {
@@ -89,9 +111,9 @@ pub fn select_gpus(
                 ));
             }
             out.extend(a..=b);
-        } else if let Ok(r) = part.parse::<usize>() {
+        } else if let Some(r) = rank(part) {
             if r >= n {
-                return Err(format!("no rank {r}: {}", ranks()));
+                return Err(format!("no rank {part}: {}", ranks()));
             }
             out.push(r);
         } else if let Some(i) = index(part) {
@@ -104,6 +126,8 @@ pub fn select_gpus(
                 ));
             }
             out.extend(a..=b);
+        } else if let Some(end) = half_range() {
+            return Err(format!("GPU range {part:?}: {}", unknown(end)));
         } else {
             return Err(unknown(part));
         }
@@ -145,8 +169,27 @@ mod tests {
             ("9", "no rank 9: fabric f has ranks 0 to 5"),
             ("gpu0,0", "GPU gpu0 is selected twice"),
             ("gpu9", "no GPU \"gpu9\""),
-            ("gpu0-x", "no GPU \"gpu0-x\""),
-            ("", "no GPU \"\""),
+            ("gpu0-x", "GPU range \"gpu0-x\": no GPU \"x\""),
+            ("gpu0-gpu9", "GPU range \"gpu0-gpu9\": no GPU \"gpu9\""),
+            ("node-1-node-9", "GPU range \"node-1-node-9\": no GPU \"node-9\""),
+            ("gpu0-", "no GPU \"gpu0-\""),
+            ("x", "no GPU \"x\""),
+            (
+                "0-99999999999999999999999",
+                "GPU range \"0-99999999999999999999999\" goes past the last GPU: fabric f has ranks 0 to 5",
+            ),
+            (
+                "99999999999999999999999",
+                "no rank 99999999999999999999999: fabric f has ranks 0 to 5",
+            ),
+            (
+                "",
+                "GPU selection \"\" has an empty part (\"all\", or ranks and names separated by commas, as \"0-3,6\" or \"gpu0,gpu4-gpu7\")",
+            ),
+            (
+                "0,,1",
+                "GPU selection \"0,,1\" has an empty part (\"all\", or ranks and names separated by commas, as \"0-3,6\" or \"gpu0,gpu4-gpu7\")",
+            ),
         ] {
             assert_eq!(sel(s).unwrap_err(), e, "{s:?}");
         }
