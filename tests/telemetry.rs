@@ -345,6 +345,49 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
     assert!(e.contains("link-type IPV4"), "{e}");
     assert_eq!(o.lines().count(), 5, "{o}");
     assert!(o.contains("198.18.0.1.520"), "{o}");
+    // A capture ended by Ctrl-C soon after an exchange holds its last packet, with
+    // nothing else to wake the fabric: it was handed over only at the loop's next turn,
+    // up to a second later (a ping's last reply was missing from the file).
+    let pings = scratch_dir().join("pings.pcapng");
+    let _ = std::fs::remove_file(&pings);
+    let mut cap = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["capture", "--fabric", "lt-cap", "--port", "sw0->gpu0", "-w"])
+        .arg(&pings)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..500 {
+        if std::fs::metadata(&pings).is_ok_and(|m| m.len() > 0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = f.exec("gpu0", &["ping", "-c", "3", "-i", "0.2", "-q", "gpu1"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::thread::sleep(Duration::from_millis(300));
+    Command::new("kill")
+        .args(["-INT", &cap.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(cap.wait().unwrap().success());
+    let replies = read_with(
+        "tshark",
+        &[
+            "-r",
+            pings.to_str().unwrap(),
+            "-Y",
+            "icmp.type == 0",
+            "-T",
+            "fields",
+            "-e",
+            "icmp.seq",
+        ],
+    );
+    assert_eq!(
+        replies.split_whitespace().collect::<Vec<_>>(),
+        ["1", "2", "3"],
+        "the echo replies captured"
+    );
     // A recording and a capture the fabric's `down` ends say so, also with a bound of
     // their own not reached (they ended as if asked to), and so do their files.
     let until_down = scratch_dir().join("until-down.csv");

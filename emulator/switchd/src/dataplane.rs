@@ -567,6 +567,11 @@ impl<P: Ports> DataPlane<P> {
         }
         self.sample_cpu(wall);
         self.rotate_window(wall);
+        // What this turn tapped (departures, a link's flush) goes to the captures before
+        // the wait: the last packet of an exchange would wait up to its second for them,
+        // and be lost to a capture ended meanwhile. (Reads tap drops at entry: they go
+        // at the next turn, which comes at once.)
+        self.drain_taps();
         // No departure pending: sleep until input, or a second for housekeeping.
         let next = [
             self.model.poll_timeout(),
@@ -611,7 +616,6 @@ impl<P: Ports> DataPlane<P> {
             self.read_port(port);
         }
         self.ready = ready;
-        self.drain_taps();
         true
     }
 

@@ -18,6 +18,8 @@ struct MemPorts {
     links: Vec<(usize, HostLink)>,
     /// The carriers the fabric set (`Ports::set_carrier`), in order.
     carriers: Vec<(usize, bool)>,
+    /// Called as each wait begins, with the clock then.
+    on_wait: Option<Box<dyn FnMut(StdDuration) + Send>>,
 }
 
 impl MemPorts {
@@ -30,6 +32,7 @@ impl MemPorts {
             done: Vec::new(),
             links: Vec::new(),
             carriers: Vec::new(),
+            on_wait: None,
         }
     }
 }
@@ -44,6 +47,9 @@ impl Ports for MemPorts {
     }
 
     fn wait(&mut self, timeout: StdDuration, ready: &mut Vec<usize>) -> io::Result<()> {
+        if let Some(f) = &mut self.on_wait {
+            f(self.elapsed);
+        }
         let until = self.elapsed + timeout.max(StdDuration::from_micros(1));
         let next = self
             .inbox
@@ -1673,4 +1679,40 @@ fn a_timeline_armed_for_the_gpus_packets_starts_at_the_last_one_it_waits_for() {
         .unwrap_err();
     assert!(e.starts_with("64 timelines already wait"), "{e}");
     assert_eq!(dp.cancel(None).0, 2 * changes::MAX_ARMED);
+}
+
+#[test]
+fn a_capture_gets_a_packet_when_it_leaves_not_at_the_next_turn() {
+    // The last packet of an exchange was handed to the captures after the loop's wait,
+    // up to a second later: a capture ended meanwhile (Ctrl-C after a ping) lacked it.
+    let (mut dp, t) = plane(TWO);
+    let (tx, rx) = std::sync::mpsc::sync_channel(16);
+    let start = dp
+        .start_capture(CaptureSpec {
+            ports: vec!["sw0->gpu1".into()],
+            snaplen: 128,
+            drops: false,
+            count: None,
+            duration_ns: None,
+            tx,
+            ended: EndReason::default(),
+        })
+        .unwrap();
+    // What the capture had been handed as each wait began.
+    let waits = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (seen, log) = (start.counters.clone(), waits.clone());
+    dp.ports.on_wait = Some(Box::new(move |at| {
+        let n = seen[0][0].load(std::sync::atomic::Ordering::Relaxed);
+        log.lock().unwrap().push((at, n));
+    }));
+    dp.ports.inbox[0].push_back((StdDuration::ZERO, udp(&t, 0, 1, 100)));
+    step_to(&mut dp, StdDuration::from_millis(10));
+    let (port, delivered, _) = dp.ports.sent[0];
+    assert_eq!(port, 1);
+    let (i, tapped) = rx.try_recv().expect("the capture got nothing");
+    assert_eq!((i, tapped.len), (0, 100));
+    // The wait that followed the delivery began with the packet handed over.
+    let waits = waits.lock().unwrap();
+    let after = waits.iter().find(|w| w.0 >= delivered).unwrap();
+    assert_eq!(after.1, 1, "delivered at {delivered:?}; waits {waits:?}");
 }
