@@ -90,7 +90,8 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
         /// Every port's counters (idle ones too), or only ports whose name contains
-        /// PATTERN ("leaf0->", "spine1"); without it, the five busiest or most dropping.
+        /// PATTERN ("leaf0->", "spine1"; one that starts with '-' goes after '=':
+        /// --ports=->gpu0); without it, the five busiest or most dropping.
         #[arg(long, value_name = "PATTERN", num_args = 0..=1, default_missing_value = "")]
         ports: Option<String>,
     },
