@@ -437,13 +437,46 @@ fn stream_capture(
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
+    // Ended by the client (or the fabric): what the tap had handed over by then, still in
+    // the channel, is written too (up to CAPTURE_QUEUE packets were left out), so that
+    // each interface's statistics add up: seen = written + dropped. The data plane hands
+    // packets over in the order it counts them, so those counted by now come first.
+    let counted: Vec<(u64, u64)> = start
+        .counters
+        .iter()
+        .map(|c| (c[0].load(O::Relaxed), c[1].load(O::Relaxed)))
+        .collect();
+    let owed = |written: &[u64]| {
+        counted
+            .iter()
+            .zip(written)
+            .any(|(&(seen, dropped), &w)| seen > dropped + w)
+    };
+    while owed(&written) {
+        // (A packet counted as handed over and then found the channel full is counted
+        // as dropped a moment later: not waited for long.)
+        let Ok((i, t)) = rx.recv_timeout(Duration::from_millis(20)) else {
+            break;
+        };
+        let ns = start.epoch_ns + t.at.as_nanos();
+        first.get_or_insert(ns);
+        last = last.max(ns);
+        buf.clear();
+        crate::pcapng::packet(i, ns, &t.data, t.len, t.dropped.map(|r| r.name()), &mut buf);
+        conn.write_all(&buf)?;
+        written[i as usize] += 1;
+    }
     buf.clear();
     let why = ended.get().words();
     for (i, w) in written.iter().enumerate() {
+        let (seen, dropped) = counted[i];
         let c = &start.counters[i];
         let stats = crate::pcapng::Stats {
-            seen: c[0].load(O::Relaxed),
-            dropped: c[1].load(O::Relaxed),
+            seen,
+            // (Counted after `counted` was read: see above.)
+            dropped: dropped
+                .max(c[1].load(O::Relaxed))
+                .min(seen.saturating_sub(*w)),
             written: *w,
         };
         crate::pcapng::statistics(i as u32, first.unwrap_or(last), last, stats, why, &mut buf);
@@ -469,6 +502,13 @@ fn stream_record(
     let mut probe = conn.try_clone()?;
     let mut buf = String::new();
     let mut checked = std::time::Instant::now();
+    let mut write = |conn: &mut UnixStream, (t, row): (u64, Vec<(u64, f64)>)| {
+        buf.clear();
+        for (name, (queue, util)) in ports.iter().zip(row) {
+            let _ = writeln!(buf, "{:.9},{name},{queue},{util:.4}", t as f64 / 1e9);
+        }
+        conn.write_all(buf.as_bytes())
+    };
     loop {
         if checked.elapsed() >= Duration::from_millis(100) {
             checked = std::time::Instant::now();
@@ -477,13 +517,7 @@ fn stream_record(
             }
         }
         match rx.recv_timeout(Duration::from_millis(100)) {
-            Ok((t, row)) => {
-                buf.clear();
-                for (name, (queue, util)) in ports.iter().zip(row) {
-                    let _ = writeln!(buf, "{:.9},{name},{queue},{util:.4}", t as f64 / 1e9);
-                }
-                conn.write_all(buf.as_bytes())?;
-            }
+            Ok(sample) => write(conn, sample)?,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if peer_closed(&mut probe) {
                     break;
@@ -491,6 +525,10 @@ fn stream_record(
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
+    }
+    // Ended by the client: the samples taken by then are written too.
+    while let Ok(sample) = rx.try_recv() {
+        write(conn, sample)?;
     }
     if let Some(why) = ended.get().words() {
         conn.write_all(format!("{RECORD_ENDED}{why}\n").as_bytes())?;
@@ -749,6 +787,75 @@ fn exchange(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recording_ended_by_its_client_keeps_the_samples_taken() {
+        // Samples queued for a client that reads slowly and then ends the recording.
+        let (tx, rx) = mpsc::sync_channel(RECORD_QUEUE);
+        let ports: Vec<String> = (0..64).map(|i| format!("sw0->gpu{i}")).collect();
+        for k in 0..RECORD_QUEUE as u64 {
+            tx.try_send((k * 1_000, vec![(1500, 0.5); ports.len()]))
+                .unwrap();
+        }
+        let (mut daemon, mut client) = UnixStream::pair().unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let ended = EndReason::default();
+        let served = std::thread::spawn(move || stream_record(&mut daemon, &ports, rx, &ended));
+        std::thread::sleep(Duration::from_millis(300));
+        let mut text = String::new();
+        client.read_to_string(&mut text).unwrap();
+        served.join().unwrap().unwrap();
+        drop(tx);
+        let rows = text.lines().filter(|l| l.contains(",sw0->gpu0,")).count();
+        assert_eq!(rows, RECORD_QUEUE);
+    }
+
+    #[test]
+    fn a_capture_ended_by_its_client_keeps_what_it_was_handed() {
+        // A capture behind its port (its channel full, the client reading slowly) that
+        // the client ends: the packets still in the channel were left out, counted as
+        // seen but neither written nor dropped.
+        use std::sync::atomic::Ordering as O;
+        let (tx, rx) = mpsc::sync_channel(CAPTURE_QUEUE);
+        let start = CaptureStart {
+            id: 1,
+            epoch_ns: 0,
+            counters: Arc::new(vec![Default::default()]),
+        };
+        // The data plane's side, as `drain_taps` does it: counted, then handed over.
+        let sent = CAPTURE_QUEUE as u64 + 1_000;
+        for k in 0..sent {
+            let c = &start.counters[0];
+            c[0].fetch_add(1, O::Relaxed);
+            let t = closbox_fabric::model::Tapped {
+                port: closbox_fabric::routing::PortId(0),
+                at: closbox_fabric::Instant::from_nanos(k),
+                len: 1000,
+                data: vec![0x45; 1000],
+                dropped: None,
+            };
+            if tx.try_send((0, t)).is_err() {
+                c[1].fetch_add(1, O::Relaxed);
+            }
+        }
+        let (mut daemon, client) = UnixStream::pair().unwrap();
+        // Ctrl-C before reading anything: the daemon's writes block on the full socket
+        // meanwhile, and it sees the end while packets are still queued.
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let ended = EndReason::default();
+        let served = std::thread::spawn(move || {
+            stream_capture(&mut daemon, &["sw0->gpu0".into()], 128, &start, rx, &ended)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let mut bytes = Vec::new();
+        let mut client = client;
+        client.read_to_end(&mut bytes).unwrap();
+        served.join().unwrap().unwrap();
+        drop(tx);
+        let (packets, dropped) = crate::pcapng::summarize(&bytes);
+        assert_eq!(dropped, 1_000);
+        assert_eq!(packets + dropped, sent, "{packets} written");
+    }
 
     #[test]
     fn requests_carry_the_version_and_others_are_refused() {

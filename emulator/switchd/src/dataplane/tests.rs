@@ -1533,6 +1533,16 @@ fn a_capture_on_an_idle_fabric_ends_when_its_duration_has_passed() {
         ended: ended.clone(),
     })
     .unwrap();
+    // When it ended: the clock at the first wait that began with it ended (a turn ends
+    // it before its wait, which then sleeps the idle second).
+    let at = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (seen, mark) = (ended.clone(), at.clone());
+    dp.ports.on_wait = Some(Box::new(move |now| {
+        let mut at = mark.lock().unwrap();
+        if at.is_none() && seen.get() != StreamEnd::Open {
+            *at = Some(now);
+        }
+    }));
     for _ in 0..100 {
         if dp.captures.is_empty() {
             break;
@@ -1541,7 +1551,7 @@ fn a_capture_on_an_idle_fabric_ends_when_its_duration_has_passed() {
     }
     assert!(dp.captures.is_empty(), "still capturing");
     assert_eq!(ended.get(), StreamEnd::Duration);
-    let at = dp.ports.elapsed;
+    let at = at.lock().unwrap().expect("a wait after the end");
     assert!(
         at >= StdDuration::from_millis(5) && at < StdDuration::from_millis(6),
         "ended at {at:?}"
