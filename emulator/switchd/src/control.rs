@@ -407,8 +407,13 @@ fn stream_capture(
         .collect();
     crate::pcapng::header(&interfaces, snaplen, &mut buf);
     conn.write_all(&buf)?;
-    let mut written = vec![0u64; ports.len()];
-    let (mut first, mut last) = (None, start.epoch_ns);
+    let mut out = CaptureOut {
+        epoch_ns: start.epoch_ns,
+        written: vec![0; ports.len()],
+        first: None,
+        last: start.epoch_ns,
+        buf,
+    };
     let mut probe = conn.try_clone()?;
     let mut checked = std::time::Instant::now();
     loop {
@@ -420,15 +425,7 @@ fn stream_capture(
             }
         }
         match rx.recv_timeout(Duration::from_millis(100)) {
-            Ok((i, t)) => {
-                let ns = start.epoch_ns + t.at.as_nanos();
-                first.get_or_insert(ns);
-                last = last.max(ns);
-                buf.clear();
-                crate::pcapng::packet(i, ns, &t.data, t.len, t.dropped.map(|r| r.name()), &mut buf);
-                conn.write_all(&buf)?;
-                written[i as usize] += 1;
-            }
+            Ok(packet) => out.write(conn, packet)?,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if peer_closed(&mut probe) {
                     break;
@@ -452,20 +449,21 @@ fn stream_capture(
             .zip(written)
             .any(|(&(seen, dropped), &w)| seen > dropped + w)
     };
-    while owed(&written) {
+    while owed(&out.written) {
         // (A packet counted as handed over and then found the channel full is counted
         // as dropped a moment later: not waited for long.)
-        let Ok((i, t)) = rx.recv_timeout(Duration::from_millis(20)) else {
+        let Ok(packet) = rx.recv_timeout(Duration::from_millis(20)) else {
             break;
         };
-        let ns = start.epoch_ns + t.at.as_nanos();
-        first.get_or_insert(ns);
-        last = last.max(ns);
-        buf.clear();
-        crate::pcapng::packet(i, ns, &t.data, t.len, t.dropped.map(|r| r.name()), &mut buf);
-        conn.write_all(&buf)?;
-        written[i as usize] += 1;
+        out.write(conn, packet)?;
     }
+    let CaptureOut {
+        written,
+        first,
+        last,
+        mut buf,
+        ..
+    } = out;
     buf.clear();
     let why = ended.get().words();
     for (i, w) in written.iter().enumerate() {
@@ -483,6 +481,34 @@ fn stream_capture(
     }
     conn.write_all(&buf)?;
     conn.shutdown(std::net::Shutdown::Write)
+}
+
+/// A capture's stream as written so far: packets per interface, the first and last
+/// timestamps, and the buffer blocks are built in.
+struct CaptureOut {
+    epoch_ns: u64,
+    written: Vec<u64>,
+    first: Option<u64>,
+    last: u64,
+    buf: Vec<u8>,
+}
+
+impl CaptureOut {
+    fn write(
+        &mut self,
+        conn: &mut UnixStream,
+        (i, t): (u32, closbox_fabric::model::Tapped),
+    ) -> std::io::Result<()> {
+        let ns = self.epoch_ns + t.at.as_nanos();
+        self.first.get_or_insert(ns);
+        self.last = self.last.max(ns);
+        self.buf.clear();
+        let why = t.dropped.map(|r| r.name());
+        crate::pcapng::packet(i, ns, &t.data, t.len, why, &mut self.buf);
+        conn.write_all(&self.buf)?;
+        self.written[i as usize] += 1;
+        Ok(())
+    }
 }
 
 /// Sample rows a recording's connection may lag behind by (then samples are skipped).
