@@ -1311,7 +1311,7 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
     if !root_or_skip() {
         return;
     }
-    use std::io::{Read as _, Write as _};
+    use std::io::{BufRead as _, BufReader, Read as _, Write as _};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixStream;
     let f = TestFabric::up("lt-ctl", SMALL);
@@ -1394,6 +1394,45 @@ fn a_stuck_or_hostile_control_client_delays_nobody() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // Streams take at most MAX_STREAMS of the places: with that many captures running,
+    // commands are still answered (with 16 streams, `status` and `link down` waited 10 s
+    // and failed), and one more capture is told the daemon runs as many as it takes.
+    let streams: Vec<BufReader<UnixStream>> = (0..closbox_switchd::control::MAX_STREAMS)
+        .map(|_| {
+            let mut c = UnixStream::connect(sock).unwrap();
+            c.write_all(
+                br#"{"v":1,"cmd":"capture","ports":["sw0->gpu0"],"snaplen":128,"drops":false,"count":null,"duration_ns":null}"#,
+            )
+            .unwrap();
+            c.write_all(b"\n").unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut r = BufReader::new(c);
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            assert!(line.contains(r#""reply":"capturing""#), "{line:?}");
+            r
+        })
+        .collect();
+    closbox_ok(&["status", "lt-ctl", "--json"]);
+    closbox_ok(&["link", "down", "sw0", "gpu1", "-f", "lt-ctl"]);
+    closbox_ok(&["link", "up", "sw0", "gpu1", "-f", "lt-ctl"]);
+    let out = closbox(&[
+        "capture",
+        "lt-ctl",
+        "--port",
+        "sw0->gpu1",
+        "--count",
+        "1",
+        "-w",
+        "/dev/null",
+    ]);
+    let err = text(&out).1;
+    assert!(!out.status.success());
+    assert!(
+        err.contains("stayed busy for 10 s: it runs 16 captures and recordings at once"),
+        "{err}"
+    );
+    drop(streams);
     // Port counters on demand: every port, idle ones too, or those matching a pattern.
     let out = closbox(&["status", "lt-ctl", "--ports"]);
     let all = text(&out).0;

@@ -176,7 +176,12 @@ fn version_of(line: &str) -> Option<u64> {
 
 /// Clients served at once; more are told to come back (`BUSY`), and closbox's own
 /// clients do, for a while (`exchange`).
-pub const MAX_CLIENTS: usize = 16;
+pub const MAX_CLIENTS: usize = 24;
+/// Streams (captures, recordings) served at once, among the `MAX_CLIENTS`: the others
+/// are kept for commands, so that `status`, `link down` or `down` are answered while
+/// the streams run. One more stream is told to come back, as a client beyond the
+/// `MAX_CLIENTS` is.
+pub const MAX_STREAMS: usize = 16;
 /// How a "come back later" reply starts.
 const BUSY: &str = "busy:";
 /// Longest request line.
@@ -201,31 +206,48 @@ pub fn serve(
     crate::sys::umask(old);
     let listener = bound.with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-    let shared = Arc::new((state, ifindex, Mutex::new(ctl), wake));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let shared = Arc::new((state, ifindex, Mutex::new(ctl), wake, streams));
     let count = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             for mut conn in listener.incoming().flatten() {
-                if count.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-                    count.fetch_sub(1, Ordering::AcqRel);
-                    let _ = reply(
-                        &mut conn,
-                        &Reply::error(format!("{BUSY} {MAX_CLIENTS} clients served at once")),
-                    );
-                    continue;
-                }
                 // Held by the client's thread: its slot is given back however the thread
                 // ends (a panic too), or here if the thread cannot start.
-                let slot = Slot(Arc::clone(&count));
+                let Some(slot) = Slot::take(&count, MAX_CLIENTS) else {
+                    let _ = reply(
+                        &mut conn,
+                        &Reply::error(format!("{BUSY} it serves {MAX_CLIENTS} clients at once")),
+                    );
+                    continue;
+                };
                 let shared = Arc::clone(&shared);
                 let spawned = std::thread::Builder::new()
                     .name("control-client".into())
                     .spawn(move || {
                         let _slot = slot;
-                        let (state, ifindex, ctl, wake) = &*shared;
+                        let (state, ifindex, ctl, wake, streams) = &*shared;
                         let request = read_request(&mut conn);
                         tracing::debug!("control: {request:?}");
+                        // A stream holds one of the `MAX_STREAMS` as long as it runs.
+                        let _stream = match request {
+                            Ok(Request::Capture { .. } | Request::Record { .. }) => {
+                                match Slot::take(streams, MAX_STREAMS) {
+                                    Some(s) => Some(s),
+                                    None => {
+                                        let _ = reply(
+                                            &mut conn,
+                                            &Reply::error(format!(
+                                                "{BUSY} it runs {MAX_STREAMS} captures and recordings at once"
+                                            )),
+                                        );
+                                        return;
+                                    }
+                                }
+                            }
+                            _ => None,
+                        };
                         match request {
                             Ok(Request::Capture {
                                 ports,
@@ -347,8 +369,20 @@ pub fn serve(
     Ok(())
 }
 
-/// A client's place among the `MAX_CLIENTS`, given back when dropped.
+/// A client's place among the `MAX_CLIENTS` (or a stream's among the `MAX_STREAMS`),
+/// given back when dropped.
 struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// One of `max` places counted by `count`, if one is free.
+    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        if count.fetch_add(1, Ordering::AcqRel) >= max {
+            count.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Slot(Arc::clone(count)))
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -758,7 +792,8 @@ const BUSY_FOR: Duration = Duration::from_secs(10);
 /// Sends a request line and reads the reply line (at most `limit` bytes), asking again
 /// while the daemon is busy with `MAX_CLIENTS` others: it then answers "busy" without
 /// reading the request, so the request was not acted on (the write may fail, or the
-/// read be reset, for the bytes it left unread).
+/// read be reset, for the bytes it left unread); or with `MAX_STREAMS` streams, when
+/// the request is one more: "busy" again, having read it but not acted on it.
 fn exchange(
     fabric: &FabricName,
     sent: &[u8],
@@ -768,6 +803,9 @@ fn exchange(
     let path = fabric.control_path();
     let began = std::time::Instant::now();
     let mut pause = Duration::from_millis(5);
+    // What the daemon said last (a refusal it could not write says nothing).
+    let mut why =
+        format!("it serves {MAX_CLIENTS} clients at once (commands, captures, recordings, `top`s)");
     loop {
         let conn = UnixStream::connect(&path).with_context(|| {
             format!(
@@ -793,7 +831,9 @@ fn exchange(
                         bail!("the daemon of fabric {fabric} closed the connection")
                     }
                     Ok(_) => match parse_reply(fabric, &line)? {
-                        Reply::Error { message } if message.starts_with(BUSY) => {}
+                        Reply::Error { message } if message.starts_with(BUSY) => {
+                            why = message[BUSY.len()..].trim().to_string();
+                        }
                         reply => return Ok((reply, reader)),
                     },
                 }
@@ -801,7 +841,7 @@ fn exchange(
         }
         if began.elapsed() >= BUSY_FOR {
             bail!(
-                "the daemon of fabric {fabric} serves {MAX_CLIENTS} clients at once (commands, captures, recordings, `top`s) and stayed busy for {} s",
+                "the daemon of fabric {fabric} stayed busy for {} s: {why}",
                 BUSY_FOR.as_secs()
             );
         }
