@@ -15,7 +15,7 @@ use closbox_agents::train::Report;
 use closbox_agents::{Algo, Endpoints, Op, Output};
 use closbox_fabric::{TimeScale, Topology};
 use closbox_switchd::control::{self, Reply, Request, Status};
-use closbox_switchd::dataplane::{stolen, CpuUse, LateCause, Lateness};
+use closbox_switchd::dataplane::{steal_remedy, stolen, CpuUse, LateCause, Lateness};
 use closbox_switchd::histogram::Histogram;
 use closbox_switchd::state::{FabricName, State};
 
@@ -299,6 +299,9 @@ pub struct RunHealth {
     cpu: Option<CpuUse>,
     /// Share of the box's CPU time the hypervisor took during the run (steal).
     steal: f64,
+    /// Whether `up --idle-poll` would have the box's idle CPUs poll at the run's end
+    /// (`sys::idle_poll_would_help`): most of a VM's steal is then taken back.
+    idle_poll_would_help: bool,
     /// Packets the fabric's ports marked ECN CE during the run.
     ecn_marks: u64,
     /// The GPUs' congestion control as the fabric set it (`None`: the host's default).
@@ -450,6 +453,7 @@ impl RunHealth {
                 .box_cpu_ticks
                 .zip(after.box_cpu_ticks)
                 .map_or(0.0, |(b, a)| closbox_switchd::sys::steal_share(b, a)),
+            idle_poll_would_help: closbox_switchd::sys::idle_poll_would_help(),
         }
     }
 
@@ -652,9 +656,11 @@ impl RunHealth {
                 // doing (`CpuUse::preempted`), which the real-time class prevents.
                 // (`cpu` is `None` in the real-time class already.)
                 let waited = match LateCause::of(self.cpu.as_ref(), self.steal, false) {
-                    LateCause::Stolen(steal) => {
-                        format!("{}: run on a quieter host; or ", stolen(steal, "the run"))
-                    }
+                    LateCause::Stolen(steal) => format!(
+                        "{}: {}run on a quieter host; or ",
+                        stolen(steal, "the run"),
+                        steal_remedy(self.idle_poll_would_help)
+                    ),
                     LateCause::Preempted(c) => format!(
                         "the data plane's thread was busy only {:.0} % of a CPU during the run but waited {:.0} ms for one (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU; or ",
                         c.busy * 100.0,
@@ -1417,6 +1423,7 @@ mod tests {
             deadlocked: Vec::new(),
             cpu: None,
             steal: 0.0,
+            idle_poll_would_help: false,
             ecn_marks: 0,
             congestion: Some("reno".into()),
             shared: None,
@@ -1501,10 +1508,17 @@ mod tests {
         h.steal = 0.2;
         let f = h.footer(Some(&late));
         assert!(
-            f.contains("the hypervisor gave this machine's CPUs to others for 20 % of the run (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back: run on a quieter host; or time_scale 2000 would have held"),
+            f.contains("the hypervisor gave this machine's CPUs to others for 20 % of the run (steal time: its virtual CPUs stood still while the wall clock ran): run on a quieter host; or time_scale 2000 would have held"),
             "{f}"
         );
         assert!(!f.contains("--realtime"), "{f}");
+        // Idle CPUs that halt, which `up --idle-poll` would have poll: said first.
+        h.idle_poll_would_help = true;
+        let f = h.footer(Some(&late));
+        assert!(
+            f.contains("wall clock ran): `closbox up --idle-poll` (its idle CPUs then poll instead of halting, and most of what a VM's host takes is the time to run a halted CPU again), run on a quieter host; or time_scale 2000"),
+            "{f}"
+        );
     }
 
     #[test]

@@ -426,7 +426,8 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
                 st.time_scale.get(),
                 s.full_load_time_scale,
                 s.cpu_recent.as_ref(),
-                s.realtime
+                s.realtime,
+                closbox_switchd::sys::idle_poll_would_help()
             )
         );
     } else if !s.deadlocked.is_empty() {

@@ -205,6 +205,7 @@ fn draw(f: &mut Frame, v: &View) {
             s.realtime,
             s.full_load_time_scale,
             s.time_scale.get(),
+            closbox_switchd::sys::idle_poll_would_help(),
         );
         Span::styled(
             hint,
@@ -404,11 +405,22 @@ fn pack(spans: Vec<Span<'static>>, width: usize) -> Vec<Line<'static>> {
     lines
 }
 
-fn behind_hint(cpu: Option<&CpuUse>, realtime: bool, full_load: f64, time_scale: f64) -> String {
+fn behind_hint(
+    cpu: Option<&CpuUse>,
+    realtime: bool,
+    full_load: f64,
+    time_scale: f64,
+    idle_poll_would_help: bool,
+) -> String {
     match LateCause::of(cpu, cpu.map_or(0.0, |c| c.steal), realtime) {
         LateCause::Stolen(steal) => format!(
-            "BEHIND (hypervisor took {:.0} % of the CPUs)",
-            steal * 100.0
+            "BEHIND (hypervisor took {:.0} % of the CPUs{})",
+            steal * 100.0,
+            if idle_poll_would_help {
+                ": up --idle-poll"
+            } else {
+                ""
+            }
         ),
         LateCause::Preempted(_) => "BEHIND (waited for a CPU: up --realtime)".to_owned(),
         LateCause::Work if full_load > time_scale => {
@@ -459,20 +471,25 @@ mod tests {
         };
         let stolen = cpu(0.31, 56.0, 0.2);
         assert_eq!(
-            behind_hint(Some(&stolen), true, 5000.0, 20000.0),
+            behind_hint(Some(&stolen), true, 5000.0, 20000.0, false),
             "BEHIND (hypervisor took 20 % of the CPUs)"
+        );
+        // Idle CPUs that halt, and `up --idle-poll` would have them poll.
+        assert_eq!(
+            behind_hint(Some(&stolen), false, 5000.0, 20000.0, true),
+            "BEHIND (hypervisor took 20 % of the CPUs: up --idle-poll)"
         );
         let waited = cpu(0.7, 111.0, 0.01);
         assert_eq!(
-            behind_hint(Some(&waited), false, 5000.0, 20000.0),
+            behind_hint(Some(&waited), false, 5000.0, 20000.0, true),
             "BEHIND (waited for a CPU: up --realtime)"
         );
         assert_eq!(
-            behind_hint(Some(&waited), true, 5000.0, 1000.0),
+            behind_hint(Some(&waited), true, 5000.0, 1000.0, true),
             "BEHIND (time_scale 5000+ estimated)"
         );
         assert_eq!(
-            behind_hint(None, false, 5000.0, 20000.0),
+            behind_hint(None, false, 5000.0, 20000.0, true),
             "BEHIND (raise time_scale)"
         );
     }

@@ -622,6 +622,13 @@ pub fn idle_poll_unavailable() -> Option<String> {
     }
 }
 
+/// Whether `up --idle-poll` would change how this box's idle CPUs wait: it has a
+/// cpuidle driver (`idle_poll_unavailable`) and nobody holds a CPU latency under the
+/// driver's halt state's (1 µs), which would have them poll already.
+pub fn idle_poll_would_help() -> bool {
+    idle_poll_unavailable().is_none() && cpu_latency_target().map_or(true, |us| us >= 1)
+}
+
 /// The idle wake-up latency the kernel keeps now (the smallest request held), µs;
 /// 2,000,000,000 when nobody asked for one.
 pub fn cpu_latency_target() -> io::Result<i32> {

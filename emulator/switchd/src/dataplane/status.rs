@@ -374,13 +374,15 @@ pub fn behind_advice(
     full_load: f64,
     cpu: Option<&CpuUse>,
     realtime: bool,
+    idle_poll_would_help: bool,
 ) -> String {
     // Steal is known only with the thread's CPU use, over the same window.
     let (steal, window_s) = cpu.map_or((0.0, 0.0), |c| (c.steal, c.window_s));
     match LateCause::of(cpu, steal, realtime) {
         LateCause::Stolen(steal) => format!(
-            "{}: raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
-            stolen(steal, &format!("the last {window_s:.1} s"))
+            "{}: {}raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host",
+            stolen(steal, &format!("the last {window_s:.1} s")),
+            steal_remedy(idle_poll_would_help)
         ),
         LateCause::Preempted(c) => format!(
             "the data plane's thread was busy only {:.0} % of a CPU but waited {:.0} ms for one in the last {:.1} s (the GPUs' processes held the CPUs): `closbox up --realtime` keeps it on a CPU, or raise time_scale (the same wall-clock delays then shift fabric time less)",
@@ -426,9 +428,21 @@ impl LateCause {
 /// lateness (`behind_advice`, `bench`).
 pub fn stolen(steal: f64, span: &str) -> String {
     format!(
-        "the hypervisor gave this machine's CPUs to others for {:.0} % of {span} (steal time: its virtual CPUs stood still while the wall clock ran), which nothing inside the box gets back",
+        "the hypervisor gave this machine's CPUs to others for {:.0} % of {span} (steal time: its virtual CPUs stood still while the wall clock ran)",
         steal * 100.0
     )
+}
+
+/// What takes steal back, where idle CPUs halt and `up --idle-poll` would have them poll
+/// (`sys::idle_poll_would_help`): on a VM most of what the host takes is the time it
+/// takes to run a halted virtual CPU again. Ends with ", " (or is empty), for the advice
+/// that follows it.
+pub fn steal_remedy(idle_poll_would_help: bool) -> &'static str {
+    if idle_poll_would_help {
+        "`closbox up --idle-poll` (its idle CPUs then poll instead of halting, and most of what a VM's host takes is the time to run a halted CPU again), "
+    } else {
+        ""
+    }
 }
 
 fn time_scale_advice(time_scale: f64, full_load: f64) -> String {
@@ -644,7 +658,8 @@ impl<P: Ports> DataPlane<P> {
                         self.time_scale.get(),
                         self.full_load,
                         self.cpu_recent(self.cpu_sample(wall)).as_ref(),
-                        self.realtime.is_some()
+                        self.realtime.is_some(),
+                        crate::sys::idle_poll_would_help()
                     )
                 );
                 self.warned = Some(wall);

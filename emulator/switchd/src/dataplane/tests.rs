@@ -1125,7 +1125,7 @@ fn the_realtime_valve_lets_go_of_a_busy_cpu() {
 #[test]
 fn advice_for_a_late_fabric_names_the_time_scale_to_try() {
     // leaf-spine-16's file at real time: plan's estimate for a full load is 5.
-    let a = behind_advice(1.0, 5.0, None, false);
+    let a = behind_advice(1.0, 5.0, None, false, true);
     assert!(
         a.starts_with(
             "this box cannot keep up with the configured rates; raise time_scale to at least 5 "
@@ -1134,7 +1134,7 @@ fn advice_for_a_late_fabric_names_the_time_scale_to_try() {
     );
     // Already at or above the estimate (8 gloo ranks on leaf-spine-16 were still late
     // at 5, on time at 20): the traffic costs more than the estimate assumes.
-    let a = behind_advice(10.0, 5.0, None, false);
+    let a = behind_advice(10.0, 5.0, None, false, true);
     assert!(
         a.starts_with(
             "this box cannot keep up with the configured rates; raise time_scale above 10 "
@@ -1143,7 +1143,7 @@ fn advice_for_a_late_fabric_names_the_time_scale_to_try() {
     );
     assert!(a.contains("estimated 5 for every GPU"), "{a}");
     // From a daemon that did not say.
-    let a = behind_advice(1.0, 0.0, None, false);
+    let a = behind_advice(1.0, 0.0, None, false, true);
     assert!(
         a.ends_with("; raise time_scale (`up --time-scale auto` measures what this box needs), or lower the rates"),
         "{a}"
@@ -1165,14 +1165,14 @@ fn a_thread_kept_off_its_cpu_is_told_to_use_realtime_a_busy_one_time_scale() {
     // 115 ms waiting, p99 lateness 0.7 ms).
     let waited = use_of(0.68, 115.0);
     assert!(waited.preempted());
-    let a = behind_advice(1.0, 5.0, Some(&waited), false);
+    let a = behind_advice(1.0, 5.0, Some(&waited), false, true);
     assert!(
         a.contains("busy only 68 % of a CPU but waited 115 ms"),
         "{a}"
     );
     assert!(a.contains("`closbox up --realtime`"), "{a}");
     // Already asked for: the time-scale advice.
-    let a = behind_advice(1.0, 5.0, Some(&waited), true);
+    let a = behind_advice(1.0, 5.0, Some(&waited), true, true);
     assert!(
         a.starts_with(
             "this box cannot keep up with the configured rates; raise time_scale to at least 5 "
@@ -1189,7 +1189,7 @@ fn a_thread_kept_off_its_cpu_is_told_to_use_realtime_a_busy_one_time_scale() {
     };
     for c in [use_of(0.98, 200.0), use_of(0.66, 13.0), ended] {
         assert!(!c.preempted(), "{c:?}");
-        let a = behind_advice(1.0, 5.0, Some(&c), false);
+        let a = behind_advice(1.0, 5.0, Some(&c), false, true);
         assert!(a.starts_with("this box cannot keep up with the configured rates; raise time_scale to at least 5 "), "{a}");
     }
     // The hypervisor took a fifth of the CPUs (measured: the thread busy 31 %, 56 ms
@@ -1199,14 +1199,22 @@ fn a_thread_kept_off_its_cpu_is_told_to_use_realtime_a_busy_one_time_scale() {
         ..use_of(0.31, 56.0)
     };
     for realtime in [false, true] {
-        let a = behind_advice(20000.0, 5000.0, Some(&stolen), realtime);
+        let a = behind_advice(20000.0, 5000.0, Some(&stolen), realtime, false);
         assert!(
             a.starts_with(
                 "the hypervisor gave this machine's CPUs to others for 20 % of the last 5.0 s"
             ),
             "{a}"
         );
+        assert!(a.ends_with("): raise time_scale (the same wall-clock delays then shift fabric time less), or run on a quieter host"), "{a}");
     }
+    // Where idle CPUs halt and `--idle-poll` would have them poll, that comes first: on a
+    // VM most of what the host takes is the time to run a halted CPU again.
+    let a = behind_advice(20000.0, 5000.0, Some(&stolen), false, true);
+    assert!(
+        a.contains("): `closbox up --idle-poll` (its idle CPUs then poll instead of halting"),
+        "{a}"
+    );
     let a = behind_advice(
         1.0,
         5.0,
@@ -1215,6 +1223,7 @@ fn a_thread_kept_off_its_cpu_is_told_to_use_realtime_a_busy_one_time_scale() {
             ..waited
         }),
         false,
+        true,
     );
     assert!(a.contains("busy only 68 % of a CPU"), "{a}");
 }
