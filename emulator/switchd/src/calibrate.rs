@@ -296,7 +296,15 @@ pub fn choose(
                 "the share the streams carried stopped rising with the time scale (trials: {}): what they missed from {at} on was not the load but the box's own disturbance{}, which no time scale removes; the best trial ({at}, {:.0} % carried) and one 1-2-5 step more for headroom",
                 tried.join("; "),
                 if steal_seen >= sys::STEAL_SHOWN {
-                    format!(" (the hypervisor took up to {:.0} % of its CPUs)", steal_seen * 100.0)
+                    format!(
+                        " (the hypervisor took up to {:.0} % of its CPUs{})",
+                        steal_seen * 100.0,
+                        if sys::idle_poll_would_help() {
+                            ": mostly the time to run a halted CPU again, which `up --idle-poll` takes back"
+                        } else {
+                            ""
+                        }
+                    )
                 } else {
                     " (other processes, or the hypervisor)".to_owned()
                 },
