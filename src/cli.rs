@@ -59,9 +59,10 @@ pub(crate) enum Command {
         /// Keep idle CPUs polling instead of halting while the fabric is up (a CPU
         /// latency of 0 asked of the kernel through /dev/cpu_dma_latency, dropped at down
         /// or however the daemon ends). Where idle CPUs halt (VMs), a wake-up of the data
-        /// plane or of a GPU's process then takes microseconds, not tens of them. Costs
-        /// the CPUs' idle time: power, and on a VM the host's CPU. Only a kernel with a
-        /// cpuidle driver honours it (`up` warns where there is none).
+        /// plane or of a GPU's process then takes microseconds, not tens of them, and
+        /// most of what a busy host steals (the time to run a halted CPU again) is taken
+        /// back. Costs the CPUs' idle time: power, and on a VM the host's CPU. Only a
+        /// kernel with a cpuidle driver honours it (`up` warns where there is none).
         #[arg(long)]
         idle_poll: bool,
     },
