@@ -610,10 +610,10 @@ fn pytest_plugin_sample_suite_passes() {
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
-        out.contains("11 passed") && !out.contains("failed"),
+        out.contains("12 passed") && !out.contains("failed"),
         "{out}"
     );
-    for name in ["pyt", "pyt-a", "pyt-b"] {
+    for name in ["pyt", "pyt-a", "pyt-b", "pyt-gw7", "pyt-sixteen-gw12"] {
         assert!(
             common::leftovers(name).is_empty(),
             "{:?}",

@@ -43,6 +43,18 @@ def _fabric_name(binary: str, path: Path) -> str:
     return json.loads(r.stdout)["name"]
 
 
+# closbox's rule for fabric names (`[fabric] name`, `up --name`).
+_NAME_MAX = 16
+
+
+def _worker_name(base: str, worker: str) -> str:
+    """The name a pytest-xdist worker brings a fabric named `base` up under: `base-gw3`, the
+    base cut so that the whole stays within closbox's 16 characters (a-z, 0-9, '-'), so
+    that workers running tests of one file at once do not collide ("already up")."""
+    suffix = "-" + "".join(c for c in worker.lower() if c.isascii() and c.isalnum())
+    return base[: _NAME_MAX - len(suffix)].rstrip("-") + suffix
+
+
 class Fabric:
     """A live fabric. Use the `closbox_fabric` fixture to get one."""
 
@@ -212,7 +224,8 @@ def closbox_fabric(request: pytest.FixtureRequest):
     """A factory: `closbox_fabric(path)` or `closbox_fabric(toml=TEXT)` brings a fabric up
     and returns a `Fabric`; every fabric it made goes down after the test. `name=` brings
     it up under that name instead of its file's (`closbox up --name`): one file up twice
-    at once, e.g. in tests run in parallel (pytest-xdist)."""
+    at once. Under pytest-xdist, without `name=`, each worker brings it up under the
+    file's name and its own id (`pyt-gw3`), so tests run at once do not collide."""
     if os.geteuid() != 0:
         pytest.skip("closbox fabrics need root (network namespaces, TUN devices)")
     binary = _binary(request.config)
@@ -231,6 +244,10 @@ def closbox_fabric(request: pytest.FixtureRequest):
             path = temp
         path = Path(path)
         try:
+            worker = os.environ.get("PYTEST_XDIST_WORKER")
+            if name is None and worker:
+                # Workers run tests at once: each brings the file up under a name of its own.
+                name = _worker_name(_fabric_name(binary, path), worker)
             renamed = [] if name is None else ["--name", name]
             if name is None:
                 name = _fabric_name(binary, path)

@@ -61,6 +61,20 @@ def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
         closbox_fabric(toml=SMALL, name="pyt-a")
 
 
+def test_xdist_workers_bring_one_file_up_under_names_of_their_own(closbox_fabric, monkeypatch):
+    # What pytest-xdist sets in each worker; two workers' fabrics of one file side by side.
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    a = closbox_fabric(toml=SMALL)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw12")
+    # A name of closbox's 16 characters at most is cut to leave room for the worker's id.
+    b = closbox_fabric(toml=SMALL.replace('name = "pyt"', 'name = "pyt-sixteen-char"'))
+    assert (a.name, b.name) == ("pyt-gw7", "pyt-sixteen-gw12")
+    for fabric in (a, b):
+        assert fabric.status()["fabric"] == fabric.name
+        r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_torch_allreduce_across_the_fabric(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
     job = fabric.run(["/usr/bin/python3", "-c", ALLREDUCE], timeout=120)
