@@ -1127,23 +1127,32 @@ fn one_way_delay_matches_configuration() {
     if !root_or_skip() {
         return;
     }
-    let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", "0ns"));
-    let floor = one_way_us(&f, 2);
-    f.down();
-    eprintln!("floor (zero configured delay): {floor:.1} µs one way");
-    // The path gpu0 → gpu3 crosses four links.
-    for (per_link, path_us) in [("50us", 200.0), ("250us", 1000.0), ("2500us", 10_000.0)] {
-        let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", per_link));
-        let got = one_way_us(&f, 3);
+    // The floor and the paths measured under the same conditions, again if the host stole.
+    common::unless_stolen("one-way delays", |_| {
+        let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", "0ns"));
+        let floor = one_way_us(&f, 2);
         f.down();
-        let want = path_us + floor;
-        let tolerance = (0.05 * path_us).max(30.0);
-        eprintln!("path {path_us} µs: measured {got:.1} µs, expected {want:.1} ± {tolerance:.0}");
-        assert!(
-            (got - want).abs() <= tolerance,
-            "path {path_us} µs: measured {got:.1}, expected {want:.1} ± {tolerance}"
-        );
-    }
+        eprintln!("floor (zero configured delay): {floor:.1} µs one way");
+        let mut missed = Vec::new();
+        // The path gpu0 → gpu3 crosses four links.
+        for (per_link, path_us) in [("50us", 200.0), ("250us", 1000.0), ("2500us", 10_000.0)] {
+            let f = TestFabric::up("lt-delay", &leaf_spine_4("1Gbit", per_link));
+            let got = one_way_us(&f, 3);
+            f.down();
+            let want = path_us + floor;
+            let tolerance = (0.05 * path_us).max(30.0);
+            eprintln!(
+                "path {path_us} µs: measured {got:.1} µs, expected {want:.1} ± {tolerance:.0}"
+            );
+            if (got - want).abs() > tolerance {
+                missed.push(format!(
+                    "path {path_us} µs: measured {got:.1}, expected {want:.1} ± {tolerance}"
+                ));
+            }
+        }
+        let met = missed.is_empty();
+        (missed, met)
+    });
 }
 
 /// The scheduling policy (`/proc/PID/task/TID/stat` field 41: 0 normal, 1 FIFO) of the
@@ -1190,9 +1199,12 @@ fn realtime_data_plane_with_its_safety_valve() {
     // Four links of 250 µs, plus this box's floor and its timed wake-ups' lateness (the
     // data plane sleeps until each frame is due): 1038–1064 µs in 4 runs on the dev VM,
     // 1110 once in CI. The bound is for a path honoured, not collapsed or doubled.
-    let got = one_way_us(&f, 2);
-    eprintln!("--realtime, path 1000 µs: {got:.1} µs one way");
-    assert!((1000.0..1200.0).contains(&got), "{got} µs one way");
+    let got = common::unless_stolen("--realtime, path 1000 µs", |_| {
+        let got = one_way_us(&f, 2);
+        eprintln!("--realtime, path 1000 µs: {got:.1} µs one way");
+        (got, (1000.0..1200.0).contains(&got))
+    });
+    assert!(got >= 1000.0, "{got} µs one way");
     let bps = iperf_goodput(&f, 2);
     assert!(bps > 0.5e9, "{bps} bit/s");
     // The valve, driven by a steady load rather than by iperf3: a TCP flow that does not
