@@ -67,43 +67,9 @@ pub struct Measured<T> {
 /// bound, and one behind three times fails.
 pub fn unless_behind<T: std::fmt::Debug>(
     what: &str,
-    mut measure: impl FnMut(usize) -> Measured<T>,
+    measure: impl FnMut(usize) -> Measured<T>,
 ) -> T {
-    use closbox_switchd::sys::{box_cpu_ticks, steal_share};
-    // Held from the first attempt the host stole from on.
-    let mut idle_poll = None;
-    for attempt in 0..3 {
-        let before = box_cpu_ticks().ok();
-        let m = measure(attempt);
-        if m.met {
-            return m.value;
-        }
-        let steal = before
-            .zip(box_cpu_ticks().ok())
-            .map_or(0.0, |(b, a)| steal_share(b, a));
-        assert!(
-            m.behind && attempt < 2,
-            "{what}: {:?} misses its bound (attempt {attempt}, fabric behind: {}, steal {:.1} %)",
-            m.value,
-            m.behind,
-            steal * 100.0
-        );
-        let polling = if steal >= 0.03 || idle_poll.is_some() {
-            if idle_poll.is_none() {
-                // (Without the device, or a cpuidle driver, the attempts run as the first.)
-                idle_poll = closbox_switchd::sys::hold_cpu_latency(0).ok();
-            }
-            ", with idle CPUs polling"
-        } else {
-            ""
-        };
-        eprintln!(
-            "{what}: {:?} with the fabric behind (attempt {attempt}, steal {:.1} %): again{polling}",
-            m.value,
-            steal * 100.0
-        );
-    }
-    unreachable!("the third attempt returns or fails")
+    attempts(what, measure, Repeat::WhenBehind)
 }
 
 /// Runs `measure` (given the attempt, from 0; it returns its value and whether that met
@@ -117,28 +83,74 @@ pub fn unless_stolen<T: std::fmt::Debug>(
     what: &str,
     mut measure: impl FnMut(usize) -> (T, bool),
 ) -> T {
-    use closbox_switchd::sys::{box_cpu_ticks, steal_share};
+    let measure = |attempt| {
+        let (value, met) = measure(attempt);
+        Measured {
+            value,
+            met,
+            behind: false,
+        }
+    };
+    attempts(what, measure, Repeat::WhenStolen)
+}
+
+/// When a missed bound is measured again (`attempts`).
+#[derive(Clone, Copy, PartialEq)]
+enum Repeat {
+    /// The fabric reported itself behind (with idle CPUs polling if the host stole).
+    WhenBehind,
+    /// The host stole (with idle CPUs polling).
+    WhenStolen,
+}
+
+/// The share of the box's CPUs the hypervisor took from which on idle CPUs are kept
+/// polling for the attempts that follow.
+const STOLEN: f64 = 0.03;
+
+fn attempts<T: std::fmt::Debug>(
+    what: &str,
+    mut measure: impl FnMut(usize) -> Measured<T>,
+    repeat: Repeat,
+) -> T {
+    use closbox_switchd::sys::{box_cpu_ticks, hold_cpu_latency, steal_share};
+    // A CPU latency of 0, held from the first attempt the host stole from on.
     let mut idle_poll = None;
     for attempt in 0..3 {
         let before = box_cpu_ticks().ok();
-        let (value, met) = measure(attempt);
-        if met {
-            return value;
+        let m = measure(attempt);
+        if m.met {
+            return m.value;
         }
         let steal = before
             .zip(box_cpu_ticks().ok())
             .map_or(0.0, |(b, a)| steal_share(b, a));
+        let again = match repeat {
+            Repeat::WhenBehind => m.behind,
+            Repeat::WhenStolen => steal >= STOLEN,
+        };
+        let said = match repeat {
+            Repeat::WhenBehind => format!("fabric behind: {}, ", m.behind),
+            Repeat::WhenStolen => String::new(),
+        };
         assert!(
-            steal >= 0.03 && attempt < 2,
-            "{what}: {value:?} misses its bound (attempt {attempt}, steal {:.1} %)",
+            again && attempt < 2,
+            "{what}: {:?} misses its bound (attempt {attempt}, {said}steal {:.1} %)",
+            m.value,
             steal * 100.0
         );
-        if idle_poll.is_none() {
-            idle_poll = closbox_switchd::sys::hold_cpu_latency(0).ok();
+        if steal >= STOLEN && idle_poll.is_none() {
+            // (Without the device, or a cpuidle driver, the attempts run as the first.)
+            idle_poll = hold_cpu_latency(0).ok();
         }
         eprintln!(
-            "{what}: {value:?} with {:.1} % of the CPUs stolen (attempt {attempt}): again, with idle CPUs polling",
-            steal * 100.0
+            "{what}: {:?} (attempt {attempt}, {said}steal {:.1} %): again{}",
+            m.value,
+            steal * 100.0,
+            if idle_poll.is_some() {
+                ", with idle CPUs polling"
+            } else {
+                ""
+            }
         );
     }
     unreachable!("the third attempt returns or fails")
