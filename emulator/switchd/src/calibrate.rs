@@ -47,17 +47,19 @@ const STEP_SHARE: f64 = 0.05;
 /// scale before that part is timed a second time (`box_part`).
 const OUTLIER_RAISE: f64 = 10.0;
 
-/// The box's wall-time part in an exchange, `first` as timed at `k` (the throughput
-/// trials' choice) with `f` the fabric's part, and what to say of it. Where it alone
-/// would raise the scale more than `OUTLIER_RAISE` times over `k`, it is timed once more
-/// (`again`) and the smaller kept: one window the host held up made a tour choose 50,000
-/// where 500-2,000 was the rule minutes before and after, while a box that slow is slow
-/// both times.
-fn box_part(first: f64, f: f64, k: f64, again: impl FnOnce() -> Option<f64>) -> (f64, String) {
-    if !(f > 0.0 && first / (STEP_SHARE * f) > OUTLIER_RAISE * k) {
-        return (first, String::new());
-    }
-    match again() {
+/// Whether the box's wall-time part in an exchange, `first` as timed at `k` (the
+/// throughput trials' choice) with `f` the fabric's part, is timed once more: where it
+/// alone would raise the scale more than `OUTLIER_RAISE` times over `k`. One window the
+/// host held up made a tour choose 50,000 where 500-2,000 was the rule minutes before and
+/// after, while a box that slow is slow both times (`box_part` keeps the smaller).
+fn time_again(first: f64, f: f64, k: f64) -> bool {
+    f > 0.0 && first / (STEP_SHARE * f) > OUTLIER_RAISE * k
+}
+
+/// The box's part from its first timing and its second, if any (`time_again`), and what to
+/// say of it.
+fn box_part(first: f64, second: Option<f64>) -> (f64, String) {
+    match second {
         Some(second) => (
             first.min(second),
             format!(
@@ -541,25 +543,14 @@ impl Trials<'_> {
         // held up by the box for 4 ms made the fabric's part 1.3 × the model's); the box's
         // part from the mean at ka, tail included.
         let f = (b.typical - a.typical) / (kb - ka);
-        let mut tuns = Some(tuns);
-        let mut failed = None;
-        let (o, again) = box_part(ta - ka * f, f, k, || {
-            let taken = tuns.take().expect("the TUNs, once");
-            match self.exchanges(taken, ka, size, EXCHANGES_PER_PAIR, WINDOW) {
-                Ok((a2, back)) => {
-                    tuns = Some(back);
-                    a2.map(|a2| a2.step - ka * f)
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    None
-                }
-            }
-        });
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        let tuns = tuns.expect("the TUNs back");
+        let first = ta - ka * f;
+        let (second, tuns) = if time_again(first, f, k) {
+            let (a2, tuns) = self.exchanges(tuns, ka, size, EXCHANGES_PER_PAIR, WINDOW)?;
+            (a2.map(|a2| a2.step - ka * f), tuns)
+        } else {
+            (None, tuns)
+        };
+        let (o, again) = box_part(first, second);
         tracing::info!(
             "time_scale auto: exchanges of {size} B between {} pairs: {:.1} µs wall at {ka} (p99 lateness {:.0} µs), {:.1} µs at {kb:.0} (p99 {:.0} µs): fabric {:.3} µs, box {:.1} µs wall",
             m / 2,
@@ -904,17 +895,19 @@ mod tests {
         // default.toml: 1.16 µs of fabric time per exchange, throughput chose 500.
         let f = 1.16e-6;
         // 35 µs: 35 / (0.05 × 1.16) = 603, under 10 × 500: kept without a second timing.
-        let (o, said) = box_part(35e-6, f, 500.0, || panic!("timed again"));
+        assert!(!time_again(35e-6, f, 500.0));
+        let (o, said) = box_part(35e-6, None);
         assert_eq!((o, said.as_str()), (35e-6, ""));
         // 2.9 ms (a window the host held up): 50,000 would be needed; timed again.
-        let (o, said) = box_part(2.9e-3, f, 500.0, || Some(40e-6));
+        assert!(time_again(2.9e-3, f, 500.0));
+        let (o, said) = box_part(2.9e-3, Some(40e-6));
         assert_eq!(o, 40e-6);
         assert_eq!(said, " (timed twice, 2900 and 40 µs: the smaller kept)");
         // Slow both times: the smaller of the two, still slow.
-        let (o, _) = box_part(2.9e-3, f, 500.0, || Some(3.1e-3));
+        let (o, _) = box_part(2.9e-3, Some(3.1e-3));
         assert_eq!(o, 2.9e-3);
         // The second timing found too few exchanges: the first stands.
-        assert_eq!(box_part(2.9e-3, f, 500.0, || None).0, 2.9e-3);
+        assert_eq!(box_part(2.9e-3, None).0, 2.9e-3);
     }
 
     #[test]
