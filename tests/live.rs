@@ -1997,6 +1997,64 @@ fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
     );
 }
 
+/// Fabrics that share closbox's DCTCP: the first registers it, the second holds the same
+/// registration, so the first going down leaves it registered for the second (and for a
+/// third brought up meanwhile), until the last one using it goes down. Before, the first's
+/// `down` unregistered it under the second (a second `up` in between failed).
+#[test]
+fn fabrics_share_closbox_dctcp_until_the_last_goes_down() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    let kernel_has_it =
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+            .unwrap()
+            .split_whitespace()
+            .any(|c| c == "dctcp");
+    if kernel_has_it {
+        eprintln!("skipped: this kernel lets namespaces use its own dctcp");
+        return;
+    }
+    let registered = || {
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+            .unwrap()
+            .split_whitespace()
+            .any(|c| c == "closbox_dctcp")
+    };
+    assert!(!registered(), "closbox_dctcp registered before the test");
+    let body =
+        "[topology]\nkind = \"single-switch\"\ngpus = 2\n\n[nic]\ntcp_congestion = \"dctcp\"\n";
+    let a = TestFabric::up("lt-dca", body);
+    let b = TestFabric::up("lt-dcb", body);
+    assert!(registered());
+    a.down();
+    assert!(
+        registered(),
+        "the first fabric's down unregistered closbox_dctcp under the second"
+    );
+    // A connection in the second fabric runs it.
+    let server = b.spawn("gpu1", &["iperf3", "-s", "-1", "-4", "-p", "5201"]);
+    common::wait_for_port(&b, "gpu1", 5201);
+    let out = b.exec(
+        "gpu0",
+        &[
+            "sh",
+            "-c",
+            "iperf3 -c gpu1 -p 5201 -t 1 --json >/dev/null & sleep 0.3; ss -tin dst gpu1; wait",
+        ],
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}\n{e}");
+    assert!(o.contains("closbox_dctcp"), "{o}\n{e}");
+    let _ = server.wait_with_output();
+    let c = TestFabric::up("lt-dcc", body);
+    b.down();
+    assert!(registered(), "held by the third fabric");
+    c.down();
+    assert!(!registered(), "closbox_dctcp outlived the fabrics");
+}
+
 /// `tcp_congestion = "dctcp"`: on this kernel (no tcp_dctcp) the daemon registers
 /// closbox's BPF DCTCP for its life, the GPUs run it, and it does what DCTCP is for: two
 /// senders into one GPU through a port that marks above 24 KiB, a third of the path's

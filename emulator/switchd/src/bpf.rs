@@ -46,7 +46,8 @@ fn listed(file: &str, name: &str) -> bool {
 
 /// DCTCP for this daemon's GPUs: the kernel's own when it lets network namespaces use it
 /// (`tcp_allowed_congestion_control` lists `dctcp`), otherwise closbox's, registered here
-/// for as long as the returned value lives, or used as another fabric registered it.
+/// for as long as the returned value lives, or as another fabric registered it, then held
+/// by both.
 pub fn dctcp() -> anyhow::Result<Dctcp> {
     if listed("tcp_allowed_congestion_control", "dctcp") {
         return Ok(Dctcp {
@@ -54,11 +55,11 @@ pub fn dctcp() -> anyhow::Result<Dctcp> {
             _link: None,
         });
     }
-    if listed("tcp_available_congestion_control", NAME) {
-        return Ok(Dctcp {
-            name: NAME,
-            _link: None,
-        });
+    // Registered by another fabric's daemon: held here too, so that it stays registered
+    // while this fabric lives, whichever goes down first (between the check and the
+    // GPUs' sysctls the other's `down` would otherwise unregister it, and this `up` fail).
+    if let Some(d) = registered() {
+        return Ok(d);
     }
     match register() {
         Ok(link) => Ok(Dctcp {
@@ -66,13 +67,136 @@ pub fn dctcp() -> anyhow::Result<Dctcp> {
             _link: Some(link),
         }),
         // Another fabric's daemon registered it meanwhile.
-        Err(_) if listed("tcp_available_congestion_control", NAME) => Ok(Dctcp {
-            name: NAME,
-            _link: None,
-        }),
-        Err(e) => Err(e.context(format!(
+        Err(e) => registered().ok_or(e).map_err(|e| e.context(format!(
             "tcp_congestion = \"dctcp\": this kernel has no dctcp of its own for network namespaces (net.ipv4.tcp_allowed_congestion_control), and closbox's ({NAME}, a BPF program) could not be registered"
         ))),
+    }
+}
+
+/// closbox's DCTCP as another daemon registered it: its BPF link, held (the kernel keeps a
+/// registration while any descriptor of its link is open), or, registered some other way
+/// (without a link), used as it is.
+fn registered() -> Option<Dctcp> {
+    if !listed("tcp_available_congestion_control", NAME) {
+        return None;
+    }
+    let link = match link::find(MAP_NAME) {
+        Ok(link) => link,
+        Err(e) => {
+            tracing::debug!("looking for {NAME}'s BPF link: {e}");
+            None
+        }
+    };
+    // The link held, the name must still be there (its holder may have closed the last
+    // other descriptor just before); without a link, it is what it is.
+    listed("tcp_available_congestion_control", NAME).then_some(Dctcp {
+        name: NAME,
+        _link: link,
+    })
+}
+
+/// The name of the `struct_ops` map of `bpf/dctcp.bpf.c` (its variable's name).
+const MAP_NAME: &str = "cb_dctcp";
+
+/// BPF links found by what they register, through the `bpf(2)` system call.
+mod link {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+    const BPF_LINK_GET_NEXT_ID: libc::c_long = 31;
+    const BPF_LINK_TYPE_STRUCT_OPS: u32 = 9;
+    const BPF_MAP_TYPE_STRUCT_OPS: u32 = 26;
+
+    /// `bpf(cmd, attr)` with a zero-padded `union bpf_attr` prefix.
+    fn bpf(cmd: libc::c_long, attr: &mut [u32; 16]) -> std::io::Result<libc::c_long> {
+        // SAFETY: attr is a union bpf_attr prefix of the size passed; the kernel reads
+        // and writes within it (and through pointers it holds, which callers set to live
+        // buffers of the lengths they give).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(attr),
+            )
+        };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(r)
+        }
+    }
+
+    /// A descriptor the kernel just returned.
+    fn owned(fd: libc::c_long) -> OwnedFd {
+        // SAFETY: a new descriptor, owned by nobody else.
+        unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) }
+    }
+
+    /// `BPF_OBJ_GET_INFO_BY_FD` into `info` (a `bpf_link_info` or `bpf_map_info`).
+    fn info(fd: &OwnedFd, info: &mut [u64]) -> std::io::Result<()> {
+        let mut attr = [0u32; 16];
+        attr[0] = fd.as_raw_fd() as u32;
+        attr[1] = std::mem::size_of_val(info) as u32;
+        let p = info.as_mut_ptr() as u64;
+        attr[2] = p as u32;
+        attr[3] = (p >> 32) as u32;
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
+    }
+
+    /// A descriptor of the live `struct_ops` link whose map is named `map_name`, if any.
+    pub(super) fn find(map_name: &str) -> std::io::Result<Option<OwnedFd>> {
+        let mut id = 0u32;
+        loop {
+            let mut attr = [0u32; 16];
+            attr[0] = id;
+            match bpf(BPF_LINK_GET_NEXT_ID, &mut attr) {
+                Ok(_) => id = attr[1],
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+            let mut attr = [0u32; 16];
+            attr[0] = id;
+            let link = match bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) {
+                Ok(fd) => owned(fd),
+                // Gone since it was listed.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => return Err(e),
+            };
+            // struct bpf_link_info: type, id, prog_id (u32 each), then a union aligned to
+            // 8 bytes whose struct_ops member starts with its map's id.
+            let mut li = [0u64; 8];
+            info(&link, &mut li)?;
+            if li[0] as u32 != BPF_LINK_TYPE_STRUCT_OPS {
+                continue;
+            }
+            let map_id = li[2] as u32;
+            // A link detached from its map reads map id 0.
+            if map_id == 0 {
+                continue;
+            }
+            let mut attr = [0u32; 16];
+            attr[0] = map_id;
+            let map = match bpf(BPF_MAP_GET_FD_BY_ID, &mut attr) {
+                Ok(fd) => owned(fd),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => return Err(e),
+            };
+            // struct bpf_map_info: type, id, key_size, value_size, max_entries,
+            // map_flags (u32 each), then name[16].
+            let mut mi = [0u64; 10];
+            info(&map, &mut mi)?;
+            if mi[0] as u32 != BPF_MAP_TYPE_STRUCT_OPS {
+                continue;
+            }
+            let bytes: Vec<u8> = mi[3..5].iter().flat_map(|w| w.to_ne_bytes()).collect();
+            let name = bytes.split(|&b| b == 0).next().unwrap_or_default();
+            if name == map_name.as_bytes() {
+                return Ok(Some(link));
+            }
+        }
     }
 }
 
