@@ -1997,6 +1997,14 @@ fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
     );
 }
 
+/// Whether the host's `net.ipv4.<key>` (a list of names) lists `name`.
+fn ipv4_sysctl_lists(key: &str, name: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/sys/net/ipv4/{key}"))
+        .unwrap()
+        .split_whitespace()
+        .any(|c| c == name)
+}
+
 /// Fabrics that share closbox's DCTCP: the first registers it, the second holds the same
 /// registration, so the first going down leaves it registered for the second (and for a
 /// third brought up meanwhile), until the last one using it goes down. Before, the first's
@@ -2007,21 +2015,11 @@ fn fabrics_share_closbox_dctcp_until_the_last_goes_down() {
     if !root_or_skip() {
         return;
     }
-    let kernel_has_it =
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-            .unwrap()
-            .split_whitespace()
-            .any(|c| c == "dctcp");
-    if kernel_has_it {
+    if ipv4_sysctl_lists("tcp_allowed_congestion_control", "dctcp") {
         eprintln!("skipped: this kernel lets namespaces use its own dctcp");
         return;
     }
-    let registered = || {
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
-            .unwrap()
-            .split_whitespace()
-            .any(|c| c == "closbox_dctcp")
-    };
+    let registered = || ipv4_sysctl_lists("tcp_available_congestion_control", "closbox_dctcp");
     assert!(!registered(), "closbox_dctcp registered before the test");
     let body =
         "[topology]\nkind = \"single-switch\"\ngpus = 2\n\n[nic]\ntcp_congestion = \"dctcp\"\n";
@@ -2068,11 +2066,7 @@ fn dctcp_keeps_a_shallow_marking_port_full() {
     if !root_or_skip() {
         return;
     }
-    let kernel_has_it =
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-            .unwrap()
-            .split_whitespace()
-            .any(|c| c == "dctcp");
+    let kernel_has_it = ipv4_sysctl_lists("tcp_allowed_congestion_control", "dctcp");
     let available =
         || std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control").unwrap();
     let body = "time_scale = 100\nmtu = 9000\n\n[topology]\nkind = \"single-switch\"\ngpus = 4\n\n[links.nic]\nrate = \"10Gbit\"\ndelay = \"25us\"\n\n[switches.leaf]\nlatency = \"1us\"\nbuffer = \"4MiB\"\necn = { k = \"24KiB\" }\n\n[nic]\ntcp_congestion = \"dctcp\"\n";

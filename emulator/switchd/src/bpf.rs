@@ -129,10 +129,16 @@ mod link {
         }
     }
 
-    /// A descriptor the kernel just returned.
-    fn owned(fd: libc::c_long) -> OwnedFd {
-        // SAFETY: a new descriptor, owned by nobody else.
-        unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) }
+    /// A descriptor of the link or map (`cmd`) of id `id`; `None` if it is gone.
+    fn fd_by_id(cmd: libc::c_long, id: u32) -> std::io::Result<Option<OwnedFd>> {
+        let mut attr = [0u32; 16];
+        attr[0] = id;
+        match bpf(cmd, &mut attr) {
+            // SAFETY: a new descriptor, owned by nobody else.
+            Ok(fd) => Ok(Some(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// `BPF_OBJ_GET_INFO_BY_FD` into `info` (a `bpf_link_info` or `bpf_map_info`).
@@ -157,13 +163,9 @@ mod link {
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
                 Err(e) => return Err(e),
             }
-            let mut attr = [0u32; 16];
-            attr[0] = id;
-            let link = match bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) {
-                Ok(fd) => owned(fd),
-                // Gone since it was listed.
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-                Err(e) => return Err(e),
+            // Gone since it was listed: the next one.
+            let Some(link) = fd_by_id(BPF_LINK_GET_FD_BY_ID, id)? else {
+                continue;
             };
             // struct bpf_link_info: type, id, prog_id (u32 each), then a union aligned to
             // 8 bytes whose struct_ops member starts with its map's id.
@@ -177,12 +179,8 @@ mod link {
             if map_id == 0 {
                 continue;
             }
-            let mut attr = [0u32; 16];
-            attr[0] = map_id;
-            let map = match bpf(BPF_MAP_GET_FD_BY_ID, &mut attr) {
-                Ok(fd) => owned(fd),
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-                Err(e) => return Err(e),
+            let Some(map) = fd_by_id(BPF_MAP_GET_FD_BY_ID, map_id)? else {
+                continue;
             };
             // struct bpf_map_info: type, id, key_size, value_size, max_entries,
             // map_flags (u32 each), then name[16].
