@@ -112,6 +112,22 @@ fn links_and_switches_go_down_and_come_back() {
         ["gpu0", "leaf0", "spine1", "leaf1", "gpu3", "gpu3", "leaf1", "spine1", "leaf0"],
         "{said}"
     );
+    // And `ping -T tsandaddr`: they make their entries in a Timestamp option too (room
+    // for 4; the hops after count in its overflow).
+    let out = f.exec(
+        "gpu0",
+        &["ping", "-c", "1", "-W", "2", "-T", "tsandaddr", "gpu3"],
+    );
+    let said = text(&out).0;
+    let stamped: Vec<&str> = said
+        .lines()
+        .skip_while(|l| !l.starts_with("TS:"))
+        .map(|l| l.trim_start_matches("TS:").trim())
+        .take_while(|l| !l.is_empty() && !l.starts_with("Unrecorded"))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(stamped, ["gpu0", "leaf0", "spine1", "leaf1"], "{said}");
+    assert!(said.contains("Unrecorded hops:"), "{said}");
 
     // Both spines down: no path between the leaves (counted as no_route); back up, it
     // works again once routes converge.

@@ -151,6 +151,68 @@ pub fn record_route(buf: &mut [u8], addr: Ipv4Addr) -> bool {
     true
 }
 
+/// A router's entry in the Internet Timestamp option (RFC 791, option 68) of an IPv4
+/// packet accepted by `inspect`, as Linux's IP layer makes it on a packet it forwards or
+/// receives (`ping -T` shows the stamps): `ms`, milliseconds since midnight UT, where the
+/// option's pointer says, and the pointer moved on; with flag 1 (`ping -T tsandaddr`)
+/// `addr` before it; with flag 3 (prespecified, `ping -T tsprespec`) only in an entry
+/// that names `addr`. A full option counts the router in its overflow nibble instead (not
+/// prespecified ones). The header checksum fixed. False, and nothing changed, where the
+/// packet has no such option, it is full and its overflow at 15, the entry names another
+/// router, or the option is not well formed (a router would answer some of those with a
+/// parameter problem; the fabric forwards them untouched).
+pub fn timestamp(buf: &mut [u8], addr: Option<Ipv4Addr>, ms: u32) -> bool {
+    let Some((at, len)) = ip_options(buf).find(|&(at, _)| buf[at] == 68) else {
+        return false;
+    };
+    // Type, length, pointer (from 1 at the type; entries from 5), overflow and flag.
+    if len < 4 || (buf[at + 2] as usize) < 5 {
+        return false;
+    }
+    let ptr = buf[at + 2] as usize;
+    let (overflow, flag) = (buf[at + 3] >> 4, buf[at + 3] & 0x0f);
+    if ptr > len {
+        // Full.
+        if flag == 3 || overflow == 15 {
+            return false;
+        }
+        buf[at + 3] = ((overflow + 1) << 4) | flag;
+        set_header_checksum(buf);
+        return true;
+    }
+    if ptr + 3 > len {
+        return false;
+    }
+    let entry = at + ptr - 1;
+    let stamp = ms.to_be_bytes();
+    match flag {
+        0 => {
+            buf[entry..entry + 4].copy_from_slice(&stamp);
+            buf[at + 2] = (ptr + 4) as u8;
+        }
+        1 | 3 => {
+            let Some(addr) = addr else {
+                return false;
+            };
+            if ptr + 7 > len || (flag == 3 && ipv4_at(buf, entry) != addr) {
+                return false;
+            }
+            buf[entry..entry + 4].copy_from_slice(&addr.octets());
+            buf[entry + 4..entry + 8].copy_from_slice(&stamp);
+            buf[at + 2] = (ptr + 8) as u8;
+        }
+        _ => return false,
+    }
+    set_header_checksum(buf);
+    true
+}
+
+/// Milliseconds since midnight UT (RFC 791's timestamp) at `ns` nanoseconds since the Unix
+/// epoch.
+pub fn ms_since_midnight(ns: u64) -> u32 {
+    ((ns / 1_000_000) % 86_400_000) as u32
+}
+
 /// The options in IPv4 packet `pkt`'s header, as the offset and length of each (its type
 /// and length bytes included), no-ops left out: up to End of Options, or to the first one
 /// not well formed (a length under 2, or past the header). Every walk of the options
@@ -356,20 +418,26 @@ fn icmp_error(router: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
 
 /// The echo reply to `request` (a whole echo request: `ToSwitch::Echo`), from `from` back
 /// to its sender: the same identifier, sequence number and data (RFC 792), IP options
-/// left out, TTL 64.
+/// but Record Route and Timestamp left out, TTL 64.
 pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
     let ihl = (request[0] & 0x0f) as usize * 4;
     let total = (u16::from_be_bytes([request[2], request[3]]) as usize).min(request.len());
     let icmp = &request[ihl..total];
-    // A Record Route option comes back in the reply (RFC 1122, 3.2.2.6), the route so far
-    // kept: the switch adds itself as it sends the reply (`Fabric::forward`), and the
-    // switches on the way back after it. Other options are not echoed.
-    let rr = ip_option(request, 7).unwrap_or(&[]);
-    let opts = rr.len().div_ceil(4) * 4;
+    // Record Route and Timestamp options come back in the reply (RFC 1122, 3.2.2.6), what
+    // they hold so far kept: the switch adds itself as it sends the reply
+    // (`Fabric::forward`), and the switches on the way back after it. Other options are
+    // not echoed.
+    let kept: Vec<u8> = [7, 68]
+        .into_iter()
+        .filter_map(|kind| ip_option(request, kind))
+        .flatten()
+        .copied()
+        .collect();
+    let opts = kept.len().div_ceil(4) * 4;
     let mut buf = ip_packet(20 + opts + icmp.len(), 1, from, ipv4_at(request, 12));
     if opts > 0 {
         buf[0] = 0x40 | ((20 + opts) / 4) as u8;
-        buf[20..20 + rr.len()].copy_from_slice(rr);
+        buf[20..20 + kept.len()].copy_from_slice(&kept);
         set_header_checksum(&mut buf);
     }
     let at = 20 + opts;
@@ -789,6 +857,101 @@ mod tests {
             assert_eq!((a[8], checksum_ok(&a)), (to, true));
             assert_eq!(a, b, "{from} -> {to}");
         }
+    }
+
+    /// A UDP packet with IP options `opts` (a multiple of 4 bytes) after its 20 bytes.
+    fn udp_with_options(opts: &[u8]) -> Vec<u8> {
+        let mut p = build_udp(
+            Ipv4Addr::new(198, 18, 0, 1),
+            Ipv4Addr::new(198, 18, 0, 2),
+            1,
+            2,
+            0,
+            36,
+        );
+        let body = p.split_off(20);
+        p.extend_from_slice(opts);
+        p.extend_from_slice(&body);
+        p[0] = 0x40 | (5 + opts.len() / 4) as u8;
+        let total = p.len() as u16;
+        p[2..4].copy_from_slice(&total.to_be_bytes());
+        set_header_checksum(&mut p);
+        assert!(inspect(&p).is_ok());
+        p
+    }
+
+    #[test]
+    fn timestamp_stamps_as_a_linux_router_does() {
+        let a = Ipv4Addr::new(198, 18, 0, 9);
+        let b = Ipv4Addr::new(198, 18, 0, 10);
+        // Timestamps only, room for 2 (length 12), as `ping -T tsonly` sends it (shorter).
+        let mut p = udp_with_options(&[68, 12, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert!(timestamp(&mut p, Some(a), 0x0102_0304));
+        assert_eq!((&p[24..28], p[22]), (&[1, 2, 3, 4][..], 9));
+        assert!(timestamp(&mut p, None, 7));
+        assert_eq!((&p[28..32], p[22]), (&[0, 0, 0, 7][..], 13));
+        assert!(checksum_ok(&p));
+        // Full: the overflow counts the router, up to 15, then untouched.
+        for n in 1..=15u8 {
+            assert!(timestamp(&mut p, Some(a), 9));
+            assert_eq!(p[23], n << 4);
+        }
+        let full = p.clone();
+        assert!(!timestamp(&mut p, Some(a), 9));
+        assert_eq!(p, full);
+        assert!(checksum_ok(&p));
+        // Addresses and timestamps: both, 8 bytes an entry; none without an address.
+        let mut p =
+            udp_with_options(&[68, 20, 5, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        let before = p.clone();
+        assert!(!timestamp(&mut p, None, 5));
+        assert_eq!(p, before);
+        assert!(timestamp(&mut p, Some(a), 5));
+        assert_eq!(
+            (&p[24..28], &p[28..32], p[22]),
+            (&a.octets()[..], &[0, 0, 0, 5][..], 13)
+        );
+        assert!(timestamp(&mut p, Some(b), 6));
+        assert_eq!(
+            (&p[32..36], &p[36..40], p[22]),
+            (&b.octets()[..], &[0, 0, 0, 6][..], 21)
+        );
+        assert!(checksum_ok(&p));
+        // Prespecified: only the router named next stamps; full ones count no overflow.
+        let mut o = vec![68, 20, 5, 3];
+        o.extend_from_slice(&b.octets());
+        o.extend_from_slice(&[0; 4]);
+        o.extend_from_slice(&a.octets());
+        o.extend_from_slice(&[0; 4]);
+        let mut p = udp_with_options(&o);
+        let before = p.clone();
+        assert!(!timestamp(&mut p, Some(a), 5));
+        assert_eq!(p, before);
+        assert!(timestamp(&mut p, Some(b), 5));
+        assert!(timestamp(&mut p, Some(a), 6));
+        assert_eq!(
+            (&p[28..32], &p[36..40], p[22]),
+            (&[0, 0, 0, 5][..], &[0, 0, 0, 6][..], 21)
+        );
+        let full = p.clone();
+        assert!(!timestamp(&mut p, Some(a), 7));
+        assert_eq!(p, full);
+        // Not well formed (a pointer below the entries, a length under 4, a half entry
+        // left), other flags, no option: untouched.
+        for opts in [
+            vec![68, 12, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            vec![68, 3, 5, 0],
+            vec![68, 10, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            vec![68, 16, 13, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            vec![68, 12, 5, 2, 0, 0, 0, 0, 0, 0, 0, 0],
+            vec![1, 1, 1, 1],
+        ] {
+            let mut p = udp_with_options(&opts);
+            let before = p.clone();
+            assert!(!timestamp(&mut p, Some(a), 5), "{opts:?}");
+            assert_eq!(p, before, "{opts:?}");
+        }
+        assert_eq!(ms_since_midnight(86_400_000_000_000 + 1_500_000), 1);
     }
 
     #[test]

@@ -1004,6 +1004,90 @@ fn switches_fill_in_record_route() {
     assert_eq!(p[22], 16, "the pointer");
 }
 
+/// Each switch makes its entry in a Timestamp option (`ping -T tsandaddr`): its address
+/// and the box's clock as the packet passed, i.e. fabric time dilated by the time scale
+/// from the epoch the data plane gives (`set_epoch`), in ms since midnight UT.
+#[test]
+fn switches_stamp_ip_timestamps_in_the_boxs_clock() {
+    // gpu0 -> leaf0 -> spine0 -> leaf1 -> gpu2, at time_scale 1000: 2 µs, 3 µs and 3 µs of
+    // propagation are 2, 5 and 8 ms of the box's clock (serialization adds ~10 µs).
+    let t = topo(
+        "time_scale = 1000\n[topology]\nkind = \"leaf-spine\"\nleaves = 2\nspines = 1\ngpus_per_leaf = 2\n\n[links.nic]\ndelay = \"2us\"\n\n[links.leaf-spine]\ndelay = \"3us\"\n\n[switches.leaf]\nlatency = \"0us\"\n\n[switches.spine]\nlatency = \"0us\"\n",
+    );
+    let mut f = Fabric::new(&t);
+    // 4 ms before midnight, 20,000 days after the epoch: the stamps wrap.
+    let day_ms = 86_400_000u64;
+    f.set_epoch((20_000 * day_ms + day_ms - 4) * 1_000_000);
+    let switch = |name: &str| {
+        let i = t.switches.iter().position(|s| s.name == name).unwrap();
+        t.switch_addr(closbox_fabric::topology::SwitchId(i as u32))
+            .unwrap()
+    };
+    let udp = build_udp(addr(&t, 0), addr(&t, 2), 1, 2, 0, 100);
+    // Room for 4 entries of address and timestamp (flag 1).
+    let mut opt = vec![68, 36, 5, 1];
+    opt.resize(36, 0);
+    let mut p = udp[..20].to_vec();
+    p.extend_from_slice(&opt);
+    p.extend_from_slice(&udp[20..]);
+    p[0] = 0x40 | (56 / 4) as u8;
+    let total = p.len() as u16;
+    p[2..4].copy_from_slice(&total.to_be_bytes());
+    packet::set_header_checksum(&mut p);
+    assert_eq!(f.send(Instant::ZERO, HostId(0), p), Verdict::Accepted);
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    let p = got[0].data.to_vec();
+    assert!(packet::checksum_ok(&p));
+    assert_eq!(p[22], 5 + 3 * 8, "the pointer: three entries");
+    let entries: Vec<(Ipv4Addr, u32)> = (0..4)
+        .map(|k| {
+            let e = 24 + 8 * k;
+            (
+                Ipv4Addr::new(p[e], p[e + 1], p[e + 2], p[e + 3]),
+                u32::from_be_bytes([p[e + 4], p[e + 5], p[e + 6], p[e + 7]]),
+            )
+        })
+        .collect();
+    assert_eq!(
+        entries,
+        vec![
+            (switch("leaf0"), 86_399_998),
+            (switch("spine0"), 1),
+            (switch("leaf1"), 4),
+            (Ipv4Addr::UNSPECIFIED, 0),
+        ]
+    );
+    assert_eq!(packet::payload(&p), packet::payload(&udp));
+    // A ping of spine0 with timestamps only (flag 0): leaf0 on the way, spine0 as the
+    // request arrives and as its reply leaves (the option echoed), leaf0 on the way back.
+    let ping = packet::build_echo_request(addr(&t, 0), switch("spine0"), 7, 1, 84);
+    let mut opt = vec![68, 24, 5, 0];
+    opt.resize(24, 0);
+    let mut q = ping[..20].to_vec();
+    q.extend_from_slice(&opt);
+    q.extend_from_slice(&ping[20..]);
+    q[0] = 0x40 | (44 / 4) as u8;
+    let total = q.len() as u16;
+    q[2..4].copy_from_slice(&total.to_be_bytes());
+    packet::set_header_checksum(&mut q);
+    assert_eq!(
+        f.send(Instant::from_nanos(1_000_000), HostId(0), q),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    let p = got[0].data.to_vec();
+    assert!(packet::checksum_ok(&p));
+    assert_eq!((p[9], p[20 + 24]), (1, 0), "an echo reply");
+    let stamps: Vec<u32> = (0..5)
+        .map(|k| u32::from_be_bytes(p[24 + 4 * k..28 + 4 * k].try_into().unwrap()))
+        .collect();
+    // Sent 1 ms of fabric time in: 1,000 ms of the box's clock after the epoch.
+    assert_eq!(stamps, vec![998, 1_001, 1_001, 1_004, 0]);
+    assert_eq!(p[22], 5 + 4 * 4, "the pointer");
+}
+
 #[test]
 fn corrupt_headers_are_dropped_as_malformed() {
     let t = topo(SWITCH2);

@@ -371,6 +371,10 @@ impl<P: Ports> DataPlane<P> {
         let now = ports.now();
         let mut model = Fabric::new(topo);
         model.enable_flows(MAX_FLOWS);
+        let epoch_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        model.set_epoch(epoch_ns);
         let port_names = chaos::port_names(topo);
         debug_assert_eq!(port_names.len(), model.routes().ports.len());
         let behind_ns = (BEHIND_P99.as_nanos() as u64).max(
@@ -396,9 +400,7 @@ impl<P: Ports> DataPlane<P> {
             captures: Vec::new(),
             next_capture: 0,
             recordings: Vec::new(),
-            epoch_ns: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
+            epoch_ns,
             topo: topo.clone(),
             events: Vec::new(),
             events_total: 0,

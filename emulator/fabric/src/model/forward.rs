@@ -42,10 +42,15 @@ impl Fabric {
             }
             pkt.ttl -= 1;
             if pkt.options {
-                // Record Route: the switch's address, as a router's (none without one).
-                if let Some(addr) = self.topo.switch_addr(SwitchId(v - self.hosts)) {
+                // Record Route: the switch's address, as a router's (none without one);
+                // Timestamp: the time it passed, with that address where asked.
+                let addr = self.topo.switch_addr(SwitchId(v - self.hosts));
+                let ms = self.ip_timestamp(now);
+                let pkt = self.slots[slot as usize].as_mut().expect("live slot");
+                if let Some(addr) = addr {
                     packet::record_route(pkt.data.head_mut(), addr);
                 }
+                packet::timestamp(pkt.data.head_mut(), addr, ms);
             }
         }
         if to >= self.hosts {

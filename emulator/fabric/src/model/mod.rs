@@ -344,8 +344,9 @@ struct InFlight {
     /// rewritten once, when it is delivered or captured (`packet::rewrite_ttl`), so that a
     /// hop does not touch them.
     ttl: u8,
-    /// Its IP header has options: each switch looks for Record Route in it
-    /// (`packet::record_route`); other packets' bytes are not touched on the way.
+    /// Its IP header has options: each switch looks for Record Route and Timestamp in it
+    /// (`packet::record_route`, `packet::timestamp`); other packets' bytes are not touched
+    /// on the way.
     options: bool,
 }
 
@@ -413,6 +414,8 @@ pub struct Fabric {
     trace: Option<Vec<TraceEntry>>,
     /// The topology as built (for routes over what is left, and resets).
     topo: Topology,
+    /// The box's clock at fabric time 0, ns since the Unix epoch (`set_epoch`).
+    epoch_ns: u64,
     /// Per link: since when it is down.
     down_since: Vec<Option<Instant>>,
     /// Routes the fabric converged to over the links that are up; `None`: the original.
@@ -575,6 +578,7 @@ impl Fabric {
             switch_routes: Vec::new(),
             converged_down: Vec::new(),
             topo: topo.clone(),
+            epoch_ns: 0,
         }
     }
 
@@ -812,6 +816,24 @@ impl Fabric {
     /// every frame (`loss` 1) is up.
     pub fn link_up(&self, l: u32) -> bool {
         self.down_since[l as usize].is_none()
+    }
+
+    /// The box's clock read `epoch_ns` (ns since the Unix epoch) at fabric time 0: the
+    /// switches' entries in IP Timestamp options (`ping -T`) are then the box's clock as
+    /// the packet passed (fabric time dilated by the time scale), as the GPUs' own
+    /// stamps are; before, fabric time itself.
+    pub fn set_epoch(&mut self, epoch_ns: u64) {
+        self.epoch_ns = epoch_ns;
+    }
+
+    /// An IP timestamp (ms since midnight UT) for fabric time `t` (`set_epoch`).
+    pub(crate) fn ip_timestamp(&self, t: Instant) -> u32 {
+        let wall = self
+            .topo
+            .fabric
+            .time_scale
+            .to_wall(t.saturating_since(Instant::ZERO));
+        packet::ms_since_midnight(self.epoch_ns.saturating_add(wall.as_nanos() as u64))
     }
 
     /// GPU `gpu`'s interface MTU is now `mtu` (bytes of IP packet), as its host set it: a

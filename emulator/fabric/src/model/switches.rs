@@ -231,7 +231,12 @@ impl Fabric {
             return;
         }
         let answer = match kind {
-            packet::ToSwitch::Echo => packet::echo_reply(from, &bytes),
+            packet::ToSwitch::Echo => {
+                // A Timestamp option gets the switch's entry as it receives the request
+                // (and another as the reply leaves), as a Linux host's does.
+                packet::timestamp(&mut bytes, Some(from), self.ip_timestamp(now));
+                packet::echo_reply(from, &bytes)
+            }
             packet::ToSwitch::Reset => packet::tcp_reset(from, &bytes),
             packet::ToSwitch::Unreachable(code) => packet::unreachable(from, code, &bytes),
             packet::ToSwitch::Nothing => return,
