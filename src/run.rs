@@ -168,6 +168,17 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let mut pipes = Vec::new();
     let started = Instant::now();
     let spawned = (|| -> anyhow::Result<()> {
+        // Rank 0 reads closbox's standard input, as mpirun gives it to its rank 0 (the
+        // others read nothing), through a pipe a thread fills: a rank in a process group
+        // of its own reading the terminal would be stopped (SIGTTIN). Nothing where
+        // closbox itself may not read it (in the background of a terminal).
+        let mut stdin_pipe = if sys::stdin_readable_here() {
+            let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .context("a pipe for rank 0's standard input")?;
+            Some((r, std::fs::File::from(w)))
+        } else {
+            None
+        };
         for (rank, &i) in sel.iter().enumerate() {
             let g = &st.gpus[i];
             let peers = &nodes[&g.node];
@@ -196,13 +207,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 .env("MASTER_PORT", master_port.to_string())
                 .env("CLOSBOX_PEERS", peer_names.join(","))
                 .env("CLOSBOX_NODES", node_list.join(","))
-                .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            let (reader, writer) = stdin_pipe.take().unzip();
+            command.stdin(reader.map_or_else(Stdio::null, Stdio::from));
             let mut child = match enter.spawn(&mut command) {
                 Ok(c) => c,
                 Err(e) => return Err(fabric_hint(spawn_error(e, &args[0]), &args, st)),
             };
+            drop(command);
+            if let Some(mut writer) = writer {
+                // Ends at the end of closbox's input, or when rank 0 closes its end.
+                std::thread::Builder::new()
+                    .name("stdin".into())
+                    .spawn(move || {
+                        // A rank 0 that stops reading must not end closbox (EPIPE).
+                        if sys::block_sigpipe_in_this_thread().is_ok() {
+                            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut writer);
+                        }
+                    })
+                    .context("a thread for rank 0's standard input")?;
+            }
             for (pipe, is_err) in [
                 (child.stdout.take().map(OwnedFd::from), false),
                 (child.stderr.take().map(OwnedFd::from), true),

@@ -256,6 +256,27 @@ fn netpipe_through_open_mpi_and_mpich() {
         // NetPIPE reports on stderr.
         o + &e
     };
+    // mpirun's standard input goes to rank 0 (Open MPI forwards it), as `closbox mpirun`'s
+    // does (before: /dev/null).
+    let out = common::closbox_with_input(
+        &[
+            "mpirun",
+            "--fabric",
+            "lnp",
+            "--impl",
+            "openmpi",
+            "--gpus",
+            "0,15",
+            "--timeout",
+            "60",
+            "--",
+            "cat",
+        ],
+        b"to rank 0\n",
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}{e}");
+    assert_eq!(o.matches("to rank 0").count(), 1, "{o}{e}");
     // A user's setting replaces closbox's own for the same key (Open MPI refuses a key
     // given twice, hydra would take the last).
     for (imp, flag, kv, key) in [

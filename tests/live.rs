@@ -125,6 +125,41 @@ fn lifecycle_exec_run_and_errors() {
     assert!(text(&out).1.contains("cannot run /etc/hostname"));
     let out = closbox(&["run", "--fabric", "lt-life", "no-such-command-xyz"]);
     assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));
+    // Rank 0 reads `run`'s standard input (as mpirun's rank 0 does), the others nothing;
+    // a rank 0 that stops reading it early does not end `run` (before: every rank read
+    // /dev/null).
+    let out = common::closbox_with_input(
+        &[
+            "run",
+            "--fabric",
+            "lt-life",
+            "--gpus",
+            "0-1",
+            "--",
+            "sh",
+            "-c",
+            "cat; echo end",
+        ],
+        b"one\ntwo\n",
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}{e}");
+    let mut lines: Vec<&str> = o.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(
+        lines,
+        ["[0] end", "[0] one", "[0] two", "[1] end"],
+        "{o}{e}"
+    );
+    let out = common::closbox_with_input(
+        &[
+            "run", "--fabric", "lt-life", "--gpus", "0-1", "--", "head", "-c", "4",
+        ],
+        &b"abc\n".repeat(1 << 20),
+    );
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "{o}{e}");
+    assert_eq!(o, "[0] abc\n", "{e}");
     // The fabric written where `status` takes it: the error says how `run` takes it.
     let out = closbox(&["run", "lt-life", "--", "true"]);
     assert_eq!(out.status.code(), Some(127), "{:?}", text(&out));

@@ -14,6 +14,28 @@ pub fn closbox(args: &[&str]) -> Output {
         .expect("run closbox")
 }
 
+/// `closbox ARGS` with `input` on its standard input (written by a thread, so that a
+/// program that reads none of it does not block this one).
+pub fn closbox_with_input(args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run closbox");
+    let mut stdin = child.stdin.take().expect("piped");
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        // A closbox that stops reading ends the write (EPIPE): not a failure here.
+        let _ = stdin.write_all(&input);
+    });
+    let out = child.wait_with_output().expect("wait for closbox");
+    writer.join().expect("stdin writer");
+    out
+}
+
 /// `closbox ARGS`, which must succeed: a failure names the arguments and what it printed.
 pub fn closbox_ok(args: &[&str]) -> Output {
     let out = closbox(args);

@@ -916,6 +916,37 @@ pub fn if_name(index: u32) -> io::Result<String> {
     Ok(rustix::net::netdevice::index_to_name(&fd, index)?)
 }
 
+/// Whether this process may read its standard input without being stopped: it is not a
+/// terminal, or this process's group is the terminal's foreground group (a background
+/// group reading its terminal gets SIGTTIN, which stops it).
+pub fn stdin_readable_here() -> bool {
+    use std::io::IsTerminal;
+    if !io::stdin().is_terminal() {
+        return true;
+    }
+    // SAFETY: plain calls on descriptor 0 and this process; no memory is passed.
+    let (fg, own) = unsafe { (libc::tcgetpgrp(0), libc::getpgrp()) };
+    fg == own
+}
+
+/// Blocks SIGPIPE in the calling thread: a write of its to a pipe whose reader is gone
+/// fails with EPIPE instead of ending the process (`default_sigpipe` made that the
+/// process's default). The signal the kernel then directs at this thread stays pending
+/// on it and goes with it.
+pub fn block_sigpipe_in_this_thread() -> io::Result<()> {
+    // SAFETY: a zeroed sigset_t is a valid argument to sigemptyset; both sets live on
+    // this stack for the calls.
+    unsafe {
+        let mut set: libc::sigset_t = mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
+        match libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) {
+            0 => Ok(()),
+            e => Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
