@@ -317,14 +317,18 @@ pub fn time_exceeded(router: Ipv4Addr, expired: &[u8]) -> Option<Vec<u8>> {
 pub enum ToSwitch {
     /// An echo request: an echo reply (`echo_reply`).
     Echo,
+    /// An ICMP timestamp request (type 13, `clockdiff`): a timestamp reply
+    /// (`timestamp_reply`), as Linux's IP layer answers it.
+    Timestamp,
     /// A TCP segment other than a reset: a reset (`tcp_reset`), as a host with the port
     /// closed sends.
     Reset,
     /// UDP, or a protocol other than ICMP and TCP: ICMP destination unreachable with this
     /// code (3: port, 2: protocol; `unreachable`).
     Unreachable(u8),
-    /// Nothing: an ICMP message other than an echo request (an error or a reply), a TCP
-    /// reset, a fragment (put back together first: `reassembly`).
+    /// Nothing: an ICMP message other than an echo or timestamp request (an error or a
+    /// reply; a timestamp request without its originate timestamp), a TCP reset, a
+    /// fragment (put back together first: `reassembly`).
     Nothing,
 }
 
@@ -337,6 +341,7 @@ pub fn to_switch(pkt: &[u8]) -> ToSwitch {
     }
     match pkt[9] {
         1 if pkt[ihl] == 8 && pkt[ihl + 1] == 0 => ToSwitch::Echo,
+        1 if pkt[ihl] == 13 && pkt[ihl + 1] == 0 && icmp_len(pkt) >= 12 => ToSwitch::Timestamp,
         1 => ToSwitch::Nothing,
         6 if pkt.len() >= ihl + 20 && pkt[ihl + 13] & 0x04 == 0 => ToSwitch::Reset,
         6 => ToSwitch::Nothing,
@@ -416,17 +421,20 @@ fn icmp_error(router: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
     buf
 }
 
-/// The echo reply to `request` (a whole echo request: `ToSwitch::Echo`), from `from` back
-/// to its sender: the same identifier, sequence number and data (RFC 792), IP options
-/// but Record Route and Timestamp left out, TTL 64.
-pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
-    let ihl = (request[0] & 0x0f) as usize * 4;
-    let total = (u16::from_be_bytes([request[2], request[3]]) as usize).min(request.len());
-    let icmp = &request[ihl..total];
-    // Record Route and Timestamp options come back in the reply (RFC 1122, 3.2.2.6), what
-    // they hold so far kept: the switch adds itself as it sends the reply
-    // (`Fabric::forward`), and the switches on the way back after it. Other options are
-    // not echoed.
+/// The length of IPv4 packet `pkt`'s ICMP message (its total length less its header).
+fn icmp_len(pkt: &[u8]) -> usize {
+    let ihl = (pkt[0] & 0x0f) as usize * 4;
+    (u16::from_be_bytes([pkt[2], pkt[3]]) as usize)
+        .min(pkt.len())
+        .saturating_sub(ihl)
+}
+
+/// An ICMP reply of `icmp` (its checksum field filled here) from `from` to `request`'s
+/// sender, TTL 64. Record Route and Timestamp options of the request come back in it (RFC
+/// 1122, 3.2.2.6), what they hold so far kept: the switch adds itself as it sends the
+/// reply (`Fabric::forward`), and the switches on the way back after it. Other options
+/// are not echoed.
+fn icmp_reply(from: Ipv4Addr, request: &[u8], icmp: &[u8]) -> Vec<u8> {
     let kept: Vec<u8> = [7, 68]
         .into_iter()
         .filter_map(|kind| ip_option(request, kind))
@@ -442,12 +450,37 @@ pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
     }
     let at = 20 + opts;
     buf[at..].copy_from_slice(icmp);
-    // Type 0 (echo reply), code 0, checksum over the ICMP message anew.
-    buf[at] = 0;
     buf[at + 2..at + 4].fill(0);
     let sum = !ones_complement_sum(&buf[at..]);
     buf[at + 2..at + 4].copy_from_slice(&sum.to_be_bytes());
     buf
+}
+
+/// The echo reply to `request` (a whole echo request: `ToSwitch::Echo`), from `from` back
+/// to its sender: the same identifier, sequence number and data (RFC 792), IP options
+/// but Record Route and Timestamp left out (`icmp_reply`), TTL 64.
+pub fn echo_reply(from: Ipv4Addr, request: &[u8]) -> Vec<u8> {
+    let ihl = (request[0] & 0x0f) as usize * 4;
+    let mut icmp = request[ihl..ihl + icmp_len(request)].to_vec();
+    // Type 0 (echo reply), code 0.
+    icmp[0] = 0;
+    icmp_reply(from, request, &icmp)
+}
+
+/// The timestamp reply to `request` (an ICMP timestamp request: `ToSwitch::Timestamp`),
+/// from `from` back to its sender, as Linux's `icmp_timestamp` makes it (RFC 792): type
+/// 14, the request's identifier, sequence number and originate timestamp, and `ms`
+/// (milliseconds since midnight UT: `ms_since_midnight`) as both the receive and the
+/// transmit timestamp; 20 bytes of ICMP whatever the request carried after its originate
+/// timestamp.
+pub fn timestamp_reply(from: Ipv4Addr, request: &[u8], ms: u32) -> Vec<u8> {
+    let ihl = (request[0] & 0x0f) as usize * 4;
+    let mut icmp = [0u8; 20];
+    icmp[0] = 14;
+    icmp[4..12].copy_from_slice(&request[ihl + 4..ihl + 12]);
+    icmp[12..16].copy_from_slice(&ms.to_be_bytes());
+    icmp[16..20].copy_from_slice(&ms.to_be_bytes());
+    icmp_reply(from, request, &icmp)
 }
 
 /// The IP option of type `kind` in IPv4 packet `pkt` (its whole header in `pkt`), type and
@@ -878,6 +911,37 @@ mod tests {
         set_header_checksum(&mut p);
         assert!(inspect(&p).is_ok());
         p
+    }
+
+    #[test]
+    fn a_timestamp_request_gets_the_switchs_clock() {
+        let sw = Ipv4Addr::new(198, 18, 0, 9);
+        // Type 13, code 0, id 0x1234, seq 7, originate 1000, receive and transmit 0.
+        let mut req = ip_packet(40, 1, A, sw);
+        req[20] = 13;
+        req[24..28].copy_from_slice(&[0x12, 0x34, 0, 7]);
+        req[28..32].copy_from_slice(&1000u32.to_be_bytes());
+        let sum = !ones_complement_sum(&req[20..]);
+        req[22..24].copy_from_slice(&sum.to_be_bytes());
+        assert_eq!(to_switch(&req), ToSwitch::Timestamp);
+        let rep = timestamp_reply(sw, &req, 86_399_999);
+        let h = inspect(&rep).unwrap();
+        assert_eq!((h.key.src, h.key.dst, h.key.proto), (sw, A, 1));
+        assert!(checksum_ok(&rep));
+        assert_eq!(ones_complement_sum(&rep[20..]), 0xffff);
+        assert_eq!((rep.len(), rep[20], rep[21]), (40, 14, 0));
+        assert_eq!(
+            &rep[24..32],
+            &req[24..32],
+            "identifier, sequence, originate"
+        );
+        assert_eq!(&rep[32..36], &86_399_999u32.to_be_bytes(), "receive");
+        assert_eq!(&rep[36..40], &86_399_999u32.to_be_bytes(), "transmit");
+        // A reply gets nothing; nor a request without its originate timestamp.
+        assert_eq!(to_switch(&rep), ToSwitch::Nothing);
+        let mut short = ip_packet(28 + 3, 1, A, sw);
+        short[20] = 13;
+        assert_eq!(to_switch(&short), ToSwitch::Nothing);
     }
 
     #[test]

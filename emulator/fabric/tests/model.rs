@@ -1086,6 +1086,29 @@ fn switches_stamp_ip_timestamps_in_the_boxs_clock() {
     // Sent 1 ms of fabric time in: 1,000 ms of the box's clock after the epoch.
     assert_eq!(stamps, vec![998, 1_001, 1_001, 1_004, 0]);
     assert_eq!(p[22], 5 + 4 * 4, "the pointer");
+    // An ICMP timestamp request of spine0 (`clockdiff`): its reply carries the switch's
+    // clock as the request arrived, the originate timestamp as sent.
+    let mut ts = ping[..40].to_vec();
+    ts[2..4].copy_from_slice(&40u16.to_be_bytes());
+    packet::set_header_checksum(&mut ts);
+    ts[20] = 13;
+    ts[22..24].fill(0);
+    ts[28..40].fill(0);
+    ts[28..32].copy_from_slice(&77u32.to_be_bytes());
+    let sum = !packet::ones_complement_sum(&ts[20..]);
+    ts[22..24].copy_from_slice(&sum.to_be_bytes());
+    assert_eq!(
+        f.send(Instant::from_nanos(2_000_000), HostId(0), ts),
+        Verdict::Accepted
+    );
+    let got = run(&mut f);
+    assert_eq!(got.len(), 1);
+    let p = got[0].data.to_vec();
+    assert!(packet::checksum_ok(&p));
+    assert_eq!((p.len(), p[9], p[20]), (40, 1, 14), "a timestamp reply");
+    let word = |at: usize| u32::from_be_bytes(p[at..at + 4].try_into().unwrap());
+    // Sent 2 ms of fabric time in, at spine0 5 µs later: 2,005 ms after the epoch.
+    assert_eq!((word(28), word(32), word(36)), (77, 2_001, 2_001));
 }
 
 #[test]

@@ -230,13 +230,13 @@ impl Fabric {
         if matches!(kind, packet::ToSwitch::Nothing) || !self.may_answer(now, v) {
             return;
         }
+        // A Timestamp option gets the switch's entry as it receives the request (and
+        // another as the answer leaves, if it is echoed), as a Linux host's does.
+        let ms = self.ip_timestamp(now);
+        packet::timestamp(&mut bytes, Some(from), ms);
         let answer = match kind {
-            packet::ToSwitch::Echo => {
-                // A Timestamp option gets the switch's entry as it receives the request
-                // (and another as the reply leaves), as a Linux host's does.
-                packet::timestamp(&mut bytes, Some(from), self.ip_timestamp(now));
-                packet::echo_reply(from, &bytes)
-            }
+            packet::ToSwitch::Echo => packet::echo_reply(from, &bytes),
+            packet::ToSwitch::Timestamp => packet::timestamp_reply(from, &bytes, ms),
             packet::ToSwitch::Reset => packet::tcp_reset(from, &bytes),
             packet::ToSwitch::Unreachable(code) => packet::unreachable(from, code, &bytes),
             packet::ToSwitch::Nothing => return,
