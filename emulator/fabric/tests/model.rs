@@ -920,6 +920,13 @@ fn switches_decrement_ttl_and_drop_expired_packets() {
 fn with_record_route(p: &[u8], slots: usize) -> Vec<u8> {
     let mut opt = vec![7, (3 + 4 * slots) as u8, 4];
     opt.resize(3 + 4 * slots, 0);
+    with_options(p, &opt)
+}
+
+/// `p` (an IPv4 packet without options) with IP options `opt`, padded with End of Options
+/// to a whole header word.
+fn with_options(p: &[u8], opt: &[u8]) -> Vec<u8> {
+    let mut opt = opt.to_vec();
     while opt.len() % 4 != 0 {
         opt.push(0);
     }
@@ -1027,13 +1034,7 @@ fn switches_stamp_ip_timestamps_in_the_boxs_clock() {
     // Room for 4 entries of address and timestamp (flag 1).
     let mut opt = vec![68, 36, 5, 1];
     opt.resize(36, 0);
-    let mut p = udp[..20].to_vec();
-    p.extend_from_slice(&opt);
-    p.extend_from_slice(&udp[20..]);
-    p[0] = 0x40 | (56 / 4) as u8;
-    let total = p.len() as u16;
-    p[2..4].copy_from_slice(&total.to_be_bytes());
-    packet::set_header_checksum(&mut p);
+    let p = with_options(&udp, &opt);
     assert_eq!(f.send(Instant::ZERO, HostId(0), p), Verdict::Accepted);
     let got = run(&mut f);
     assert_eq!(got.len(), 1);
@@ -1064,13 +1065,7 @@ fn switches_stamp_ip_timestamps_in_the_boxs_clock() {
     let ping = packet::build_echo_request(addr(&t, 0), switch("spine0"), 7, 1, 84);
     let mut opt = vec![68, 24, 5, 0];
     opt.resize(24, 0);
-    let mut q = ping[..20].to_vec();
-    q.extend_from_slice(&opt);
-    q.extend_from_slice(&ping[20..]);
-    q[0] = 0x40 | (44 / 4) as u8;
-    let total = q.len() as u16;
-    q[2..4].copy_from_slice(&total.to_be_bytes());
-    packet::set_header_checksum(&mut q);
+    let q = with_options(&ping, &opt);
     assert_eq!(
         f.send(Instant::from_nanos(1_000_000), HostId(0), q),
         Verdict::Accepted
