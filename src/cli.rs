@@ -26,7 +26,8 @@ pub(crate) enum Command {
     )]
     Plan(PlanArgs),
     /// Bring a fabric up: a namespace, hostname and TUN per GPU, and the switch daemon.
-    /// Runs in the foreground (Ctrl-C tears it down) unless --detach.
+    /// Runs in the foreground (Ctrl-C tears it down) unless --detach. Exit 4 if the name
+    /// is already up.
     Up {
         /// Topology file.
         file: PathBuf,

@@ -99,45 +99,67 @@ impl Options {
     }
 
     /// Brings up the fabric of topology file `config`.
+    ///
+    /// Without [`Options::name`], under the file's `[fabric] name`, or, where that name is
+    /// up already (another test of the crate bringing the same file up at once: cargo runs
+    /// tests in threads, nextest in processes), under the first of `NAME-2`, `NAME-3`, …
+    /// that is free (cut to closbox's 16 characters); [`Fabric::name`] says which. With a
+    /// name, a name already up is an error.
     pub fn up(self, config: impl AsRef<Path>) -> anyhow::Result<Fabric> {
         let config = config.as_ref();
         // Checked here first: a bad file is an error naming file:line, before any process.
         let topo = closbox_fabric::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let name: FabricName = match &self.name {
-            Some(n) => n.parse().map_err(anyhow::Error::msg)?,
-            None => topo
-                .fabric
-                .name
-                .parse()
-                .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?,
+        let (first, chosen): (FabricName, bool) = match &self.name {
+            Some(n) => (n.parse().map_err(anyhow::Error::msg)?, true),
+            None => (
+                topo.fabric
+                    .name
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?,
+                false,
+            ),
         };
-        let binary = match self.binary {
-            Some(b) => b,
+        let binary = match &self.binary {
+            Some(b) => b.clone(),
             None => Fabric::binary()?,
         };
-        let out = Command::new(&binary)
-            .arg("up")
-            .arg(config)
-            .arg("--detach")
-            .args(self.name.iter().flat_map(|n| ["--name", n.as_str()]))
-            .args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .output()
-            .with_context(|| format!("running {}", binary.display()))?;
-        if !out.status.success() {
-            bail!(
-                "closbox up {}: {}",
-                config.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+        let mut name = first.clone();
+        for n in 2..=AUTO_NAMES + 1 {
+            let renamed = chosen || name != first;
+            let out = Command::new(&binary)
+                .arg("up")
+                .arg(config)
+                .arg("--detach")
+                .args(
+                    renamed
+                        .then(|| ["--name", name.as_str()])
+                        .into_iter()
+                        .flatten(),
+                )
+                .args(&self.args)
+                .envs(self.env.iter().map(|(k, v)| (k, v)))
+                .stdin(Stdio::null())
+                .output()
+                .with_context(|| format!("running {}", binary.display()))?;
+            if out.status.success() {
+                return Ok(Fabric {
+                    name,
+                    binary,
+                    temp_config: None,
+                    up: true,
+                });
+            }
+            let taken = out.status.code() == Some(closbox_switchd::NameTaken::EXIT.into());
+            if !taken || chosen || n > AUTO_NAMES {
+                bail!(
+                    "closbox up {}: {}",
+                    config.display(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            name = numbered(&first, n);
         }
-        Ok(Fabric {
-            name,
-            binary,
-            temp_config: None,
-            up: true,
-        })
+        unreachable!("the loop returns")
     }
 
     /// Brings up the fabric described by `toml` (a topology file's text).
@@ -160,6 +182,19 @@ impl Options {
             }
         }
     }
+}
+
+/// How many names the fixture tries after a file's own is taken.
+const AUTO_NAMES: usize = 64;
+
+/// `base-n`, `base` cut so that the whole is a valid fabric name (16 characters).
+fn numbered(base: &FabricName, n: usize) -> FabricName {
+    let suffix = format!("-{n}");
+    let keep = closbox_fabric::names::MAX_FABRIC_NAME.saturating_sub(suffix.len());
+    let cut = base.as_str()[..base.as_str().len().min(keep)].trim_end_matches('-');
+    format!("{cut}{suffix}")
+        .parse()
+        .expect("a valid name's prefix and a number")
 }
 
 fn next_id() -> u64 {
@@ -211,7 +246,9 @@ impl Fabric {
         bail!("no closbox binary: set CLOSBOX_BIN, or put closbox on PATH (cargo install --path . in closbox's repository)")
     }
 
-    /// The fabric's name (`[fabric] name`).
+    /// The fabric's name: its file's `[fabric] name`, the one given to
+    /// [`Options::name`], or the one the fixture chose where the file's was taken
+    /// ([`Options::up`]).
     pub fn name(&self) -> &str {
         self.name.as_str()
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use closbox_switchd::state::{self, FabricName, GpuState, Phase, State};
-use closbox_switchd::{netns, sys};
+use closbox_switchd::{netns, sys, NameTaken};
 
 /// The fabric a command addresses: the one named, or the only one up.
 pub fn resolve(fabric: Option<&FabricName>) -> anyhow::Result<State> {
@@ -161,10 +161,7 @@ pub fn up(
     if log_to.is_none() {
         if let Ok(name) = topo.fabric.name.parse::<FabricName>() {
             if let Some(st) = State::load(&name)?.filter(State::daemon_alive) {
-                bail!(
-                    "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or `up --name` another name",
-                    st.daemon_pid
-                );
+                return Err(already_up(&name, &st).into());
             }
         }
     }
@@ -209,6 +206,14 @@ pub fn up(
     Ok(())
 }
 
+/// The refusal of `up` for a name whose daemon `st` is running.
+fn already_up(name: &FabricName, st: &State) -> NameTaken {
+    NameTaken(format!(
+        "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or `up --name` another name",
+        st.daemon_pid
+    ))
+}
+
 fn up_detached(
     file: &Path,
     name: &FabricName,
@@ -219,10 +224,7 @@ fn up_detached(
 ) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
-            bail!(
-                "fabric {name} is already up (daemon pid {}); `closbox down {name}` first, or `up --name` another name",
-                st.daemon_pid
-            );
+            return Err(already_up(name, &st).into());
         }
     }
     let log_path = name.log_path();
@@ -271,6 +273,11 @@ fn up_detached(
                 text = fs::read_to_string(&log_path).unwrap_or_default();
             }
             let text = text.trim().trim_start_matches("closbox: ");
+            // Another `up` of the name won the race between the check above and the
+            // daemon's lock: the same refusal as the check's.
+            if status.code() == Some(NameTaken::EXIT.into()) {
+                return Err(NameTaken(text.to_owned()).into());
+            }
             bail!("the daemon exited ({status}) before the fabric was ready: {text}");
         }
         if let Ok(Some(st)) = State::load(name) {

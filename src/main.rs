@@ -495,6 +495,8 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             } else if let Some(c) = e.downcast_ref::<CannotRun>() {
                 ExitCode::from(c.code)
+            } else if e.downcast_ref::<closbox_switchd::NameTaken>().is_some() {
+                ExitCode::from(closbox_switchd::NameTaken::EXIT)
             } else {
                 ExitCode::FAILURE
             }

@@ -162,6 +162,30 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
             st.delivered
         );
     }
+    // Without a name, the file's is taken by none of them: two tests bringing it up at
+    // once (threads, as cargo runs them) get it and the next free one, `lfix-2`; its
+    // second `up` by hand exits 4, the status of a name already up.
+    let (c, d) = std::thread::scope(|s| {
+        let one = || closbox::Fabric::options().binary(bin).up(&file);
+        let c = s.spawn(one);
+        let d = s.spawn(one);
+        (c.join().unwrap().unwrap(), d.join().unwrap().unwrap())
+    });
+    let mut names = [c.name(), d.name()];
+    names.sort();
+    assert_eq!(names, ["lfix", "lfix-2"]);
+    for f in [&c, &d] {
+        let out = f
+            .exec("gpu0", &["ping", "-c", "1", "-W", "5", "gpu3"])
+            .unwrap();
+        assert!(out.status.success(), "{}: {out:?}", f.name());
+        assert_eq!(f.status().unwrap().fabric, f.name());
+    }
+    let out = closbox(&["up", file.to_str().unwrap(), "--detach"]);
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    assert!(text(&out).1.contains("lfix is already up"), "{out:?}");
+    drop(c);
+    drop(d);
     // `down FILE` means the file's own name: nothing to do, saying where its fabric is up.
     let out = closbox(&["down", file.to_str().unwrap()]);
     let said = text(&out).0;
@@ -186,7 +210,7 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     );
     drop(a);
     drop(b);
-    for name in ["lfix", "lfix-a", "lfix-b"] {
+    for name in ["lfix", "lfix-2", "lfix-a", "lfix-b"] {
         assert!(
             common::leftovers(name).is_empty(),
             "{:?}",
@@ -631,7 +655,7 @@ fn pytest_plugin_sample_suite_passes() {
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
-        out.contains("12 passed") && !out.contains("failed"),
+        out.contains("13 passed") && !out.contains("failed"),
         "{out}"
     );
     for name in ["pyt", "pyt-a", "pyt-b", "pyt-gw7", "pyt-sixteen-gw12"] {

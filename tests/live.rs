@@ -203,7 +203,7 @@ fn lifecycle_exec_run_and_errors() {
         text(&out)
     );
     let out = closbox(&["up", f.config.to_str().unwrap(), "--detach"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(4), "a name already up: exit 4");
     assert!(text(&out).1.contains("already up"), "{:?}", text(&out));
     // Said before anything is measured (it followed `auto`'s calibration notice), with
     // the way to have both.
@@ -214,7 +214,7 @@ fn lifecycle_exec_run_and_errors() {
         "--time-scale",
         "auto",
     ]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(4));
     let e = text(&out).1;
     assert!(
         e.contains("already up") && e.contains("up --name") && !e.contains("measuring"),

@@ -49,6 +49,25 @@ pub fn mem_available() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// `up` of a fabric name that is already up (or being brought up or down): a refusal of
+/// its own, which `closbox up` exits with as status 4 ([`NameTaken::EXIT`]), so that a
+/// caller (the test fixtures) can try another name instead of failing.
+#[derive(Debug)]
+pub struct NameTaken(pub String);
+
+impl NameTaken {
+    /// `closbox up`'s exit status for this refusal.
+    pub const EXIT: u8 = 4;
+}
+
+impl std::fmt::Display for NameTaken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NameTaken {}
+
 /// Fails unless running as root (namespaces, mounts and TUN need it).
 pub fn require_root(what: &str) -> anyhow::Result<()> {
     if !sys::is_root() {
@@ -167,10 +186,13 @@ pub fn run_fabric(
     // `down`, waits or refuses instead of racing this one.
     let _lock = match FabricLock::try_acquire(&name)? {
         LockAttempt::Acquired(l) => l,
-        LockAttempt::Held(pid) => bail!(
-            "fabric {name} is already up, or being brought up or down ({}); `closbox down {name}` first, or `up --name` another name",
-            pid.map_or("its lock is held".to_owned(), |p| format!("lock held by pid {p}"))
-        ),
+        LockAttempt::Held(pid) => {
+            return Err(NameTaken(format!(
+                "fabric {name} is already up, or being brought up or down ({}); `closbox down {name}` first, or `up --name` another name",
+                pid.map_or("its lock is held".to_owned(), |p| format!("lock held by pid {p}"))
+            ))
+            .into())
+        }
     };
     if let Some(log) = log_to {
         state::redirect_output_to_log(log)?;

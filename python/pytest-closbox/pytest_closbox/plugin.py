@@ -47,6 +47,19 @@ def _fabric_name(binary: str, path: Path) -> str:
 _NAME_MAX = 16
 
 
+# `closbox up`'s exit status when the name is already up (or being brought up or down).
+_NAME_TAKEN = 4
+
+# How many names the fixture tries after the first is taken.
+_AUTO_NAMES = 64
+
+
+def _numbered(base: str, n: int) -> str:
+    """`base-n`, the base cut so that the whole stays within closbox's 16 characters."""
+    suffix = f"-{n}"
+    return base[: _NAME_MAX - len(suffix)].rstrip("-") + suffix
+
+
 def _worker_name(base: str, worker: str) -> str:
     """The name a pytest-xdist worker brings a fabric named `base` up under: `base-gw3`, the
     base cut so that the whole stays within closbox's 16 characters (a-z, 0-9, '-'), so
@@ -223,9 +236,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def closbox_fabric(request: pytest.FixtureRequest):
     """A factory: `closbox_fabric(path)` or `closbox_fabric(toml=TEXT)` brings a fabric up
     and returns a `Fabric`; every fabric it made goes down after the test. `name=` brings
-    it up under that name instead of its file's (`closbox up --name`): one file up twice
-    at once. Under pytest-xdist, without `name=`, each worker brings it up under the
-    file's name and its own id (`pyt-gw3`), so tests run at once do not collide."""
+    it up under that name instead of its file's (`closbox up --name`), and a name already
+    up is an error. Without `name=`: the file's name (under pytest-xdist, the file's name
+    and the worker's id, `pyt-gw3`), or, where that is already up (the same file up twice
+    at once), the first free of `NAME-2`, `NAME-3`, …; `Fabric.name` says which."""
     if os.geteuid() != 0:
         pytest.skip("closbox fabrics need root (network namespaces, TUN devices)")
     binary = _binary(request.config)
@@ -244,6 +258,7 @@ def closbox_fabric(request: pytest.FixtureRequest):
             path = temp
         path = Path(path)
         try:
+            chosen = name is not None
             worker = os.environ.get("PYTEST_XDIST_WORKER")
             if name is None and worker:
                 # Workers run tests at once: each brings the file up under a name of its own.
@@ -251,12 +266,20 @@ def closbox_fabric(request: pytest.FixtureRequest):
             renamed = [] if name is None else ["--name", name]
             if name is None:
                 name = _fabric_name(binary, path)
-            r = subprocess.run(
-                [binary, "up", str(path), "--detach", *renamed, *args],
-                stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            )
-            if r.returncode != 0:
-                raise ClosboxError(f"closbox up {path}: {r.stderr.strip()}")
+            first = name
+            for n in range(2, _AUTO_NAMES + 2):
+                r = subprocess.run(
+                    [binary, "up", str(path), "--detach", *renamed, *args],
+                    stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                )
+                if r.returncode == 0:
+                    break
+                # Without name=, a name already up (the same file up twice in one test,
+                # or by another test at once) makes way for the next free one.
+                if r.returncode != _NAME_TAKEN or chosen or n > _AUTO_NAMES:
+                    raise ClosboxError(f"closbox up {path}: {r.stderr.strip()}")
+                name = _numbered(first, n)
+                renamed = ["--name", name]
         except BaseException:
             if temp is not None:
                 temp.unlink(missing_ok=True)

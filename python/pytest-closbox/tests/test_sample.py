@@ -61,6 +61,23 @@ def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
         closbox_fabric(toml=SMALL, name="pyt-a")
 
 
+def test_one_file_up_twice_without_names_gets_a_free_name(closbox_fabric):
+    # The file's name is taken by the first: the second comes up under the next free one.
+    a = closbox_fabric(toml=SMALL)
+    b = closbox_fabric(toml=SMALL)
+    sixteen = SMALL.replace('name = "pyt"', 'name = "pyt-sixteen-char"')
+    c = closbox_fabric(toml=sixteen)
+    d = closbox_fabric(toml=sixteen)
+    assert (a.name, b.name, c.name, d.name) == ("pyt", "pyt-2", "pyt-sixteen-char", "pyt-sixteen-ch-2")
+    for fabric in (a, b, d):
+        assert fabric.status()["fabric"] == fabric.name
+        r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
+        assert r.returncode == 0, r.stdout + r.stderr
+    # A bad file is still its own error, not a name to move away from.
+    with pytest.raises(ClosboxError, match="leaves"):
+        closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
+
+
 def test_xdist_workers_bring_one_file_up_under_names_of_their_own(closbox_fabric, monkeypatch):
     # What pytest-xdist sets in each worker; two workers' fabrics of one file side by side.
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
