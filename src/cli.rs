@@ -28,45 +28,7 @@ pub(crate) enum Command {
     /// Bring a fabric up: a namespace, hostname and TUN per GPU, and the switch daemon.
     /// Runs in the foreground (Ctrl-C tears it down) unless --detach. Exit 4 if the name
     /// is already up.
-    Up {
-        /// Topology file.
-        file: PathBuf,
-        /// Return once the fabric is ready; the daemon keeps running.
-        #[arg(long)]
-        detach: bool,
-        /// Bring the file's fabric up under this name instead of its `[fabric] name`
-        /// (namespaces, state, logs and commands' `-f` go by it): one topology file up
-        /// twice at once, e.g. by tests that run in parallel.
-        #[arg(long, value_name = "NAME")]
-        name: Option<FabricName>,
-        /// (Internal, used by --detach) once the fabric's lock is taken, send all output
-        /// to this file.
-        #[arg(long, hide = true, conflicts_with = "detach")]
-        log_to: Option<PathBuf>,
-        /// Serve Prometheus metrics at http://ADDR/metrics (a loopback address, e.g.
-        /// 127.0.0.1:9464).
-        #[arg(long, value_name = "ADDR", value_parser = loopback_addr)]
-        metrics: Option<std::net::SocketAddr>,
-        /// Override the file's time_scale: a number from 1 to 1000000, or "auto" (measure
-        /// this box at up and choose).
-        #[arg(long, value_name = "auto|K", value_parser = time_scale_arg)]
-        time_scale: Option<live::TimeScaleArg>,
-        /// Run the data plane's thread in the real-time class (SCHED_FIFO 10): it wakes
-        /// without waiting for a CPU when the GPUs' processes keep every CPU busy (MPI
-        /// ranks that poll). Safety valve: it drops back to nice -15 whenever it runs 10 ms
-        /// without sleeping.
-        #[arg(long)]
-        realtime: bool,
-        /// Keep idle CPUs polling instead of halting while the fabric is up (a CPU
-        /// latency of 0 asked of the kernel through /dev/cpu_dma_latency, dropped at down
-        /// or however the daemon ends). Where idle CPUs halt (VMs), a wake-up of the data
-        /// plane or of a GPU's process then takes microseconds, not tens of them, and
-        /// most of what a busy host steals (the time to run a halted CPU again) is taken
-        /// back. Costs the CPUs' idle time: power, and on a VM the host's CPU. Only a
-        /// kernel with a cpuidle driver honours it (`up` warns where there is none).
-        #[arg(long)]
-        idle_poll: bool,
-    },
+    Up(UpArgs),
     /// Take fabrics down: exactly what `up` made, also after a crash. Idempotent.
     Down {
         /// Fabric names, or the topology files they were brought up from (default: the
@@ -820,6 +782,52 @@ pub(crate) fn seconds(s: &str) -> Result<std::time::Duration, String> {
         _ => 1.0,
     };
     std::time::Duration::try_from_secs_f64(v * per).map_err(|_| "too long".into())
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct UpArgs {
+    /// Topology file.
+    pub(crate) file: PathBuf,
+    /// Return once the fabric is ready; the daemon keeps running.
+    #[arg(long)]
+    pub(crate) detach: bool,
+    /// Bring the file's fabric up under this name instead of its `[fabric] name`
+    /// (namespaces, state, logs and commands' `-f` go by it): one topology file up
+    /// twice at once, e.g. by tests that run in parallel.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) name: Option<FabricName>,
+    /// (Internal, used by --detach) once the fabric's lock is taken, send all output
+    /// to this file.
+    #[arg(long, hide = true, conflicts_with = "detach")]
+    pub(crate) log_to: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (a loopback address, e.g.
+    /// 127.0.0.1:9464).
+    #[arg(long, value_name = "ADDR", value_parser = loopback_addr)]
+    pub(crate) metrics: Option<std::net::SocketAddr>,
+    /// Override the file's time_scale: a number from 1 to 1000000, or "auto" (measure
+    /// this box at up and choose).
+    #[arg(long, value_name = "auto|K", value_parser = time_scale_arg)]
+    pub(crate) time_scale: Option<live::TimeScaleArg>,
+    /// Run the data plane's thread in the real-time class (SCHED_FIFO 10): it wakes
+    /// without waiting for a CPU when the GPUs' processes keep every CPU busy (MPI
+    /// ranks that poll). Safety valve: it drops back to nice -15 whenever it runs 10 ms
+    /// without sleeping.
+    #[arg(long)]
+    pub(crate) realtime: bool,
+    /// Keep idle CPUs polling instead of halting while the fabric is up (a CPU
+    /// latency of 0 asked of the kernel through /dev/cpu_dma_latency, dropped at down
+    /// or however the daemon ends). Where idle CPUs halt (VMs), a wake-up of the data
+    /// plane or of a GPU's process then takes microseconds, not tens of them, and
+    /// most of what a busy host steals (the time to run a halted CPU again) is taken
+    /// back. Costs the CPUs' idle time: power, and on a VM the host's CPU. Only a
+    /// kernel with a cpuidle driver honours it (`up` warns where there is none).
+    #[arg(long)]
+    pub(crate) idle_poll: bool,
+    /// Take the fabric down when process PID ends, however it ends (a test harness
+    /// passes its own pid, as closbox's Rust and pytest fixtures do: a test process
+    /// killed by a timeout leaves no fabric behind).
+    #[arg(long, value_name = "PID")]
+    pub(crate) owner: Option<u32>,
 }
 
 #[derive(Debug, clap::Args)]

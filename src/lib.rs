@@ -98,7 +98,9 @@ impl Options {
         self
     }
 
-    /// Brings up the fabric of topology file `config`.
+    /// Brings up the fabric of topology file `config`, bound to this process: it goes
+    /// down when the guard is dropped, or when the process ends however it ends (`up
+    /// --owner`; a test killed by a harness's timeout leaves no fabric behind).
     ///
     /// Without [`Options::name`], under the file's `[fabric] name`, or, where that name is
     /// up already (another test of the crate bringing the same file up at once: cargo runs
@@ -123,6 +125,13 @@ impl Options {
             Some(b) => b.clone(),
             None => Fabric::binary()?,
         };
+        // The fabric goes down with this process, however it ends (a test killed by a
+        // harness's timeout runs no `Drop`), unless the caller said otherwise.
+        let owner = (!self
+            .args
+            .iter()
+            .any(|a| a == "--owner" || a.starts_with("--owner=")))
+        .then(|| ["--owner".to_owned(), std::process::id().to_string()]);
         let mut name = first.clone();
         for n in 2..=AUTO_NAMES + 1 {
             let renamed = chosen || name != first;
@@ -136,6 +145,7 @@ impl Options {
                         .into_iter()
                         .flatten(),
                 )
+                .args(owner.iter().flatten())
                 .args(&self.args)
                 .envs(self.env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())

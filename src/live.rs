@@ -130,15 +130,23 @@ fn time_scale_note(st: &State) -> String {
     }
 }
 
-pub fn up(
-    file: &Path,
-    detach: bool,
-    name: Option<&FabricName>,
-    log_to: Option<&Path>,
-    metrics: Option<std::net::SocketAddr>,
-    time_scale: Option<TimeScaleArg>,
-    sched: closbox_switchd::Scheduling,
-) -> anyhow::Result<()> {
+pub fn up(args: crate::cli::UpArgs) -> anyhow::Result<()> {
+    let crate::cli::UpArgs {
+        file,
+        detach,
+        name,
+        log_to,
+        metrics,
+        time_scale,
+        realtime,
+        idle_poll,
+        owner,
+    } = args;
+    let (file, name, log_to) = (file.as_path(), name.as_ref(), log_to.as_deref());
+    let sched = closbox_switchd::Scheduling {
+        realtime,
+        idle_poll,
+    };
     let mut topo = closbox_fabric::load(file)?;
     if let Some(name) = name {
         topo.fabric.name = name.to_string();
@@ -152,6 +160,12 @@ pub fn up(
         None => {}
     }
     closbox_switchd::require_root("closbox up")?;
+    if let Some(pid) = owner {
+        let alive = i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()?;
+        if !matches!(alive, Some(Some(_))) {
+            bail!("--owner {pid}: no process has that pid");
+        }
+    }
     if sched.idle_poll {
         if let Some(why) = closbox_switchd::sys::idle_poll_unavailable() {
             eprintln!("WARNING: --idle-poll has no effect on this box: {why}");
@@ -175,29 +189,30 @@ pub fn up(
     if detach {
         let fabric = topo.fabric.name.parse().map_err(anyhow::Error::msg)?;
         let renamed = name.is_some();
-        return up_detached(file, &fabric, renamed, metrics, time_scale, sched);
+        return up_detached(file, &fabric, renamed, metrics, time_scale, sched, owner);
     }
-    let stopped = closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, |st, took| {
-        let how = if log_to.is_some() {
-            format!(
-                "detached daemon pid {}; `closbox down {}` to stop",
-                std::process::id(),
-                st.fabric
-            )
-        } else {
-            format!("Ctrl-C or `closbox down {}` to stop", st.fabric)
-        };
-        println!(
-            "fabric {} up: {} in {:.2} s, {} (namespaces {} … {}); {how}",
-            st.fabric,
-            crate::bench::plural(st.gpus.len(), "GPU"),
-            took.as_secs_f64(),
-            time_scale_note(st),
-            st.gpus.first().map_or("", |g| &g.netns),
-            st.gpus.last().map_or("", |g| &g.netns),
-        );
-        let _ = std::io::stdout().flush();
-    })?;
+    let stopped =
+        closbox_switchd::run_fabric(&topo, file, log_to, metrics, sched, owner, |st, took| {
+            let how = if log_to.is_some() {
+                format!(
+                    "detached daemon pid {}; `closbox down {}` to stop",
+                    std::process::id(),
+                    st.fabric
+                )
+            } else {
+                format!("Ctrl-C or `closbox down {}` to stop", st.fabric)
+            };
+            println!(
+                "fabric {} up: {} in {:.2} s, {} (namespaces {} … {}); {how}",
+                st.fabric,
+                crate::bench::plural(st.gpus.len(), "GPU"),
+                took.as_secs_f64(),
+                time_scale_note(st),
+                st.gpus.first().map_or("", |g| &g.netns),
+                st.gpus.last().map_or("", |g| &g.netns),
+            );
+            let _ = std::io::stdout().flush();
+        })?;
     println!(
         "fabric {} is down{}",
         topo.fabric.name,
@@ -221,6 +236,7 @@ fn up_detached(
     metrics: Option<std::net::SocketAddr>,
     time_scale: Option<TimeScaleArg>,
     sched: closbox_switchd::Scheduling,
+    owner: Option<u32>,
 ) -> anyhow::Result<()> {
     if let Some(st) = State::load(name)? {
         if st.daemon_alive() {
@@ -254,6 +270,9 @@ fn up_detached(
         }
         if sched.idle_poll {
             cmd.arg("--idle-poll");
+        }
+        if let Some(pid) = owner {
+            cmd.arg("--owner").arg(pid.to_string());
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())

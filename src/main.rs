@@ -136,27 +136,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Plan(args) => run_plan(args).map(|()| ExitCode::SUCCESS),
-        Command::Up {
-            file,
-            detach,
-            name,
-            log_to,
-            metrics,
-            time_scale,
-            realtime,
-            idle_poll,
-        } => live::up(
-            &file,
-            detach,
-            name.as_ref(),
-            log_to.as_deref(),
-            metrics,
-            time_scale,
-            closbox_switchd::Scheduling {
-                realtime,
-                idle_poll,
-            },
-        )
+        Command::Up(args) => live::up(args)
         .map(|()| ExitCode::SUCCESS),
         Command::Down {
             fabric,

@@ -356,8 +356,13 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
     };
     let _ = writeln!(
         o,
-        "  daemon    pid {}, up {:.1} s (fabric time {:.3} s)",
-        st.daemon_pid, s.uptime_s, s.fabric_time_s
+        "  daemon    pid {}, up {:.1} s (fabric time {:.3} s){}",
+        st.daemon_pid,
+        s.uptime_s,
+        s.fabric_time_s,
+        st.owner.map_or(String::new(), |p| format!(
+            "; goes down when pid {p} ends (--owner)"
+        ))
     );
     if !jobs.is_empty() {
         let _ = writeln!(o, "  jobs      {}", crate::jobs::list(jobs));

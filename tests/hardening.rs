@@ -435,6 +435,71 @@ fn the_fabric_lock_serializes_up_and_down() {
     assert!(!Path::new("/run/closbox/locks/lt-held.lock").exists());
 }
 
+/// `up --owner PID`: the fabric goes down when that process ends, however it ends (what
+/// the fixtures pass: a test process killed by a harness's timeout runs no teardown).
+#[test]
+fn a_fabric_goes_down_with_its_owner() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    assert!(
+        leftovers("lt-owned").is_empty(),
+        "{:?}",
+        leftovers("lt-owned")
+    );
+    let _cleanup = DownOnDrop("lt-owned");
+    let cfg = common::scratch_dir().join("lt-owned.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-owned\"\n{SMALL}")).unwrap();
+    // An owner that is no process is refused before anything is made.
+    let out = closbox(&[
+        "up",
+        cfg.to_str().unwrap(),
+        "--detach",
+        "--owner",
+        "999999999",
+    ]);
+    assert!(
+        !out.status.success() && text(&out).1.contains("--owner 999999999: no process"),
+        "{:?}",
+        text(&out)
+    );
+    assert!(leftovers("lt-owned").is_empty());
+
+    let mut owner = bystander();
+    let pid = owner.id().to_string();
+    closbox_ok(&["up", cfg.to_str().unwrap(), "--detach", "--owner", &pid]);
+    let said = text(&closbox(&["status", "lt-owned"])).0;
+    assert!(
+        said.contains(&format!("goes down when pid {pid} ends")),
+        "{said}"
+    );
+    // A job in a GPU, which the fabric's end stops too.
+    let mut job = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["exec", "-f", "lt-owned", "gpu0", "--", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    owner.kill().unwrap();
+    owner.wait().unwrap();
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        !Path::new("/run/closbox/fabrics/lt-owned").exists()
+    });
+    assert!(gone, "the fabric outlived its owner by 10 s");
+    assert!(
+        leftovers("lt-owned").is_empty(),
+        "{:?}",
+        leftovers("lt-owned")
+    );
+    let _ = job.wait();
+    let log = std::fs::read_to_string("/run/closbox/logs/lt-owned.log").unwrap();
+    assert!(
+        log.contains(&format!("its owner, pid {pid}, ended: taking it down")),
+        "{log}"
+    );
+}
+
 /// The pids of the daemons (`closbox up FILE --log-to …`) serving `cfg`.
 fn daemons_of(cfg: &Path) -> Vec<u32> {
     let want = cfg.to_str().unwrap();

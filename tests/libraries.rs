@@ -181,6 +181,10 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
         assert!(out.status.success(), "{}: {out:?}", f.name());
         assert_eq!(f.status().unwrap().fabric, f.name());
     }
+    // Both bound to this process (`up --owner`): a test killed mid-way leaves none.
+    let said = text(&closbox(&["status", c.name()])).0;
+    let owned = format!("goes down when pid {} ends", std::process::id());
+    assert!(said.contains(&owned), "{said}");
     let out = closbox(&["up", file.to_str().unwrap(), "--detach"]);
     assert_eq!(out.status.code(), Some(4), "{out:?}");
     assert!(text(&out).1.contains("lfix is already up"), "{out:?}");

@@ -115,6 +115,7 @@ pub fn plan_state(topo: &Topology, config: &Path) -> anyhow::Result<State> {
         tcp_slow_start_after_idle: topo.fabric.host_tcp.slow_start_after_idle,
         time_scale_note: None,
         pacing_off: None,
+        owner: None,
         gpus: topo
             .hosts
             .iter()
@@ -175,6 +176,7 @@ pub fn run_fabric(
     log_to: Option<&Path>,
     metrics: Option<std::net::SocketAddr>,
     sched: Scheduling,
+    owner: Option<u32>,
     ready: impl FnOnce(&State, Duration),
 ) -> anyhow::Result<Stopped> {
     require_root("closbox up")?;
@@ -182,6 +184,16 @@ pub fn run_fabric(
     let (offload, writers) = tuning_from_env()?;
     let mut st = plan_state(topo, config)?;
     let name = st.fabric.clone();
+    // The owner's end takes the fabric down (`up --owner`): held as a pidfd, which a
+    // later process of the same pid cannot be taken for.
+    let owner = match owner {
+        Some(pid) => match i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()? {
+            Some(Some(fd)) => Some((pid, fd)),
+            _ => bail!("--owner {pid}: no process has that pid"),
+        },
+        None => None,
+    };
+    st.owner = owner.as_ref().map(|(pid, _)| *pid);
     // Held from the first check to the end of teardown: a second `up` of this name, or a
     // `down`, waits or refuses instead of racing this one.
     let _lock = match FabricLock::try_acquire(&name)? {
@@ -356,11 +368,15 @@ pub fn run_fabric(
         topo.fabric.packet_memory
     );
 
-    // Signals set a flag; this watcher turns it into a stop request.
+    // Signals set a flag, an owner ends; this watcher turns either into a stop request.
     let watcher = {
-        let (stop, wake) = (Arc::clone(&stop), Arc::clone(&wake));
+        let (stop, wake, name) = (Arc::clone(&stop), Arc::clone(&wake), name.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
+                if let Some((pid, _)) = owner.as_ref().filter(|(_, fd)| fd.exited()) {
+                    tracing::warn!("fabric {name}: its owner, pid {pid}, ended: taking it down");
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
             let _ = ctl_tx.send(Ctl::Stop);

@@ -169,6 +169,9 @@ pub struct State {
     /// could not install the qdisc (`pace`).
     #[serde(default)]
     pub pacing_off: Option<String>,
+    /// `up --owner`: the process whose end takes the fabric down.
+    #[serde(default)]
+    pub owner: Option<u32>,
     pub gpus: Vec<GpuState>,
 }
 

@@ -267,9 +267,14 @@ def closbox_fabric(request: pytest.FixtureRequest):
             if name is None:
                 name = _fabric_name(binary, path)
             first = name
+            args = list(args)
+            # The fabric goes down with this process however it ends (a test run killed by
+            # a timeout runs no teardown), unless the caller gave an owner.
+            owner = [] if any(a == "--owner" or a.startswith("--owner=") for a in args) \
+                else ["--owner", str(os.getpid())]
             for n in range(2, _AUTO_NAMES + 2):
                 r = subprocess.run(
-                    [binary, "up", str(path), "--detach", *renamed, *args],
+                    [binary, "up", str(path), "--detach", *renamed, *owner, *args],
                     stdin=subprocess.DEVNULL, capture_output=True, text=True,
                 )
                 if r.returncode == 0:

@@ -3,6 +3,7 @@
 Run by closbox's `make test` (tests/libraries.rs) with Debian's pytest and torch.
 """
 
+import os
 import sys
 import textwrap
 
@@ -73,6 +74,8 @@ def test_one_file_up_twice_without_names_gets_a_free_name(closbox_fabric):
         assert fabric.status()["fabric"] == fabric.name
         r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
         assert r.returncode == 0, r.stdout + r.stderr
+    # Each bound to this process (`closbox up --owner`): a run killed mid-test leaves none.
+    assert f"goes down when pid {os.getpid()} ends" in a.closbox("status").stdout
     # A bad file is still its own error, not a name to move away from.
     with pytest.raises(ClosboxError, match="leaves"):
         closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
