@@ -846,7 +846,8 @@ fn udp_above_its_link_is_held_to_the_link_rate() {
 /// set on its link) leaves it, and `status` names it; a GPU that kept closbox's htb gets
 /// the new rate, and one whose host deleted it (the kernel's default qdisc left) gets it
 /// back (`tests/hardening.rs` too). (Before, the next `link set` replaced the host's tbf
-/// with closbox's htb.)
+/// with closbox's htb.) Both are known as the hosts make them, from the qdisc notices of
+/// the GPUs' namespaces (before, only at the pacer's next change).
 #[test]
 fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
     let _s = serial();
@@ -869,6 +870,27 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
         ],
     );
     tc("gpu1", &["qdisc", "del", "dev", "cb0", "root"]);
+    // Heard at once from the GPUs' namespaces (their qdisc notices), before any change of
+    // the fabric: `status` names both, the events say what each host did.
+    let mut heard = serde_json::Value::Null;
+    for _ in 0..50 {
+        heard = f.status()["gpu_qdiscs"].clone();
+        if heard.as_array().is_some_and(|a| a.len() == 2) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        heard,
+        serde_json::json!([["gpu0", "tbf"], ["gpu1", "none (deleted)"]]),
+        "known only at the next change of the fabric before"
+    );
+    let events = text(&closbox(&["events", "lt-qdisc"])).0;
+    assert!(
+        events.contains("gpu0 root qdisc tbf, its host's in place of closbox's pacing")
+            && events.contains("gpu1 root qdisc deleted by its host"),
+        "{events}"
+    );
     for (gpu, leaf) in [("gpu0", "leaf0"), ("gpu1", "leaf0"), ("gpu2", "leaf1")] {
         closbox_ok(&[
             "link", "set", gpu, leaf, "--rate", "50Mbit", "-f", "lt-qdisc",

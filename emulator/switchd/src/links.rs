@@ -26,6 +26,33 @@ pub enum HostLink {
     Mtu(u32),
     /// It is now in this state.
     State(IfState),
+    /// Its root qdisc is now this one (`tc qdisc replace dev cb0 root …`: the host's, or
+    /// closbox's own laid anew), or, with `None`, was deleted (`tc qdisc del dev cb0
+    /// root`: the kernel's default in its place, which it does not announce).
+    Root(Option<RootQdisc>),
+}
+
+/// An interface's root qdisc, as a notice of it says: its handle and kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RootQdisc {
+    pub handle: u32,
+    /// `TCA_KIND` (at most 15 bytes and a NUL, as the kernel's `IFNAMSIZ`).
+    kind: [u8; 16],
+}
+
+impl RootQdisc {
+    pub fn new(handle: u32, kind: &[u8]) -> RootQdisc {
+        let mut k = [0u8; 16];
+        let kind = kind.split(|&b| b == 0).next().unwrap_or(kind);
+        let n = kind.len().min(15);
+        k[..n].copy_from_slice(&kind[..n]);
+        RootQdisc { handle, kind: k }
+    }
+
+    pub fn kind(&self) -> String {
+        let n = self.kind.iter().position(|&b| b == 0).unwrap_or(16);
+        String::from_utf8_lossy(&self.kind[..n]).into_owned()
+    }
 }
 
 /// Whether a GPU's interface carries frames, as its host left it.
@@ -57,6 +84,8 @@ pub struct LinkWatch {
     /// The last message heard said the carrier is on while the fabric has it off (its
     /// host set it on: `ip link set cb0 carrier on`).
     carrier_forced: bool,
+    /// The root qdisc the last notice of one said (`None` before any).
+    root: Option<Option<RootQdisc>>,
 }
 
 impl LinkWatch {
@@ -75,6 +104,7 @@ impl LinkWatch {
             seq: 0,
             awaiting: false,
             carrier_forced: false,
+            root: None,
         })
     }
 
@@ -128,12 +158,14 @@ impl LinkWatch {
     /// on). Where messages were lost (the socket's buffer overflowed), asks again.
     pub fn drain(&mut self, buf: &mut [u8], out: &mut Vec<HostLink>) -> io::Result<()> {
         let mut latest = None;
+        let mut root = None;
         loop {
             match self.sock.try_recv(buf) {
                 Ok(Some(n)) => {
                     let (index, seq) = (self.index, self.seq);
                     let awaiting = &mut self.awaiting;
                     each_message(&buf[..n.min(buf.len())], index, |heard| match heard {
+                        Heard::Root(q) => root = Some(q),
                         // Before the answer to our request: only a deletion counts.
                         Heard::Link(n, s) if *awaiting && n != seq && !s.deleted => {}
                         Heard::Link(n, s) => {
@@ -150,6 +182,10 @@ impl LinkWatch {
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => self.ask()?,
                 Err(e) => return Err(e),
             }
+        }
+        if let Some(q) = root.filter(|q| self.root != Some(*q)) {
+            self.root = Some(q);
+            out.push(HostLink::Root(q));
         }
         let Some(s) = latest.filter(|_| self.state != IfState::Gone) else {
             return Ok(());
@@ -217,6 +253,8 @@ enum Heard {
     Link(u32, LinkState),
     /// An error answering the request of this sequence number.
     Error(u32),
+    /// An `RTM_NEWQDISC` (`Some`) or `RTM_DELQDISC` (`None`) of the interface's root.
+    Root(Option<RootQdisc>),
 }
 
 /// What the last `RTM_NEWLINK` or `RTM_DELLINK` message about interface `index` in `buf`
@@ -237,6 +275,9 @@ pub fn link_state(buf: &[u8], index: u32) -> Option<LinkState> {
 fn each_message(buf: &[u8], index: u32, mut f: impl FnMut(Heard)) {
     const NLMSG_HDR: usize = 16;
     const IFINFOMSG: usize = 16;
+    const TCMSG: usize = 20;
+    const TC_H_ROOT: u32 = 0xFFFF_FFFF;
+    const TCA_KIND: u16 = 1;
     let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
     let u32_at = |b: &[u8], i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().expect("4"));
     let mut at = 0;
@@ -250,6 +291,28 @@ fn each_message(buf: &[u8], index: u32, mut f: impl FnMut(Heard)) {
         let seq = u32_at(msg, 8);
         if kind == libc::NLMSG_ERROR as u16 {
             f(Heard::Error(seq));
+        } else if (kind == libc::RTM_NEWQDISC || kind == libc::RTM_DELQDISC)
+            && msg.len() >= NLMSG_HDR + TCMSG
+            && u32_at(msg, NLMSG_HDR + 4) == index
+            && u32_at(msg, NLMSG_HDR + 12) == TC_H_ROOT
+        {
+            // tcmsg: family, pads (3), ifindex (4), handle (4), parent (4), info (4).
+            let handle = u32_at(msg, NLMSG_HDR + 8);
+            let mut kind_attr: &[u8] = &[];
+            let mut a = NLMSG_HDR + TCMSG;
+            while a + 4 <= msg.len() {
+                let alen = u16_at(msg, a) as usize;
+                if alen < 4 || a + alen > msg.len() {
+                    break;
+                }
+                if u16_at(msg, a + 2) & 0x3fff == TCA_KIND {
+                    kind_attr = &msg[a + 4..a + alen];
+                }
+                a += (alen + 3) & !3;
+            }
+            f(Heard::Root(
+                (kind == libc::RTM_NEWQDISC).then(|| RootQdisc::new(handle, kind_attr)),
+            ));
         } else if (kind == libc::RTM_NEWLINK || kind == libc::RTM_DELLINK)
             && msg.len() >= NLMSG_HDR + IFINFOMSG
             && u32_at(msg, NLMSG_HDR + 4) == index
@@ -411,6 +474,50 @@ mod tests {
         })
         .join()
         .expect("the test's thread");
+    }
+
+    /// In a network namespace of its own (root only: skipped otherwise), a watch hears of
+    /// its interface's root qdisc as it is replaced and deleted, and of nothing else of
+    /// traffic control: not its classes (the pacer's rate changes), not another
+    /// interface's qdisc.
+    #[test]
+    fn a_watch_hears_of_its_root_qdisc_only() {
+        in_own_netns(|ip| {
+            let tc = |args: &str| {
+                let out = std::process::Command::new("tc")
+                    .args(args.split(' '))
+                    .output()
+                    .expect("tc");
+                assert!(out.status.success(), "tc {args}: {out:?}");
+            };
+            ip("link add cbt0 type veth peer name cbt1");
+            ip("link set cbt0 up");
+            let mut w = LinkWatch::open("cbt0", 1500).expect("a watch of cbt0");
+            let mut buf = vec![0u8; BUF];
+            let mut heard = Vec::new();
+            w.drain(&mut buf, &mut heard).expect("drain");
+            heard.clear();
+            tc("qdisc replace dev cbt0 root handle 1: htb default 1");
+            w.drain(&mut buf, &mut heard).expect("drain");
+            let htb = RootQdisc::new(0x1_0000, b"htb\0");
+            assert_eq!(heard, [HostLink::Root(Some(htb))]);
+            assert_eq!(htb.kind(), "htb");
+            tc("class add dev cbt0 parent 1: classid 1:1 htb rate 1mbit");
+            tc("class change dev cbt0 parent 1: classid 1:1 htb rate 2mbit");
+            tc("qdisc replace dev cbt1 root tbf rate 1mbit burst 32k latency 10ms");
+            assert_eq!(w.sock.try_recv(&mut buf).expect("recv"), None);
+            heard.clear();
+            tc("qdisc replace dev cbt0 root tbf rate 1mbit burst 32k latency 10ms");
+            w.drain(&mut buf, &mut heard).expect("drain");
+            match heard.as_slice() {
+                [HostLink::Root(Some(q))] => assert_eq!(q.kind(), "tbf"),
+                other => panic!("{other:?}"),
+            }
+            heard.clear();
+            tc("qdisc del dev cbt0 root");
+            w.drain(&mut buf, &mut heard).expect("drain");
+            assert_eq!(heard, [HostLink::Root(None)]);
+        });
     }
 
     /// In a network namespace of its own (root only: skipped otherwise), a watch of `lo`

@@ -30,8 +30,13 @@ use anyhow::Context;
 use closbox_fabric::routing::Routes;
 use closbox_fabric::{HostId, Topology};
 
+use crate::links::RootQdisc;
 use crate::state::State;
 use crate::sys;
+
+/// What `status` names as a GPU's root qdisc once its host deleted closbox's (the
+/// kernel's default then, which it does not announce).
+pub const REMOVED: &str = "none (deleted)";
 
 /// What `up`, its log and `status` say where the qdisc could not be installed.
 pub const OFF: &str = "the GPUs' UDP and ICMP are not held to their links' rates (a sender above its link loses the excess in its NIC queue)";
@@ -554,6 +559,27 @@ impl Pacer {
             .enumerate()
             .filter_map(|(i, k)| k.clone().map(|k| (i, k)))
             .collect()
+    }
+
+    /// GPU `gpu`'s root qdisc is now `root` (`None`: deleted), as a notice from its
+    /// namespace said: closbox's (none of the host's), the host's own, or `REMOVED`.
+    /// Returns what it was and is when that changed.
+    pub fn heard_root(
+        &self,
+        gpu: usize,
+        root: Option<RootQdisc>,
+    ) -> Option<(Option<String>, Option<String>)> {
+        let is = match root {
+            Some(q) if q.handle == ROOT_HANDLE && q.kind() == "htb" => None,
+            Some(q) => Some(q.kind()),
+            None => Some(REMOVED.to_owned()),
+        };
+        let mut own = self.hosts_own.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = own.get_mut(gpu)?;
+        if *slot == is {
+            return None;
+        }
+        Some((std::mem::replace(slot, is.clone()), is))
     }
 
     /// Link `link` now runs at `bps` (bits/s of fabric time).

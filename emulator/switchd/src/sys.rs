@@ -255,8 +255,9 @@ impl RouteSocket {
         Ok(rustix::net::netdevice::name_to_index(&self.0, name)?)
     }
 
-    /// Lets through only link messages (`RTM_NEWLINK`, `RTM_DELLINK`) about interface
-    /// `index`, and every other kind (acknowledgements, errors): a classic BPF filter, so
+    /// Lets through only link and qdisc messages (`RTM_NEWLINK`, `RTM_DELLINK`,
+    /// `RTM_NEWQDISC`, `RTM_DELQDISC`) about interface `index`, and netlink's own
+    /// (acknowledgements, errors): a classic BPF filter, so
     /// that the kernel drops the rest before it wakes the reader. (A GPU that changes
     /// another interface of its namespace 80,000 times a second kept a third of the data
     /// plane's CPU busy reading and discarding the news.)
@@ -272,13 +273,20 @@ impl RouteSocket {
         };
         let (ld, abs, h, w) = (libc::BPF_LD, libc::BPF_ABS, libc::BPF_H, libc::BPF_W);
         let (jeq, k, ret) = (libc::BPF_JMP | libc::BPF_JEQ, libc::BPF_K, libc::BPF_RET);
+        let jgt = libc::BPF_JMP | libc::BPF_JGT;
         let mut prog = [
-            // nlmsg_type
+            // nlmsg_type: links and root qdiscs go on to their index; netlink's own
+            // messages (errors, below 16) pass; the rest (classes and filters, which the
+            // pacer's rate changes make) are dropped.
             op(ld | h | abs, 0, 0, 4),
-            op(jeq | k, 2, 0, be16(libc::RTM_NEWLINK)),
-            op(jeq | k, 1, 0, be16(libc::RTM_DELLINK)),
+            op(jeq | k, 5, 0, be16(libc::RTM_NEWLINK)),
+            op(jeq | k, 4, 0, be16(libc::RTM_DELLINK)),
+            op(jeq | k, 3, 0, be16(libc::RTM_NEWQDISC)),
+            op(jeq | k, 2, 0, be16(libc::RTM_DELQDISC)),
+            // (Types below 256 load as type << 8: the order holds.)
+            op(jgt | k, 4, 0, be16(15)),
             op(ret | k, 0, 0, u32::MAX),
-            // ifinfomsg.ifi_index, after the 16-byte header
+            // ifinfomsg.ifi_index and tcmsg.tcm_ifindex, after the 16-byte header
             op(ld | w | abs, 0, 0, 20),
             op(jeq | k, 0, 1, be32(index)),
             op(ret | k, 0, 0, u32::MAX),
@@ -309,13 +317,15 @@ impl RouteSocket {
             netlink::SocketAddrNetlink, socket_with, AddressFamily, SocketFlags, SocketType,
         };
         const RTMGRP_LINK: u32 = 1;
+        // Qdiscs too: a GPU's host replacing the one closbox paces with is heard at once.
+        const RTMGRP_TC: u32 = 8;
         let fd = socket_with(
             AddressFamily::NETLINK,
             SocketType::RAW,
             SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
             None, // NETLINK_ROUTE
         )?;
-        rustix::net::bind(&fd, &SocketAddrNetlink::new(0, RTMGRP_LINK))?;
+        rustix::net::bind(&fd, &SocketAddrNetlink::new(0, RTMGRP_LINK | RTMGRP_TC))?;
         Ok(RouteSocket(fd))
     }
 

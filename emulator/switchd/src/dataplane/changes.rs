@@ -7,7 +7,8 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use closbox_fabric::model::Change;
 use closbox_fabric::Instant;
 
-use crate::links::{HostLink, IfState};
+use crate::links::{HostLink, IfState, RootQdisc};
+use crate::pace;
 
 use super::{
     layers, DataPlane, Ports, MAX_EVENTS, MAX_LOAD_PACKETS_PER_WALL_S, MAX_PENDING,
@@ -975,9 +976,36 @@ impl<P: Ports> DataPlane<P> {
             match change {
                 HostLink::Mtu(mtu) => self.follow_mtu(now, gpu, mtu),
                 HostLink::State(state) => self.host_sets(now, gpu, state),
+                HostLink::Root(root) => self.heard_root(now, gpu, root),
             }
         }
         self.link_changes = changes;
+    }
+
+    /// GPU `gpu`'s root qdisc is now `root` (`None`: deleted), as its namespace announced:
+    /// one its host put in place of closbox's pacing qdisc (or took away) is said at once,
+    /// in `status` and the events, not at the pacer's next change.
+    fn heard_root(&mut self, now: Instant, gpu: usize, root: Option<RootQdisc>) {
+        let Some(pacer) = &self.pacer else {
+            return;
+        };
+        let Some((was, is)) = pacer.heard_root(gpu, root) else {
+            return;
+        };
+        let name = &self.topo.hosts[gpu].name;
+        let what = match (was, is) {
+            (_, Some(kind)) if kind == pace::REMOVED => format!(
+                "{name} root qdisc deleted by its host: its non-TCP packets are not held to its links' rates (above them they drop in its NIC queue) until a change of the fabric lays closbox's pacing anew"
+            ),
+            (_, Some(kind)) => format!(
+                "{name} root qdisc {kind}, its host's in place of closbox's pacing: left as it is (its non-TCP packets above its links' rates drop in its NIC queue)"
+            ),
+            (Some(_), None) => {
+                format!("{name} root qdisc closbox's pacing again")
+            }
+            (None, None) => return,
+        };
+        self.log_event(now, what);
     }
 
     /// GPU `gpu`'s host set its interface's MTU to `mtu`: the model's port into it
