@@ -848,10 +848,21 @@ fn run_agents(
         endpoints,
         health: before.zip(after).map(|(b, a)| {
             let mut h = RunHealth::between(&st.fabric, &b, &a);
-            h.congestion = st
-                .tcp_congestion
-                .clone()
-                .or_else(|| st.host_congestion.clone());
+            // As the GPUs' kernels had it at the end (their hosts may have changed it
+            // since `up`), else as `up` set it.
+            h.congestion = match a.gpu_tcp.as_slice() {
+                [] => st
+                    .tcp_congestion
+                    .clone()
+                    .or_else(|| st.host_congestion.clone()),
+                [one] => Some(one.congestion.clone()),
+                many => Some(
+                    many.iter()
+                        .map(|t| format!("{} on {}", t.congestion, plural(t.gpus.len(), "GPU")))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ),
+            };
             if let Some(c) = connected {
                 h.buckets_connected = c;
             }

@@ -332,6 +332,75 @@ fn render_loads(o: &mut String, loads: &[LoadInfo]) {
     }
 }
 
+/// The GPUs' TCP, when it is not the default (Reno requesting ECN): as their kernels have
+/// it now (`Status::gpu_tcp`: a GPU's host may have changed it since `up`), or as `up`
+/// set it where that could not be read.
+fn gpu_tcp_line(st: &State, s: &Status) -> Option<String> {
+    let set_cc = st.tcp_congestion.clone();
+    let set_ecn = if st.tcp_ecn { 1 } else { 2 };
+    let name = |cc: Option<&str>| match cc {
+        Some(closbox_switchd::bpf::NAME) => {
+            "closbox_dctcp (DCTCP, closbox's BPF congestion control)".to_owned()
+        }
+        Some(c) if Some(c) == st.host_congestion.as_deref() && set_cc.is_none() => {
+            format!("the host's default congestion control ({c})")
+        }
+        Some(c) => c.to_owned(),
+        None => match &st.host_congestion {
+            Some(h) => format!("the host's default congestion control ({h})"),
+            None => "the host's default congestion control".to_owned(),
+        },
+    };
+    let ecn = |e: u8| match e {
+        1 => "ECN requested",
+        2 => "ECN not requested (accepted)",
+        0 => "ECN off",
+        _ => "ECN (tcp_ecn other)",
+    };
+    let as_set_cc = set_cc.clone().or_else(|| st.host_congestion.clone());
+    match s.gpu_tcp.as_slice() {
+        [] => (set_cc.as_deref() != Some("reno") || set_ecn != 1)
+            .then(|| format!("{}, {}", name(set_cc.as_deref()), ecn(set_ecn))),
+        [one] => {
+            let changed = Some(&one.congestion) != as_set_cc.as_ref() || one.ecn != set_ecn;
+            (one.congestion != "reno" || one.ecn != 1 || changed).then(|| {
+                let mut l = format!("{}, {}", name(Some(&one.congestion)), ecn(one.ecn));
+                if changed {
+                    l.push_str(&format!(
+                        " (changed in the GPUs since up, which set {}, {})",
+                        name(set_cc.as_deref()),
+                        ecn(set_ecn)
+                    ));
+                }
+                l
+            })
+        }
+        many => Some(format!(
+            "{} (not alike: changed in some GPUs since up, which set {}, {})",
+            many.iter()
+                .map(|t| format!(
+                    "{}, {}: {}",
+                    name(Some(&t.congestion)),
+                    ecn(t.ecn),
+                    some_gpus(&t.gpus)
+                ))
+                .collect::<Vec<_>>()
+                .join("; "),
+            name(set_cc.as_deref()),
+            ecn(set_ecn)
+        )),
+    }
+}
+
+/// A few GPU names: all up to 6, else the first 4 and how many more.
+fn some_gpus(gpus: &[String]) -> String {
+    if gpus.len() <= 6 {
+        gpus.join(", ")
+    } else {
+        format!("{} and {} more", gpus[..4].join(", "), gpus.len() - 4)
+    }
+}
+
 /// `dead`: `dead_vertices` of the status (before its ports were filtered).
 fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String {
     use std::fmt::Write as _;
@@ -477,28 +546,8 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
         approx_bytes(s.packet_memory),
         approx_bytes(s.packet_memory_limit),
     );
-    // The GPUs' TCP, when it is not the default (Reno with ECN).
-    let cc = st.tcp_congestion.as_deref();
-    if cc != Some("reno") || !st.tcp_ecn {
-        let _ = writeln!(
-            o,
-            "  gpu tcp   {}, ECN {}",
-            match cc {
-                Some(closbox_switchd::bpf::NAME) => {
-                    "closbox_dctcp (DCTCP, closbox's BPF congestion control)".to_owned()
-                }
-                Some(c) => c.to_owned(),
-                None => match &st.host_congestion {
-                    Some(h) => format!("the host's default congestion control ({h})"),
-                    None => "the host's default congestion control".to_owned(),
-                },
-            },
-            if st.tcp_ecn {
-                "requested"
-            } else {
-                "not requested (tcp_ecn = false)"
-            }
-        );
+    if let Some(line) = gpu_tcp_line(st, s) {
+        let _ = writeln!(o, "  gpu tcp   {line}");
     }
     let memory_drops = drops(s, "memory_limit");
     if memory_drops > 0 {

@@ -2026,7 +2026,8 @@ fn two_into_one(f: &TestFabric, secs: u32) -> f64 {
 
 /// `tcp_congestion = "host"`: the GPUs keep the host's default congestion control, and
 /// `status` names it (it said "the host's default" without saying which; `bench`'s ECN
-/// footnote then said how "the host's default" answers marks, BBR's not at all).
+/// footnote then said how "the host's default" answers marks, BBR's not at all); and
+/// what a GPU's host changed its TCP to since `up` (it said what `up` had set).
 #[test]
 fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
     let _s = serial();
@@ -2044,6 +2045,20 @@ fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
         &["cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
     );
     let said = text(&closbox(&["status", "lt-hostcc"])).0;
+    // A GPU's host changes its own TCP (root in its namespace): `status` and `bench`'s
+    // footer say what the GPUs' kernels run now, not what `up` set (they did before).
+    let other = if host == "reno" { "bbr" } else { "reno" };
+    let set = f.exec(
+        "gpu1",
+        &[
+            "sysctl",
+            "-qw",
+            &format!("net.ipv4.tcp_congestion_control={other}"),
+            "net.ipv4.tcp_ecn=0",
+        ],
+    );
+    let now = f.status()["gpu_tcp"].clone();
+    let changed = text(&closbox(&["status", "lt-hostcc"])).0;
     f.down();
     assert_eq!(text(&out).0.trim(), host);
     assert!(
@@ -2051,6 +2066,20 @@ fn the_hosts_congestion_control_is_named_where_the_gpus_keep_it() {
             "  gpu tcp   the host's default congestion control ({host}), ECN requested"
         )),
         "{said}"
+    );
+    assert!(set.status.success(), "{:?}", text(&set));
+    assert_eq!(
+        now,
+        serde_json::json!([
+            {"congestion": host, "ecn": 1, "gpus": ["gpu0"]},
+            {"congestion": other, "ecn": 0, "gpus": ["gpu1"]},
+        ])
+    );
+    assert!(
+        changed.contains(&format!(
+            "{other}, ECN off: gpu1 (not alike: changed in some GPUs since up"
+        )),
+        "{changed}"
     );
 }
 

@@ -730,6 +730,24 @@ pub(crate) fn add_kernel_drops(s: &mut Status, gpus: &[crate::state::GpuState], 
         s.tun_tx_dropped = Some(d.iter().flatten().map(|d| d.tx).sum());
         s.gpu_rx_dropped = Some(d.iter().flatten().map(|d| d.rx).sum());
         s.gpu_socket_dropped = Some(d.iter().flatten().filter_map(|d| d.udp_rcvbuf).sum());
+        let mut groups: Vec<crate::dataplane::GpuTcp> = Vec::new();
+        for (g, d) in gpus.iter().zip(&d) {
+            let Some((cc, ecn)) = d.as_ref().and_then(|d| d.tcp.as_ref()) else {
+                continue;
+            };
+            match groups
+                .iter_mut()
+                .find(|t| t.congestion == *cc && t.ecn == *ecn)
+            {
+                Some(t) => t.gpus.push(g.name.clone()),
+                None => groups.push(crate::dataplane::GpuTcp {
+                    congestion: cc.clone(),
+                    ecn: *ecn,
+                    gpus: vec![g.name.clone()],
+                }),
+            }
+        }
+        s.gpu_tcp = groups;
     }
 }
 

@@ -39,8 +39,8 @@ pub use changes::{ends_early, starts};
 pub use layers::{holders, HOST};
 use status::CpuSample;
 pub use status::{
-    behind_advice, steal_remedy, stolen, CpuUse, DirectionStatus, FlowInfo, Flows, LateCause,
-    Lateness, LinkStatus, LoadInfo, PortStatus, Status, TimelineStatus, MAX_FLOWS,
+    behind_advice, steal_remedy, stolen, CpuUse, DirectionStatus, FlowInfo, Flows, GpuTcp,
+    LateCause, Lateness, LinkStatus, LoadInfo, PortStatus, Status, TimelineStatus, MAX_FLOWS,
 };
 use telemetry::{Capture, Recording};
 pub use telemetry::{

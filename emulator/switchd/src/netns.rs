@@ -219,7 +219,7 @@ pub fn open_gpu(state: &State, g: &GpuState) -> anyhow::Result<sys::EnterGpu> {
 }
 
 /// A GPU's TUN drop counters, from its kernel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TunDrops {
     /// Sent by the GPU, dropped before the daemon read them (its queue was full).
     pub tx: u64,
@@ -231,6 +231,9 @@ pub struct TunDrops {
     /// those that went over `lo`): the program read too slowly, the fabric had delivered
     /// them. `None` where the file could not be read.
     pub udp_rcvbuf: Option<u64>,
+    /// Its TCP now: congestion control and `tcp_ecn` (per namespace: the fabric sets them
+    /// at `up`, and the GPU's host, root there, may change them). `None` where unread.
+    pub tcp: Option<(String, u8)>,
 }
 
 /// TUNs that a process in their GPU moved out of its namespace (`ip link set cb0 netns
@@ -276,7 +279,19 @@ pub fn tun_dropped(gpus: &[GpuState], ifindex: &[u32]) -> io::Result<Vec<Option<
                     let udp_rcvbuf = fs::read_to_string("/proc/thread-self/net/snmp")
                         .ok()
                         .and_then(|t| parse_udp_rcvbuf_errors(&t));
-                    Ok(parse_tun_drops(&dev, &name).map(|d| TunDrops { udp_rcvbuf, ..d }))
+                    // (Net sysctls are those of the reading thread's namespace.)
+                    let sysctl = |k: &str| fs::read_to_string(format!("/proc/sys/net/ipv4/{k}"));
+                    let tcp = match (sysctl("tcp_congestion_control"), sysctl("tcp_ecn")) {
+                        (Ok(cc), Ok(ecn)) => {
+                            ecn.trim().parse().ok().map(|e| (cc.trim().to_owned(), e))
+                        }
+                        _ => None,
+                    };
+                    Ok(parse_tun_drops(&dev, &name).map(|d| TunDrops {
+                        udp_rcvbuf,
+                        tcp,
+                        ..d
+                    }))
                 })
                 .collect()
         })
@@ -296,6 +311,7 @@ fn parse_tun_drops(dev: &str, tun: &str) -> Option<TunDrops> {
                 tx: field(11)?,
                 rx: field(3)?,
                 udp_rcvbuf: None,
+                tcp: None,
             })
         })?
     })
@@ -328,7 +344,8 @@ Inter-|   Receive                                                |  Transmit
             Some(TunDrops {
                 tx: 42,
                 rx: 7,
-                udp_rcvbuf: None
+                udp_rcvbuf: None,
+                tcp: None,
             })
         );
         assert_eq!(parse_tun_drops(dev, "cb1"), None);

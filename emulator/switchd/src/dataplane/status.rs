@@ -134,6 +134,15 @@ fn one() -> f64 {
     1.0
 }
 
+/// GPUs whose TCP is set alike (`Status::gpu_tcp`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuTcp {
+    pub congestion: String,
+    /// `net.ipv4.tcp_ecn`.
+    pub ecn: u8,
+    pub gpus: Vec<String>,
+}
+
 /// A snapshot for `closbox status` (the control API's status reply).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Status {
@@ -177,6 +186,12 @@ pub struct Status {
     /// control plane.
     #[serde(default)]
     pub gpu_socket_dropped: Option<u64>,
+    /// The GPUs' TCP as their kernels have it now, GPUs grouped by it (congestion
+    /// control, `tcp_ecn`: 1 requests ECN, 2 only accepts it, 0 never): the fabric sets
+    /// it at `up`, and a GPU's host (root in its namespace) may change it. Filled in by
+    /// the control plane; empty where unread.
+    #[serde(default)]
+    pub gpu_tcp: Vec<GpuTcp>,
     /// Per egress port counters, every port in port order.
     pub ports: Vec<PortStatus>,
     /// Links that are down or whose parameters were changed.
@@ -761,6 +776,7 @@ impl<P: Ports> DataPlane<P> {
             tun_tx_dropped: None,
             gpu_rx_dropped: None,
             gpu_socket_dropped: None,
+            gpu_tcp: Vec::new(),
             ports,
             changed_links: self
                 .model
