@@ -162,8 +162,10 @@ pub fn up(args: crate::cli::UpArgs) -> anyhow::Result<()> {
     closbox_switchd::require_root("closbox up")?;
     if let Some(pid) = owner {
         let alive = i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()?;
-        if !matches!(alive, Some(Some(_))) {
-            bail!("--owner {pid}: no process has that pid");
+        match alive {
+            Some(Some(fd)) if fd.exited() => bail!("--owner {pid}: that process has ended"),
+            Some(Some(_)) => {}
+            _ => bail!("--owner {pid}: no process has that pid"),
         }
     }
     if sched.idle_poll {

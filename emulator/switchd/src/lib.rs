@@ -188,6 +188,7 @@ pub fn run_fabric(
     // later process of the same pid cannot be taken for.
     let owner = match owner {
         Some(pid) => match i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()? {
+            Some(Some(fd)) if fd.exited() => bail!("--owner {pid}: that process has ended"),
             Some(Some(fd)) => Some((pid, fd)),
             _ => bail!("--owner {pid}: no process has that pid"),
         },
