@@ -17,6 +17,12 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 //!
+//! Tests that run at once may bring one file up: without [`Options::name`], a fabric whose
+//! file's name is taken comes up as `NAME-2`, `NAME-3`, … ([`Fabric::name`] says which).
+//! A fabric is bound to the process that brought it up (`closbox up --owner`): it goes
+//! down when its guard is dropped, and also when the process ends without dropping it (a
+//! test killed by its harness's timeout).
+//!
 //! The guard drives the `closbox` binary for what runs processes (`up`, `exec`, `run`,
 //! `mpirun`, `down`): a GPU's process must start in a fresh process inside the namespaces.
 //! Status and link changes go straight to the fabric's daemon over its control socket, typed
