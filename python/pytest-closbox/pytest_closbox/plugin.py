@@ -239,7 +239,9 @@ def closbox_fabric(request: pytest.FixtureRequest):
     it up under that name instead of its file's (`closbox up --name`), and a name already
     up is an error. Without `name=`: the file's name (under pytest-xdist, the file's name
     and the worker's id, `pyt-gw3`), or, where that is already up (the same file up twice
-    at once), the first free of `NAME-2`, `NAME-3`, …; `Fabric.name` says which."""
+    at once), the first free of `NAME-2`, `NAME-3`, …; `Fabric.name` says which. Each
+    fabric is bound to this process (`closbox up --owner`): a run killed mid-test, whose
+    teardown never runs, leaves none behind."""
     if os.geteuid() != 0:
         pytest.skip("closbox fabrics need root (network namespaces, TUN devices)")
     binary = _binary(request.config)
