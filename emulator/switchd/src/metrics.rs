@@ -127,7 +127,7 @@ fn answer(
     let get = method == "GET" || head_only;
     let (status, kind, body) = match (get, path.split('?').next().unwrap_or("")) {
         (true, "/metrics") => match snapshot(ctl, wake).map(|mut s| {
-            crate::control::add_kernel_drops(&mut s, &gpus.0, &gpus.1);
+            crate::control::add_kernel_drops(&mut s, &gpus.0, &gpus.1, false);
             s
         }) {
             Some(s) if openmetrics => (

@@ -169,8 +169,9 @@ pub struct State {
     /// could not install the qdisc (`pace`).
     #[serde(default)]
     pub pacing_off: Option<String>,
-    /// `up --owner`: the process whose end takes the fabric down.
-    #[serde(default)]
+    /// `up --owner`: the process whose end takes the fabric down. (Left out when none:
+    /// the state of a fabric without one reads as before the field.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<u32>,
     pub gpus: Vec<GpuState>,
 }
