@@ -23,6 +23,9 @@ enum Answer {
         status: Box<Status>,
         /// The jobs (`run`, `mpirun`, `bench`, `train`) running on the fabric.
         jobs: Vec<crate::jobs::JobInfo>,
+        /// `up --owner`: the process whose end takes the fabric down.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        owner: Option<u32>,
     },
     Error {
         fabric: String,
@@ -77,6 +80,7 @@ pub fn status(
                 Answer::Status {
                     status: s,
                     jobs: crate::jobs::running(n.as_str()),
+                    owner: st.owner,
                 }
             }
             Reply::Error { message } => Answer::Error {
@@ -421,7 +425,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
             let _ = writeln!(o, "  daemon    ERROR: {error}");
             return o;
         }
-        Answer::Status { status, jobs } => (status, jobs),
+        Answer::Status { status, jobs, .. } => (status, jobs),
     };
     let _ = writeln!(
         o,

@@ -474,6 +474,9 @@ fn a_fabric_goes_down_with_its_owner() {
         said.contains(&format!("goes down when pid {pid} ends")),
         "{said}"
     );
+    let json: serde_json::Value =
+        serde_json::from_slice(&closbox(&["status", "lt-owned", "--json"]).stdout).unwrap();
+    assert_eq!(json[0]["owner"], owner.id(), "{json}");
     // A job in a GPU, which the fabric's end stops too.
     let mut job = Command::new(env!("CARGO_BIN_EXE_closbox"))
         .args(["exec", "-f", "lt-owned", "gpu0", "--", "sleep", "60"])

@@ -76,6 +76,7 @@ def test_one_file_up_twice_without_names_gets_a_free_name(closbox_fabric):
         assert r.returncode == 0, r.stdout + r.stderr
     # Each bound to this process (`closbox up --owner`): a run killed mid-test leaves none.
     assert f"goes down when pid {os.getpid()} ends" in a.closbox("status").stdout
+    assert a.status()["owner"] == os.getpid()
     # A bad file is still its own error, not a name to move away from.
     with pytest.raises(ClosboxError, match="leaves"):
         closbox_fabric(toml=SMALL.replace("leaves = 2", "leaves = -2"))
