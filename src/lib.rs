@@ -235,6 +235,26 @@ impl Fabric {
         Options::default()
     }
 
+    /// Why a fabric cannot be brought up here, if it cannot: not root, no TUN device, or
+    /// no `closbox` binary ([`Fabric::binary`]). For a test that should skip itself where
+    /// it cannot run (the pytest fixture skips without root):
+    ///
+    /// ```no_run
+    /// if let Some(why) = closbox::Fabric::unavailable() {
+    ///     eprintln!("skipped: {why}");
+    ///     return;
+    /// }
+    /// ```
+    pub fn unavailable() -> Option<String> {
+        if !closbox_switchd::sys::is_root() {
+            return Some("closbox fabrics need root (network namespaces, TUN devices)".into());
+        }
+        if !Path::new("/dev/net/tun").exists() {
+            return Some("no /dev/net/tun: this kernel or container has no TUN device".into());
+        }
+        Fabric::binary().err().map(|e| format!("{e:#}"))
+    }
+
     /// The `closbox` binary the fixture drives by default: `$CLOSBOX_BIN`; else a
     /// `closbox` in the directory of the running program or its parent (cargo puts
     /// integration tests in `target/<profile>/deps/` and binaries in `target/<profile>/`);

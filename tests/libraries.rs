@@ -38,6 +38,8 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
         return;
     }
     let bin = env!("CARGO_BIN_EXE_closbox");
+    // As root, with closbox built beside the tests: nothing stands in the way.
+    assert_eq!(closbox::Fabric::unavailable(), None);
     // A bad topology fails before anything is created, naming the line.
     let err = closbox::Fabric::options()
         .binary(bin)
