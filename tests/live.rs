@@ -919,6 +919,19 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
         gpu1.contains("htb") && gpu1.contains("rate 50Mbit"),
         "{gpu1}"
     );
+    // gpu1's laid anew: heard as closbox's again, and said.
+    let mut events = String::new();
+    for _ in 0..50 {
+        events = text(&closbox(&["events", "lt-qdisc"])).0;
+        if events.contains("gpu1 root qdisc closbox's pacing again") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        events.contains("gpu1 root qdisc closbox's pacing again"),
+        "{events}"
+    );
     let st = f.status();
     let own = st["gpu_qdiscs"].as_array().expect("gpu_qdiscs").clone();
     let words = closbox(&["status", "lt-qdisc"]);

@@ -345,6 +345,10 @@ pub struct DataPlane<P: Ports> {
     /// What each GPU's host last did to its interface: where down or deleted, its links
     /// are held down by it (`Layers`).
     host_if: Vec<IfState>,
+    /// Each GPU's root qdisc as its namespace's notices last said: closbox's (`None`), its
+    /// host's (its kind), or deleted (`pace::REMOVED`). Events follow these, not the
+    /// pacer's record, which the pacer also writes when it lays closbox's anew.
+    heard_roots: Vec<Option<String>>,
     /// Each GPU's links (NIC, scale-up), the carrier the fabric gives its interface (off
     /// while all are down: `sync_carriers`), and whether a link's state changed since.
     gpu_links: Vec<Vec<u32>>,
@@ -430,6 +434,7 @@ impl<P: Ports> DataPlane<P> {
             gpu_mtus: Vec::new(),
             link_changes: Vec::new(),
             host_if: vec![IfState::Up; topo.hosts.len()],
+            heard_roots: vec![None; topo.hosts.len()],
             gpu_links: gpu_links(topo),
             carrier: vec![true; topo.hosts.len()],
             carrier_check: false,

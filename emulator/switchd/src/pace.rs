@@ -562,24 +562,19 @@ impl Pacer {
     }
 
     /// GPU `gpu`'s root qdisc is now `root` (`None`: deleted), as a notice from its
-    /// namespace said: closbox's (none of the host's), the host's own, or `REMOVED`.
-    /// Returns what it was and is when that changed.
-    pub fn heard_root(
-        &self,
-        gpu: usize,
-        root: Option<RootQdisc>,
-    ) -> Option<(Option<String>, Option<String>)> {
+    /// namespace said: recorded as closbox's (`None`), the host's own (its kind), or
+    /// `REMOVED`, which it returns.
+    pub fn heard_root(&self, gpu: usize, root: Option<RootQdisc>) -> Option<String> {
         let is = match root {
             Some(q) if q.handle == ROOT_HANDLE && q.kind() == "htb" => None,
             Some(q) => Some(q.kind()),
             None => Some(REMOVED.to_owned()),
         };
         let mut own = self.hosts_own.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = own.get_mut(gpu)?;
-        if *slot == is {
-            return None;
+        if let Some(slot) = own.get_mut(gpu) {
+            slot.clone_from(&is);
         }
-        Some((std::mem::replace(slot, is.clone()), is))
+        is
     }
 
     /// Link `link` now runs at `bps` (bits/s of fabric time).

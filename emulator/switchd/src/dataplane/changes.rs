@@ -989,9 +989,14 @@ impl<P: Ports> DataPlane<P> {
         let Some(pacer) = &self.pacer else {
             return;
         };
-        let Some((was, is)) = pacer.heard_root(gpu, root) else {
+        let is = pacer.heard_root(gpu, root);
+        let Some(slot) = self.heard_roots.get_mut(gpu) else {
             return;
         };
+        if *slot == is {
+            return;
+        }
+        let was = std::mem::replace(slot, is.clone());
         let name = &self.topo.hosts[gpu].name;
         let what = match (was, is) {
             (_, Some(kind)) if kind == pace::REMOVED => format!(
