@@ -872,14 +872,10 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
     tc("gpu1", &["qdisc", "del", "dev", "cb0", "root"]);
     // Heard at once from the GPUs' namespaces (their qdisc notices), before any change of
     // the fabric: `status` names both, the events say what each host did.
-    let mut heard = serde_json::Value::Null;
-    for _ in 0..50 {
-        heard = f.status()["gpu_qdiscs"].clone();
-        if heard.as_array().is_some_and(|a| a.len() == 2) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let heard = common::poll_until(
+        || f.status()["gpu_qdiscs"].clone(),
+        |h| h.as_array().is_some_and(|a| a.len() == 2),
+    );
     assert_eq!(
         heard,
         serde_json::json!([["gpu0", "tbf"], ["gpu1", "none (deleted)"]]),
@@ -897,14 +893,10 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
         ]);
     }
     // The pacer works on its own thread: wait for gpu2's class to follow.
-    let mut gpu2 = String::new();
-    for _ in 0..50 {
-        gpu2 = tc("gpu2", &["class", "show", "dev", "cb0"]);
-        if gpu2.contains("rate 50Mbit") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let gpu2 = common::poll_until(
+        || tc("gpu2", &["class", "show", "dev", "cb0"]),
+        |c| c.contains("rate 50Mbit"),
+    );
     assert!(
         gpu2.contains("rate 50Mbit"),
         "gpu2 kept closbox's qdisc: {gpu2}"
@@ -920,14 +912,10 @@ fn a_qdisc_a_gpus_host_put_in_place_is_left_as_it_is() {
         "{gpu1}"
     );
     // gpu1's laid anew: heard as closbox's again, and said.
-    let mut events = String::new();
-    for _ in 0..50 {
-        events = text(&closbox(&["events", "lt-qdisc"])).0;
-        if events.contains("gpu1 root qdisc closbox's pacing again") {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let events = common::poll_until(
+        || text(&closbox(&["events", "lt-qdisc"])).0,
+        |e| e.contains("gpu1 root qdisc closbox's pacing again"),
+    );
     assert!(
         events.contains("gpu1 root qdisc closbox's pacing again"),
         "{events}"

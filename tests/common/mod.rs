@@ -373,6 +373,21 @@ impl TestFabric {
     }
 }
 
+/// Reads `read()` every 20 ms until `done` holds of it, for at most a second (what another
+/// thread or process does at once, seen a moment later); returns the last reading, which
+/// the caller asserts on.
+pub fn poll_until<T>(mut read: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {
+    let mut last = read();
+    for _ in 0..50 {
+        if done(&last) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        last = read();
+    }
+    last
+}
+
 /// Waits until something in the GPU listens on `port` (TCP LISTEN or a bound UDP socket),
 /// read from the namespace's /proc/net without connecting (a probe connection would use
 /// up a one-off server such as `iperf3 -1`).
