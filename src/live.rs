@@ -160,13 +160,9 @@ pub fn up(args: crate::cli::UpArgs) -> anyhow::Result<()> {
         None => {}
     }
     closbox_switchd::require_root("closbox up")?;
+    // Checked here too, so that a detached `up` says it before starting the daemon.
     if let Some(pid) = owner {
-        let alive = i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()?;
-        match alive {
-            Some(Some(fd)) if fd.exited() => bail!("--owner {pid}: that process has ended"),
-            Some(Some(_)) => {}
-            _ => bail!("--owner {pid}: no process has that pid"),
-        }
+        closbox_switchd::owner_pidfd(pid)?;
     }
     if sched.idle_poll {
         if let Some(why) = closbox_switchd::sys::idle_poll_unavailable() {

@@ -68,6 +68,16 @@ impl std::fmt::Display for NameTaken {
 
 impl std::error::Error for NameTaken {}
 
+/// The process `up --owner PID` binds a fabric to, held as a pidfd (a later process of the
+/// same pid cannot be taken for it); refused where there is none, or it has ended.
+pub fn owner_pidfd(pid: u32) -> anyhow::Result<sys::Pidfd> {
+    match i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()? {
+        Some(Some(fd)) if fd.exited() => bail!("--owner {pid}: that process has ended"),
+        Some(Some(fd)) => Ok(fd),
+        _ => bail!("--owner {pid}: no process has that pid"),
+    }
+}
+
 /// Fails unless running as root (namespaces, mounts and TUN need it).
 pub fn require_root(what: &str) -> anyhow::Result<()> {
     if !sys::is_root() {
@@ -184,14 +194,9 @@ pub fn run_fabric(
     let (offload, writers) = tuning_from_env()?;
     let mut st = plan_state(topo, config)?;
     let name = st.fabric.clone();
-    // The owner's end takes the fabric down (`up --owner`): held as a pidfd, which a
-    // later process of the same pid cannot be taken for.
+    // The owner's end takes the fabric down (`up --owner`).
     let owner = match owner {
-        Some(pid) => match i32::try_from(pid).ok().map(sys::Pidfd::open).transpose()? {
-            Some(Some(fd)) if fd.exited() => bail!("--owner {pid}: that process has ended"),
-            Some(Some(fd)) => Some((pid, fd)),
-            _ => bail!("--owner {pid}: no process has that pid"),
-        },
+        Some(pid) => Some((pid, owner_pidfd(pid)?)),
         None => None,
     };
     st.owner = owner.as_ref().map(|(pid, _)| *pid);
