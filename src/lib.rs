@@ -113,8 +113,17 @@ impl Options {
     /// tests in threads, nextest in processes), under the first of `NAME-2`, `NAME-3`, …
     /// that is free (cut to closbox's 16 characters); [`Fabric::name`] says which. With a
     /// name, a name already up is an error.
-    pub fn up(self, config: impl AsRef<Path>) -> anyhow::Result<Fabric> {
+    pub fn up(mut self, config: impl AsRef<Path>) -> anyhow::Result<Fabric> {
         let config = config.as_ref();
+        // `--name` and `--detach` among the arguments are what the fixture passes itself:
+        // a name there is the fabric's name (it was the file's, with `--name` twice once
+        // the file's was taken), a `--detach` is one already given.
+        if let Some(n) = take_up_flags(&mut self.args)? {
+            if self.name.as_ref().is_some_and(|m| *m != n) {
+                bail!("two names for one fabric: Options::name({:?}) and --name {n:?} in Options::args", self.name.unwrap_or_default());
+            }
+            self.name = Some(n);
+        }
         // Checked here first: a bad file is an error naming file:line, before any process.
         let topo = closbox_fabric::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
         let (first, chosen): (FabricName, bool) = match &self.name {
@@ -198,6 +207,31 @@ impl Options {
             }
         }
     }
+}
+
+/// Takes `--name NAME` / `--name=NAME` (returned; given twice, the last, as clap takes
+/// it) and `--detach` out of `closbox up`'s arguments.
+fn take_up_flags(args: &mut Vec<String>) -> anyhow::Result<Option<String>> {
+    let mut name = None;
+    let mut kept = Vec::with_capacity(args.len());
+    let mut it = std::mem::take(args).into_iter();
+    while let Some(a) = it.next() {
+        if a == "--name" {
+            match it.next() {
+                Some(v) => name = Some(v),
+                None => bail!("--name in Options::args without a name after it"),
+            }
+        } else if let Some(v) = a.strip_prefix("--name=") {
+            name = Some(v.to_owned());
+        } else if a == "--" {
+            kept.push(a);
+            kept.extend(it.by_ref());
+        } else if a != "--detach" {
+            kept.push(a);
+        }
+    }
+    *args = kept;
+    Ok(name)
 }
 
 /// How many names the fixture tries after a file's own is taken.
@@ -472,5 +506,51 @@ impl Drop for Fabric {
         if let Err(e) = self.take_down() {
             eprintln!("closbox fixture: {e:#}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strs(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_name_among_the_arguments_is_the_fabrics_name() {
+        let mut a = strs(&[
+            "--metrics",
+            "127.0.0.1:9464",
+            "--name",
+            "lfix-a",
+            "--detach",
+        ]);
+        assert_eq!(take_up_flags(&mut a).unwrap().as_deref(), Some("lfix-a"));
+        assert_eq!(a, strs(&["--metrics", "127.0.0.1:9464"]));
+
+        let mut a = strs(&["--name=one", "--time-scale", "auto", "--name=two"]);
+        assert_eq!(take_up_flags(&mut a).unwrap().as_deref(), Some("two"));
+        assert_eq!(a, strs(&["--time-scale", "auto"]));
+
+        let mut a = strs(&["--realtime"]);
+        assert_eq!(take_up_flags(&mut a).unwrap(), None);
+        assert_eq!(a, strs(&["--realtime"]));
+
+        let mut a = strs(&["--idle-poll", "--name"]);
+        let e = take_up_flags(&mut a).unwrap_err().to_string();
+        assert!(e.contains("without a name"), "{e}");
+    }
+
+    #[test]
+    fn two_names_for_one_fabric_are_refused_before_any_process() {
+        let e = Fabric::options()
+            .name("lfix-a")
+            .args(["--name", "lfix-b"])
+            .binary("/nonexistent/closbox")
+            .up("configs/leaf-spine-16.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two names") && e.contains("lfix-b"), "{e}");
     }
 }

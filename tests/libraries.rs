@@ -148,7 +148,12 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
     .unwrap();
     let up = |name: &str| closbox::Fabric::options().binary(bin).name(name).up(&file);
     let a = up("lfix-a").unwrap();
-    let b = up("lfix-b").unwrap();
+    // A name among `up`'s arguments is the fabric's name, as `Options::name` gives it.
+    let b = closbox::Fabric::options()
+        .binary(bin)
+        .args(["--name", "lfix-b", "--detach"])
+        .up(&file)
+        .unwrap();
     assert_eq!((a.name(), b.name()), ("lfix-a", "lfix-b"));
     for f in [&a, &b] {
         let out = f

@@ -232,6 +232,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _take_up_flags(args: Iterable[str]) -> tuple[list[str], Optional[str]]:
+    """`args` without `--name NAME` / `--name=NAME` (returned: the last, as closbox takes
+    it) and `--detach`."""
+    kept: list[str] = []
+    name = None
+    it = iter(args)
+    for a in it:
+        if a == "--name":
+            name = next(it, None)
+            if name is None:
+                raise ValueError("closbox_fabric: --name in args without a name after it")
+        elif a.startswith("--name="):
+            name = a[len("--name="):]
+        elif a == "--":
+            kept.append(a)
+            kept.extend(it)
+        elif a != "--detach":
+            kept.append(a)
+    return kept, name
+
+
 @pytest.fixture
 def closbox_fabric(request: pytest.FixtureRequest):
     """A factory: `closbox_fabric(path)` or `closbox_fabric(toml=TEXT)` brings a fabric up
@@ -259,6 +280,13 @@ def closbox_fabric(request: pytest.FixtureRequest):
             temp = Path(temp_name)
             path = temp
         path = Path(path)
+        # `--name` and `--detach` among `args` are the fixture's own flags: a name there is
+        # the fabric's name, as `name=` gives it.
+        args, named = _take_up_flags(args)
+        if named is not None:
+            if name is not None and name != named:
+                raise ValueError(f"closbox_fabric: two names, name={name!r} and --name {named!r} in args")
+            name = named
         try:
             chosen = name is not None
             worker = os.environ.get("PYTEST_XDIST_WORKER")

@@ -52,7 +52,8 @@ def test_every_gpu_is_a_host(closbox_fabric):
 
 def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
     a = closbox_fabric(toml=SMALL, name="pyt-a")
-    b = closbox_fabric(toml=SMALL, name="pyt-b")
+    # A name among `up`'s arguments is the fabric's name, as `name=` gives it.
+    b = closbox_fabric(toml=SMALL, args=["--name", "pyt-b", "--detach"])
     assert (a.name, b.name) == ("pyt-a", "pyt-b")
     for fabric in (a, b):
         r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
@@ -60,6 +61,8 @@ def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
         assert fabric.status()["fabric"] == fabric.name
     with pytest.raises(ClosboxError, match="already up"):
         closbox_fabric(toml=SMALL, name="pyt-a")
+    with pytest.raises(ValueError, match="two names"):
+        closbox_fabric(toml=SMALL, name="pyt-c", args=["--name=pyt-d"])
 
 
 def test_one_file_up_twice_without_names_gets_a_free_name(closbox_fabric):
