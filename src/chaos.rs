@@ -422,6 +422,11 @@ pub struct Started {
 }
 
 impl Started {
+    /// The timeline's id in the daemon (`closbox cancel --timeline`).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Whether event `e` is this timeline's: one of its changes, or what ended it early
     /// (its cancel, the repairs the cancel made, a reset).
     fn owns(&self, e: &Event) -> bool {

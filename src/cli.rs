@@ -420,6 +420,17 @@ pub(crate) enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
     },
+    /// (Internal) what `run` leaves to stop its job if it ends without doing so (killed):
+    /// reads `group PGID`, `timeline ID` and `end` lines from standard input; at its end
+    /// without `end`, cancels the timelines and stops the groups' processes in the GPUs.
+    #[command(hide = true)]
+    Reap {
+        #[arg(long)]
+        fabric: FabricName,
+        /// The `run` it stands in for (for what it says).
+        #[arg(long)]
+        job: u32,
+    },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random faults of links, switches and GPUs (see the README). Prints
     /// events as they happen, until its last change and the end of its loads; Ctrl-C

@@ -343,6 +343,7 @@ fn main() -> ExitCode {
             host,
             cmd,
         } => rsh(fabric.as_ref(), cpu_map.as_deref(), &host, &cmd),
+        Command::Reap { fabric, job } => run::reap(&fabric, job),
         Command::Chaos {
             file,
             dry_run,

@@ -503,6 +503,110 @@ fn a_fabric_goes_down_with_its_owner() {
     );
 }
 
+/// Pids of processes whose command line is `sleep SECS` (numbers no other test uses).
+fn sleepers(secs: &[&str]) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let words: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+            (words.len() >= 2
+                && words[0] == b"sleep"
+                && secs.iter().any(|s| words[1] == s.as_bytes()))
+            .then_some(pid)
+        })
+        .collect()
+}
+
+/// `closbox run` killed with SIGKILL (a harness's timeout) stops nothing itself: its ranks
+/// got SIGTERM as it died, but what they started ran on in the GPUs until `down`, and its
+/// scenario's changes stayed. Its reaper stops both.
+#[test]
+fn a_killed_run_leaves_nothing_running_in_its_gpus() {
+    let _s = serial();
+    if !root_or_skip() {
+        return;
+    }
+    assert!(
+        leftovers("lt-reap").is_empty(),
+        "{:?}",
+        leftovers("lt-reap")
+    );
+    let _cleanup = DownOnDrop("lt-reap");
+    let dir = scratch("lt-reap");
+    let cfg = dir.join("lt-reap.toml");
+    std::fs::write(&cfg, format!("[fabric]\nname = \"lt-reap\"\n{SMALL}")).unwrap();
+    let scenario = dir.join("cut.toml");
+    std::fs::write(
+        &scenario,
+        "[[event]]\nat = \"0ms\"\ndo = \"gpu-down\"\nname = \"gpu1\"\n\n[[event]]\nat = \"600s\"\ndo = \"gpu-up\"\nname = \"gpu1\"\n",
+    )
+    .unwrap();
+    closbox_ok(&["up", cfg.to_str().unwrap(), "--detach"]);
+    let before = sleepers(&["3601", "3602"]);
+    assert!(
+        before.is_empty(),
+        "sleepers there before the test: {before:?}"
+    );
+    let mut job = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "run",
+            "-f",
+            "lt-reap",
+            "--chaos",
+            scenario.to_str().unwrap(),
+        ])
+        .args(["--", "sh", "-c", "sleep 3601 & sleep 3602; wait"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Both GPUs' shells and their two sleepers.
+    let started = common::poll_until(|| sleepers(&["3601", "3602"]), |p| p.len() == 4);
+    assert_eq!(started.len(), 4, "{started:?}");
+    let said = text(&closbox(&["status", "lt-reap"])).0;
+    assert!(said.contains("gpu1") && said.contains("down"), "{said}");
+    job.kill().unwrap();
+    job.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut err).unwrap();
+    // The reaper had finished once the job's standard error closed.
+    let left = sleepers(&["3601", "3602"]);
+    assert!(left.is_empty(), "left running: {left:?}\n{err}");
+    assert!(
+        err.contains("ended without stopping its job")
+            && err.contains("cancelled the rest of its scenario")
+            // The sleepers, and the shells if their SIGTERM had not ended them yet.
+            && err.contains("process(es) its ranks left in the GPUs"),
+        "{err}"
+    );
+    // The scenario's cancel undid its change: gpu1 is back.
+    let ev = text(&closbox_ok(&["events", "lt-reap"])).0;
+    assert!(ev.contains("gpu1 up"), "{ev}");
+    let out = closbox(&[
+        "exec", "-f", "lt-reap", "gpu0", "--", "ping", "-c", "1", "-W", "5", "gpu1",
+    ]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // A job that ends by itself leaves no reaper behind.
+    closbox_ok(&["run", "-f", "lt-reap", "--", "true"]);
+    let reapers: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains("reap --fabric lt-reap"))
+        .collect();
+    assert!(reapers.is_empty(), "{reapers:?}");
+    closbox_ok(&["down", "lt-reap"]);
+    assert!(
+        leftovers("lt-reap").is_empty(),
+        "{:?}",
+        leftovers("lt-reap")
+    );
+}
+
 /// The pids of the daemons (`closbox up FILE --log-to …`) serving `cfg`.
 fn daemons_of(cfg: &Path) -> Vec<u32> {
     let want = cfg.to_str().unwrap();

@@ -549,58 +549,85 @@ fn netns_id(path: &Path, nsfs_dev: u64) -> Option<(u64, u64)> {
     (meta.dev() == nsfs_dev && !meta.file_type().is_symlink()).then(|| (meta.dev(), meta.ino()))
 }
 
-/// Pids (other than this process) whose network namespace is one of `targets`.
-fn pids_in(targets: &BTreeSet<(u64, u64)>) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let Ok(rd) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != me && in_targets(pid, targets))
-        .collect()
+/// The processes whose network namespace is one of a fabric's (identified by device and
+/// inode), and, if `groups` is given, whose process group is one of those.
+struct InNamespaces {
+    targets: BTreeSet<(u64, u64)>,
+    groups: Option<BTreeSet<i32>>,
 }
 
-fn in_targets(pid: i32, targets: &BTreeSet<(u64, u64)>) -> bool {
-    // /proc/PID/ns/net is a magic link: stat (not lstat) gives the namespace's identity.
-    fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| targets.contains(&(m.dev(), m.ino())))
-}
-
-/// Signals every process in `targets` that is still in one of them, through a pidfd
-/// opened before the check (so a reused pid is never signalled).
-fn signal_all(targets: &BTreeSet<(u64, u64)>, sig: libc::c_int) -> Vec<i32> {
-    let mut hit = Vec::new();
-    for pid in pids_in(targets) {
-        let Ok(Some(fd)) = Pidfd::open(pid) else {
-            continue;
-        };
-        if in_targets(pid, targets) && fd.signal(sig).unwrap_or(false) {
-            hit.push(pid);
-        }
+impl InNamespaces {
+    /// The namespaces of `state`'s GPUs that exist; never the host's own (this process's
+    /// or init's). None if there are none.
+    fn of(state: &State, groups: Option<BTreeSet<i32>>) -> Option<InNamespaces> {
+        let nsfs = fs::metadata("/proc/self/ns/net").ok()?;
+        let host = (nsfs.dev(), nsfs.ino());
+        let init = fs::metadata("/proc/1/ns/net")
+            .map(|m| (m.dev(), m.ino()))
+            .ok();
+        let targets: BTreeSet<(u64, u64)> = state
+            .gpus
+            .iter()
+            .filter_map(|g| netns_id(&g.netns_path(), nsfs.dev()))
+            .filter(|id| *id != host && Some(*id) != init)
+            .collect();
+        (!targets.is_empty()).then_some(InNamespaces { targets, groups })
     }
-    hit
+
+    /// Pids (other than this process) that are targets. A zombie is not: its namespaces
+    /// are gone with it.
+    fn pids(&self) -> Vec<i32> {
+        let me = std::process::id() as i32;
+        let Ok(rd) = fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|&pid| pid != me && self.is_target(pid))
+            .collect()
+    }
+
+    fn is_target(&self, pid: i32) -> bool {
+        // /proc/PID/ns/net is a magic link: stat (not lstat) gives the namespace's identity.
+        let inside = fs::metadata(format!("/proc/{pid}/ns/net"))
+            .is_ok_and(|m| self.targets.contains(&(m.dev(), m.ino())));
+        inside
+            && self.groups.as_ref().is_none_or(|groups| {
+                rustix::process::Pid::from_raw(pid)
+                    .and_then(|p| rustix::process::getpgid(Some(p)).ok())
+                    .is_some_and(|g| groups.contains(&g.as_raw_nonzero().get()))
+            })
+    }
+}
+
+impl Targets for InNamespaces {
+    /// Signals every target through a pidfd opened before the check (so a reused pid is
+    /// never signalled).
+    fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
+        let mut hit = Vec::new();
+        for pid in self.pids() {
+            let Ok(Some(fd)) = Pidfd::open(pid) else {
+                continue;
+            };
+            if self.is_target(pid) && fd.signal(sig).unwrap_or(false) {
+                hit.push(pid);
+            }
+        }
+        hit
+    }
+
+    fn running(&mut self) -> Vec<i32> {
+        self.pids()
+    }
 }
 
 /// Stops every process inside the fabric's namespaces: SIGTERM, SIGKILL after `grace`,
 /// then waits (bounded) for the kernel to let go of them. Namespaces are identified by
 /// device and inode; the host's own namespace is never a target.
 pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
-    let Ok(nsfs) = fs::metadata("/proc/self/ns/net") else {
+    let Some(mut targets) = InNamespaces::of(state, None) else {
         return Stopped::default();
     };
-    let host = (nsfs.dev(), nsfs.ino());
-    let init = fs::metadata("/proc/1/ns/net")
-        .map(|m| (m.dev(), m.ino()))
-        .ok();
-    let targets: BTreeSet<(u64, u64)> = state
-        .gpus
-        .iter()
-        .filter_map(|g| netns_id(&g.netns_path(), nsfs.dev()))
-        .filter(|id| *id != host && Some(*id) != init)
-        .collect();
-    if targets.is_empty() {
-        return Stopped::default();
-    }
-    let stopped = terminate(&mut InNamespaces(targets), grace, KILL_WAIT);
+    let stopped = terminate(&mut targets, grace, KILL_WAIT);
     if !stopped.stopped.is_empty() || !stopped.survivors.is_empty() {
         tracing::info!(
             "fabric {}: processes in its GPUs: stopped {:?}, surviving {:?}",
@@ -612,16 +639,16 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
     stopped
 }
 
-/// The processes whose network namespace is one of a fabric's.
-struct InNamespaces(BTreeSet<(u64, u64)>);
-
-impl Targets for InNamespaces {
-    fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
-        signal_all(&self.0, sig)
+/// Stops the processes in the fabric's GPUs whose process group is one of `groups` (a
+/// job's ranks, each the leader of its own, and what they started), as
+/// `kill_gpu_processes` does. A group's number reused on the host is never reached.
+pub fn kill_groups_in_gpus(state: &State, groups: BTreeSet<i32>, grace: Duration) -> Stopped {
+    if groups.is_empty() {
+        return Stopped::default();
     }
-
-    fn running(&mut self) -> Vec<i32> {
-        pids_in(&self.0)
+    match InNamespaces::of(state, Some(groups)) {
+        Some(mut targets) => terminate(&mut targets, grace, KILL_WAIT),
+        None => Stopped::default(),
     }
 }
 
