@@ -175,8 +175,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let spawned = (|| -> anyhow::Result<()> {
         // Rank 0 reads closbox's standard input, as mpirun gives it to its rank 0 (the
-        // others read nothing), through a pipe a thread fills: a rank in a process group
-        // of its own reading the terminal would be stopped (SIGTTIN). Nothing where
+        // others read nothing), through a pipe a thread fills: a rank in a session
+        // of its own has no controlling terminal to read. Nothing where
         // closbox itself may not read it (in the background of a terminal).
         let mut stdin_pipe = if sys::stdin_readable_here() {
             let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -193,7 +193,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 .position(|r| *r == rank)
                 .expect("rank in its node");
             let mut enter = netns::open_gpu(st, g)?;
-            enter.new_group = true;
+            enter.new_session = true;
             let enter = Arc::new(enter);
             let args: Vec<String> = a
                 .cmd
@@ -223,8 +223,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             };
             drop(command);
             if let Some(r) = &mut reaper {
-                // Each rank leads a process group of its own (`new_group`).
-                r.tell(&format!("group {}", child.id()));
+                // Each rank leads a session of its own (`new_session`).
+                r.tell(&format!("session {}", child.id()));
             }
             if let Some(mut writer) = writer {
                 // Ends at the end of closbox's input, or when rank 0 closes its end.
@@ -571,20 +571,21 @@ impl Drop for Reaper {
     }
 }
 
-/// `closbox reap` (started by `run`, see `Reaper`): reads `group PGID`, `timeline ID` and
+/// `closbox reap` (started by `run`, see `Reaper`): reads `session SID`, `timeline ID` and
 /// `end` lines; at the end of its input without `end`, cancels the timelines and stops
-/// the groups' processes in the fabric's GPUs.
+/// the sessions' processes in the fabric's GPUs (the ranks, what they started there, and
+/// what they started in other GPUs through `closbox exec`: a launcher's remote daemons).
 pub fn reap(fabric: &closbox_switchd::state::FabricName, job: u32) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, Write};
-    let mut groups = std::collections::BTreeSet::new();
+    let mut sessions = std::collections::BTreeSet::new();
     let mut timelines = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         match line.split_once(' ') {
             _ if line == "end" => return Ok(ExitCode::SUCCESS),
-            Some(("group", g)) => groups.extend(g.parse::<i32>().ok().filter(|g| *g > 1)),
+            Some(("session", g)) => sessions.extend(g.parse::<i32>().ok().filter(|g| *g > 1)),
             Some(("timeline", t)) => timelines.extend(t.parse::<u64>().ok()),
-            _ => bail!("closbox reap: {line:?} is not `group PGID`, `timeline ID` or `end`"),
+            _ => bail!("closbox reap: {line:?} is not `session SID`, `timeline ID` or `end`"),
         }
     }
     let mut said = Vec::new();
@@ -600,7 +601,7 @@ pub fn reap(fabric: &closbox_switchd::state::FabricName, job: u32) -> anyhow::Re
     }
     if let Some(st) = State::load(fabric).ok().flatten() {
         let stopped =
-            closbox_switchd::state::kill_groups_in_gpus(&st, groups, Duration::from_secs(3));
+            closbox_switchd::state::kill_sessions_in_gpus(&st, sessions, Duration::from_secs(3));
         if !stopped.stopped.is_empty() {
             said.push(format!(
                 "stopped {} process(es) its ranks left in the GPUs: {:?}",

@@ -589,6 +589,31 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
         "exec", "-f", "lt-reap", "gpu0", "--", "ping", "-c", "1", "-W", "5", "gpu1",
     ]);
     assert!(out.status.success(), "{:?}", text(&out));
+    // Open MPI's launcher puts its local rank in a process group of its own, and starts
+    // the others through `closbox exec` in their GPUs: the job's session holds them all.
+    let mut job = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args([
+            "mpirun", "-f", "lt-reap", "--impl", "openmpi", "--", "sleep", "3603",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = common::poll_until(
+        || {
+            std::thread::sleep(Duration::from_millis(100));
+            sleepers(&["3603"])
+        },
+        |p| p.len() == 2,
+    );
+    assert_eq!(started.len(), 2, "{started:?}");
+    job.kill().unwrap();
+    job.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut err).unwrap();
+    let left = sleepers(&["3603"]);
+    assert!(left.is_empty(), "left running: {left:?}\n{err}");
+    assert!(err.contains("ended without stopping its job"), "{err}");
     // A job that ends by itself leaves no reaper behind.
     closbox_ok(&["run", "-f", "lt-reap", "--", "true"]);
     let reapers: Vec<String> = std::fs::read_dir("/proc")

@@ -550,16 +550,16 @@ fn netns_id(path: &Path, nsfs_dev: u64) -> Option<(u64, u64)> {
 }
 
 /// The processes whose network namespace is one of a fabric's (identified by device and
-/// inode), and, if `groups` is given, whose process group is one of those.
+/// inode), and, if `sessions` is given, whose session is one of those.
 struct InNamespaces {
     targets: BTreeSet<(u64, u64)>,
-    groups: Option<BTreeSet<i32>>,
+    sessions: Option<BTreeSet<i32>>,
 }
 
 impl InNamespaces {
     /// The namespaces of `state`'s GPUs that exist; never the host's own (this process's
     /// or init's). None if there are none.
-    fn of(state: &State, groups: Option<BTreeSet<i32>>) -> Option<InNamespaces> {
+    fn of(state: &State, sessions: Option<BTreeSet<i32>>) -> Option<InNamespaces> {
         let nsfs = fs::metadata("/proc/self/ns/net").ok()?;
         let host = (nsfs.dev(), nsfs.ino());
         let init = fs::metadata("/proc/1/ns/net")
@@ -571,7 +571,7 @@ impl InNamespaces {
             .filter_map(|g| netns_id(&g.netns_path(), nsfs.dev()))
             .filter(|id| *id != host && Some(*id) != init)
             .collect();
-        (!targets.is_empty()).then_some(InNamespaces { targets, groups })
+        (!targets.is_empty()).then_some(InNamespaces { targets, sessions })
     }
 
     /// Pids (other than this process) that are targets. A zombie is not: its namespaces
@@ -591,10 +591,10 @@ impl InNamespaces {
         let inside = fs::metadata(format!("/proc/{pid}/ns/net"))
             .is_ok_and(|m| self.targets.contains(&(m.dev(), m.ino())));
         inside
-            && self.groups.as_ref().is_none_or(|groups| {
+            && self.sessions.as_ref().is_none_or(|sessions| {
                 rustix::process::Pid::from_raw(pid)
-                    .and_then(|p| rustix::process::getpgid(Some(p)).ok())
-                    .is_some_and(|g| groups.contains(&g.as_raw_nonzero().get()))
+                    .and_then(|p| rustix::process::getsid(Some(p)).ok())
+                    .is_some_and(|s| sessions.contains(&s.as_raw_nonzero().get()))
             })
     }
 }
@@ -639,14 +639,14 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
     stopped
 }
 
-/// Stops the processes in the fabric's GPUs whose process group is one of `groups` (a
-/// job's ranks, each the leader of its own, and what they started), as
-/// `kill_gpu_processes` does. A group's number reused on the host is never reached.
-pub fn kill_groups_in_gpus(state: &State, groups: BTreeSet<i32>, grace: Duration) -> Stopped {
-    if groups.is_empty() {
+/// Stops the processes in the fabric's GPUs whose session is one of `sessions` (a job's
+/// ranks, each the leader of its own, and what they started), as `kill_gpu_processes`
+/// does. A session's number reused on the host is never reached.
+pub fn kill_sessions_in_gpus(state: &State, sessions: BTreeSet<i32>, grace: Duration) -> Stopped {
+    if sessions.is_empty() {
         return Stopped::default();
     }
-    match InNamespaces::of(state, Some(groups)) {
+    match InNamespaces::of(state, Some(sessions)) {
         Some(mut targets) => terminate(&mut targets, grace, KILL_WAIT),
         None => Stopped::default(),
     }

@@ -714,8 +714,14 @@ pub struct EnterGpu {
     hostname: CString,
     hosts_src: CString,
     hostname_src: CString,
-    /// Lead a new process group (for `run`); `exec` stays in the terminal's group.
+    /// Lead a new process group (`exec` away from a terminal); `exec` from a terminal
+    /// stays in the terminal's group.
     pub new_group: bool,
+    /// Lead a new session, and so a new process group (`run`'s ranks): everything the
+    /// command starts, in this GPU or through `closbox exec` in others (a launcher's
+    /// remote daemons and their ranks), stays in its session unless it leaves it itself,
+    /// so a job's processes can be found after their parents are gone.
+    pub new_session: bool,
     /// The process that spawns: its command gets SIGTERM when it dies, however it dies.
     parent: Option<Pid>,
 }
@@ -734,6 +740,7 @@ impl EnterGpu {
             hosts_src: cstr(hosts_file)?,
             hostname_src: cstr(hostname_file)?,
             new_group: false,
+            new_session: false,
             parent: Some(process::getpid()),
         })
     }
@@ -768,7 +775,9 @@ impl EnterGpu {
                 None,
             );
         }
-        if self.new_group {
+        if self.new_session {
+            process::setsid()?;
+        } else if self.new_group {
             process::setpgid(None, None)?;
         }
         // A GPU's command does not outlive the closbox that started it (killed, even by
