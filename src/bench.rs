@@ -353,7 +353,7 @@ fn mark_reaction(congestion: Option<&str>) -> String {
 
 impl RunHealth {
     fn snapshot(fabric: &FabricName) -> Option<Status> {
-        match control::request(fabric, &Request::Status) {
+        match control::request(fabric, &Request::Status { tcp: true }) {
             Ok(Reply::Status(s)) => Some(*s),
             _ => None,
         }

@@ -196,11 +196,12 @@ fn resolve(all_ports: &[String], s: &Selection) -> anyhow::Result<Vec<String>> {
 pub fn capture(a: Args) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox capture")?;
     let st = live::resolve(a.fabric)?;
-    let all_ports: Vec<String> = match control::request(&st.fabric, &Request::Status)? {
-        Reply::Status(s) => s.ports.iter().map(|p| p.port.clone()).collect(),
-        Reply::Error { message } => bail!("{message}"),
-        other => bail!("unexpected reply from the daemon: {other:?}"),
-    };
+    let all_ports: Vec<String> =
+        match control::request(&st.fabric, &Request::Status { tcp: false })? {
+            Reply::Status(s) => s.ports.iter().map(|p| p.port.clone()).collect(),
+            Reply::Error { message } => bail!("{message}"),
+            other => bail!("unexpected reply from the daemon: {other:?}"),
+        };
     let ports = resolve(&all_ports, &a.select)?;
     let stop = closbox_switchd::stop_on_signals()?;
     let req = Request::Capture {

@@ -97,7 +97,7 @@ pub fn cancel(fabric: Option<&FabricName>, timeline: Option<u64>) -> anyhow::Res
 /// Timeline `t` had nothing to cancel: says so, and what it left broken for good and
 /// what undoes it, or that there is no such timeline (a usage error, exit 2).
 fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<ExitCode> {
-    let Reply::Status(s) = control::request(fabric, &Request::Status)? else {
+    let Reply::Status(s) = control::request(fabric, &Request::Status { tcp: false })? else {
         bail!("the daemon did not answer a status request");
     };
     if t > s.timelines_started {
@@ -146,7 +146,7 @@ fn left_behind(fabric: &FabricName, t: u64) -> anyhow::Result<ExitCode> {
 
 /// Whether timeline `id` has changes pending or loads running.
 fn running(fabric: &FabricName, id: u64) -> anyhow::Result<bool> {
-    match control::request(fabric, &Request::Status)? {
+    match control::request(fabric, &Request::Status { tcp: false })? {
         Reply::Status(s) => Ok(s.timelines.iter().any(|t| t.id == id)),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),
@@ -166,7 +166,7 @@ fn print_event(e: &Event, json: bool) {
 }
 
 fn counts(fabric: &FabricName) -> anyhow::Result<Counts> {
-    match control::request(fabric, &Request::Status)? {
+    match control::request(fabric, &Request::Status { tcp: false })? {
         Reply::Status(s) => Ok(Counts::of(&s)),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),

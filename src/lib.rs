@@ -376,7 +376,7 @@ impl Fabric {
 
     /// The daemon's counters: packets, drops by reason, per-port counters, lateness.
     pub fn status(&self) -> anyhow::Result<Status> {
-        match self.ask(&Request::Status)? {
+        match self.ask(&Request::Status { tcp: true })? {
             Reply::Status(s) => Ok(*s),
             _ => bail!("fabric {}: the daemon answered something else", self.name),
         }

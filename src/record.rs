@@ -23,7 +23,7 @@ pub struct RecordArgs<'a> {
 pub fn record(a: RecordArgs) -> anyhow::Result<ExitCode> {
     closbox_switchd::require_root("closbox record")?;
     let st = live::resolve(a.fabric)?;
-    let all: Vec<String> = match control::request(&st.fabric, &Request::Status)? {
+    let all: Vec<String> = match control::request(&st.fabric, &Request::Status { tcp: false })? {
         Reply::Status(s) => s.ports.iter().map(|p| p.port.clone()).collect(),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),

@@ -56,7 +56,7 @@ pub fn status(
             bail!("fabric {n} is not up{}", crate::live::file_named_like(&n));
         };
         let reply = if st.daemon_alive() {
-            control::request(&n, &Request::Status)
+            control::request(&n, &Request::Status { tcp: true })
                 .unwrap_or_else(|e| Reply::error(format!("{e:#}")))
         } else {
             Reply::error(format!(

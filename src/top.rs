@@ -47,7 +47,7 @@ struct View {
 }
 
 fn snapshot(fabric: &FabricName) -> anyhow::Result<Status> {
-    match control::request(fabric, &Request::Status)? {
+    match control::request(fabric, &Request::Status { tcp: false })? {
         Reply::Status(s) => Ok(*s),
         Reply::Error { message } => bail!("{message}"),
         other => bail!("unexpected reply from the daemon: {other:?}"),

@@ -48,7 +48,13 @@ pub struct Trigger {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
 pub enum Request {
-    Status,
+    /// `{"v":1,"cmd":"status"}`; `"tcp":true` also reads each GPU's TCP settings
+    /// (`Status::gpu_tcp`, empty without): ~60 µs a GPU (a status of 1,024 GPUs 111-118 ms
+    /// with them, 49-56 without), so what polls (`top`, a scenario's follower) leaves them.
+    Status {
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        tcp: bool,
+    },
     /// `{"v":1,"cmd":"change","change":"link-down","a":"leaf0","b":"spine1","index":null}`
     Change(ChangeRequest),
     /// `{"v":1,"cmd":"events"}`: the log of changes; `"after":N` only those numbered
@@ -312,7 +318,9 @@ pub fn serve(
                             _ => {}
                         }
                         let answer = match request {
-                            Ok(Request::Status) => status(state, ifindex, ctl, wake),
+                            Ok(Request::Status { tcp }) => {
+                                status(state, ifindex, ctl, wake, tcp)
+                            }
                             Ok(Request::Change(req)) => ask(ctl, wake, |tx| Ctl::Change(req, tx))
                                 .and_then(|r| r.map_err(|e| e.to_string()))
                                 .map_or_else(Reply::error, |events| Reply::Changed { events }),
@@ -703,7 +711,13 @@ fn ask<T>(
         .map_err(|_| "the data plane did not answer within 5 s".into())
 }
 
-fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &EventFd) -> Reply {
+fn status(
+    state: &State,
+    ifindex: &[u32],
+    ctl: &Mutex<Sender<Ctl>>,
+    wake: &EventFd,
+    tcp: bool,
+) -> Reply {
     let (tx, rx) = mpsc::channel();
     if ctl
         .lock()
@@ -718,7 +732,7 @@ fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &Event
         Ok(s) => s,
         Err(_) => return Reply::error("the data plane did not answer within 5 s"),
     };
-    add_kernel_drops(&mut s, &state.gpus, ifindex, true);
+    add_kernel_drops(&mut s, &state.gpus, ifindex, tcp);
     Reply::Status(Box::new(s))
 }
 
@@ -726,9 +740,10 @@ fn status(state: &State, ifindex: &[u32], ctl: &Mutex<Sender<Ctl>>, wake: &Event
 /// and `/metrics`): at their TUNs (`ifindex[i]`: GPU `i`'s), and at their sockets. Of the
 /// interfaces still there: a GPU's host may have deleted its own.
 ///
-/// With `tcp`, also the GPUs' TCP settings (`Status::gpu_tcp`): a status asks for them, a
-/// scrape does not (they cost ~60 µs a GPU to read, the walk to `/proc/sys/net/ipv4` in
-/// each namespace: a status of 1,024 GPUs took 111-118 ms with them, 49-56 without).
+/// With `tcp`, also the GPUs' TCP settings (`Status::gpu_tcp`): `closbox status` asks for
+/// them, a scrape and what polls do not (they cost ~60 µs a GPU to read, the walk to
+/// `/proc/sys/net/ipv4` in each namespace: a status of 1,024 GPUs took 111-118 ms with
+/// them, 49-56 without).
 pub(crate) fn add_kernel_drops(
     s: &mut Status,
     gpus: &[crate::state::GpuState],
@@ -957,11 +972,18 @@ mod tests {
     fn requests_carry_the_version_and_others_are_refused() {
         let line = serde_json::to_string(&Versioned {
             v: API_VERSION,
-            body: &Request::Status,
+            body: &Request::Status { tcp: false },
         })
         .unwrap();
         assert_eq!(line, r#"{"v":1,"cmd":"status"}"#);
-        assert_eq!(parse_request(&line).unwrap(), Request::Status);
+        assert_eq!(
+            parse_request(&line).unwrap(),
+            Request::Status { tcp: false }
+        );
+        assert_eq!(
+            parse_request(r#"{"v":1,"cmd":"status","tcp":true}"#).unwrap(),
+            Request::Status { tcp: true }
+        );
         // An unversioned (older) client, and a newer one.
         for old in [r#"{"cmd":"status"}"#, r#"{"v":2,"cmd":"status"}"#] {
             let e = parse_request(old).unwrap_err().to_string();
