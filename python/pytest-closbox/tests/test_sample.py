@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from pytest_closbox import ClosboxError
+from pytest_closbox.plugin import _numbered, _worker_name
 
 # 2 leaves x 2 GPUs under 2 spines, 1 Gbit/s links.
 SMALL = """
@@ -41,9 +42,17 @@ ALLREDUCE = textwrap.dedent(
 )
 
 
+def own(name: str, n: int = 1) -> str:
+    """The name the fixture gives the n-th fabric of a file named `name` up at once in this
+    process: under pytest-xdist (`pytest -n 2`) with the worker's id."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    base = _worker_name(name, worker) if worker else name
+    return base if n == 1 else _numbered(base, n)
+
+
 def test_every_gpu_is_a_host(closbox_fabric):
     fabric = closbox_fabric(toml=SMALL)
-    assert fabric.name == "pyt"
+    assert fabric.name == own("pyt")
     for gpu in ("gpu0", "gpu3"):
         r = fabric.exec(gpu, ["/usr/bin/python3", "-c", "import socket; print(socket.gethostname())"])
         assert r.returncode == 0, r.stderr
@@ -72,7 +81,10 @@ def test_one_file_up_twice_without_names_gets_a_free_name(closbox_fabric):
     sixteen = SMALL.replace('name = "pyt"', 'name = "pyt-sixteen-char"')
     c = closbox_fabric(toml=sixteen)
     d = closbox_fabric(toml=sixteen)
-    assert (a.name, b.name, c.name, d.name) == ("pyt", "pyt-2", "pyt-sixteen-char", "pyt-sixteen-ch-2")
+    assert (a.name, b.name, c.name, d.name) == (
+        own("pyt"), own("pyt", 2), own("pyt-sixteen-char"), own("pyt-sixteen-char", 2))
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        assert (b.name, d.name) == ("pyt-2", "pyt-sixteen-ch-2")
     for fabric in (a, b, d):
         assert fabric.status()["fabric"] == fabric.name
         r = fabric.exec("gpu0", ["ping", "-c", "1", "-W", "5", "gpu3"])
@@ -201,7 +213,7 @@ def test_a_topology_in_any_toml_spelling(closbox_fabric):
     toml = SMALL.replace('[fabric]\nname = "pyt"\n', "fabric = { name = 'pyt-inline' }\n")
     assert "pyt-inline" in toml
     fabric = closbox_fabric(toml=toml)
-    assert fabric.name == "pyt-inline"
+    assert fabric.name == own("pyt-inline")
     assert fabric.status()["gpus"] == 4
 
 
