@@ -672,14 +672,31 @@ fn pytest_plugin_sample_suite_passes() {
     // Under pytest-xdist (Debian's python3-pytest-xdist): two workers bring the suite's
     // files up at once, each under names with its id.
     let out = run(std::process::Command::new("/usr/bin/python3")
-        .args(["-m", "pytest", "pkg/tests", "-q", "-p", "no:cacheprovider", "-n", "2"])
+        .args([
+            "-m",
+            "pytest",
+            "pkg/tests",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+        ])
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
         out.contains("13 passed") && !out.contains("failed"),
         "{out}"
     );
-    for name in ["pyt", "pyt-a", "pyt-b", "pyt-gw0", "pyt-gw1", "pyt-gw7", "pyt-sixteen-gw12"] {
+    for name in [
+        "pyt",
+        "pyt-a",
+        "pyt-b",
+        "pyt-gw0",
+        "pyt-gw1",
+        "pyt-gw7",
+        "pyt-sixteen-gw12",
+    ] {
         assert!(
             common::leftovers(name).is_empty(),
             "{:?}",
