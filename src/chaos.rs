@@ -738,8 +738,16 @@ pub fn scenario_cmd(a: ScenarioArgs) -> anyhow::Result<ExitCode> {
     } else {
         Some(counts(&st.fabric)?)
     };
+    // Killed (SIGKILL: no Ctrl-C's cancel), a followed scenario is cancelled by its
+    // reaper, as Ctrl-C cancels it; a detached one runs on, as asked.
+    let mut reaper = (!detach)
+        .then(|| crate::reap::Reaper::start(&st.fabric))
+        .flatten();
     let mut started = timeline.start()?;
     let id = started.id;
+    if let Some(r) = &mut reaper {
+        r.tell(&format!("timeline {id}"));
+    }
     // How it ended and what the fabric did meanwhile: a last line, a JSON object with
     // --json.
     let report = |end: ChaosEnd| {

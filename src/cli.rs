@@ -427,9 +427,11 @@ pub(crate) enum Command {
     Reap {
         #[arg(long)]
         fabric: FabricName,
-        /// The `run` it stands in for (for what it says).
+        /// The process it stands in for, and its command (for what it says).
         #[arg(long)]
         job: u32,
+        #[arg(long, default_value = "run")]
+        command: String,
     },
     /// Run a chaos scenario file on a live fabric: changes at fabric times, repeated
     /// changes, seeded random faults of links, switches and GPUs (see the README). Prints

@@ -16,6 +16,7 @@ mod jobs;
 mod live;
 mod mpirun;
 mod plan;
+mod reap;
 mod record;
 mod render;
 mod run;
@@ -343,7 +344,11 @@ fn main() -> ExitCode {
             host,
             cmd,
         } => rsh(fabric.as_ref(), cpu_map.as_deref(), &host, &cmd),
-        Command::Reap { fabric, job } => run::reap(&fabric, job),
+        Command::Reap {
+            fabric,
+            job,
+            command,
+        } => reap::reap(&fabric, job, &command),
         Command::Chaos {
             file,
             dry_run,

@@ -165,7 +165,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     }
     // What stops the job if this process ends without doing so (SIGKILL): its ranks get
     // SIGTERM as their parent dies, but not what they started.
-    let mut reaper = Reaper::start(&st.fabric);
+    let mut reaper = crate::reap::Reaper::start(&st.fabric);
     let mut timeline = a.chaos.map(|t| t.start()).transpose()?;
     if let (Some(r), Some(t)) = (&mut reaper, &timeline) {
         r.tell(&format!("timeline {}", t.id()));
@@ -515,117 +515,6 @@ fn read_outputs(mut outputs: Vec<Output>, sink: Sink) -> std::thread::JoinHandle
             });
         }
     })
-}
-
-/// A `closbox reap` process that stops the job's ranks, what they started, and the rest
-/// of its scenario if this process ends without saying `end` (killed: a harness's
-/// SIGKILL). It reads what it is to stop on its standard input, so it sees this process
-/// end however it ends (the pipe's other end closes), in a process group of its own so
-/// that a Ctrl-C for the job does not end it first.
-struct Reaper {
-    child: Child,
-    tell: Option<std::process::ChildStdin>,
-}
-
-impl Reaper {
-    /// Best effort: a job runs as before without one (said in the debug log).
-    fn start(fabric: &closbox_switchd::state::FabricName) -> Option<Reaper> {
-        use std::os::unix::process::CommandExt;
-        let started = std::env::current_exe().and_then(|exe| {
-            Command::new(exe)
-                .args(["reap", "--fabric", fabric.as_str(), "--job"])
-                .arg(std::process::id().to_string())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::null())
-                .process_group(0)
-                .spawn()
-        });
-        match started {
-            Ok(mut child) => Some(Reaper {
-                tell: child.stdin.take(),
-                child,
-            }),
-            Err(e) => {
-                tracing::debug!("no reaper for the job: {e}");
-                None
-            }
-        }
-    }
-
-    fn tell(&mut self, line: &str) {
-        use std::io::Write;
-        if let Some(w) = &mut self.tell {
-            if writeln!(w, "{line}").is_err() {
-                self.tell = None;
-            }
-        }
-    }
-}
-
-impl Drop for Reaper {
-    /// The job ended here: the reaper ends without doing anything.
-    fn drop(&mut self) {
-        self.tell("end");
-        self.tell = None;
-        let _ = self.child.wait();
-    }
-}
-
-/// `closbox reap` (started by `run`, see `Reaper`): reads `session SID`, `timeline ID` and
-/// `end` lines; at the end of its input without `end`, cancels the timelines and stops
-/// the sessions' processes in the fabric's GPUs (the ranks, what they started there, and
-/// what they started in other GPUs through `closbox exec`: a launcher's remote daemons).
-pub fn reap(fabric: &closbox_switchd::state::FabricName, job: u32) -> anyhow::Result<ExitCode> {
-    use std::io::{BufRead, Write};
-    let mut sessions = std::collections::BTreeSet::new();
-    let mut timelines = Vec::new();
-    for line in std::io::stdin().lock().lines() {
-        let Ok(line) = line else { break };
-        match line.split_once(' ') {
-            _ if line == "end" => return Ok(ExitCode::SUCCESS),
-            Some(("session", g)) => sessions.extend(g.parse::<i32>().ok().filter(|g| *g > 1)),
-            Some(("timeline", t)) => timelines.extend(t.parse::<u64>().ok()),
-            _ => bail!("closbox reap: {line:?} is not `session SID`, `timeline ID` or `end`"),
-        }
-    }
-    let mut said = Vec::new();
-    for id in timelines {
-        let req = closbox_switchd::control::Request::Cancel { timeline: Some(id) };
-        if let Ok(closbox_switchd::control::Reply::Cancelled { .. }) =
-            closbox_switchd::control::request(fabric, &req)
-        {
-            said.push(format!(
-                "cancelled the rest of its scenario (timeline {id})"
-            ));
-        }
-    }
-    if let Some(st) = State::load(fabric).ok().flatten() {
-        let stopped =
-            closbox_switchd::state::kill_sessions_in_gpus(&st, sessions, Duration::from_secs(3));
-        if !stopped.stopped.is_empty() {
-            said.push(format!(
-                "stopped {} process(es) its ranks left in the GPUs: {:?}",
-                stopped.stopped.len(),
-                stopped.stopped
-            ));
-        }
-        if !stopped.survivors.is_empty() {
-            said.push(format!(
-                "{} process(es) did not exit after SIGKILL: {:?}",
-                stopped.survivors.len(),
-                stopped.survivors
-            ));
-        }
-    }
-    if !said.is_empty() {
-        // Its standard error may be a pipe nobody reads any more.
-        let _ = writeln!(
-            std::io::stderr(),
-            "closbox: run (pid {job}) on fabric {fabric} ended without stopping its job: {}",
-            said.join("; ")
-        );
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Stops every running rank and its children (SIGTERM to their process groups, SIGKILL

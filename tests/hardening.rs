@@ -576,7 +576,7 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
     let left = sleepers(&["3601", "3602"]);
     assert!(left.is_empty(), "left running: {left:?}\n{err}");
     assert!(
-        err.contains("ended without stopping its job")
+        err.contains("without stopping what it started")
             && err.contains("cancelled the rest of its scenario")
             // The sleepers, and the shells if their SIGTERM had not ended them yet.
             && err.contains("process(es) its ranks left in the GPUs"),
@@ -589,6 +589,29 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
         "exec", "-f", "lt-reap", "gpu0", "--", "ping", "-c", "1", "-W", "5", "gpu1",
     ]);
     assert!(out.status.success(), "{:?}", text(&out));
+    // A scenario followed in the foreground is cancelled when `chaos` is killed, as Ctrl-C
+    // cancels it (a detached one runs on, as asked).
+    let mut chaos = Command::new(env!("CARGO_BIN_EXE_closbox"))
+        .args(["chaos", "-f", "lt-reap", scenario.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let down = common::poll_until(
+        || text(&closbox(&["events", "lt-reap"])).0,
+        |ev| ev.matches("gpu1 down").count() == 2,
+    );
+    assert_eq!(down.matches("gpu1 down").count(), 2, "{down}");
+    chaos.kill().unwrap();
+    chaos.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut chaos.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        err.contains("`closbox chaos`") && err.contains("cancelled the rest of its scenario"),
+        "{err}"
+    );
+    let ev = text(&closbox_ok(&["events", "lt-reap"])).0;
+    assert_eq!(ev.matches("gpu1 up").count(), 2, "{ev}");
     // Open MPI's launcher puts its local rank in a process group of its own, and starts
     // the others through `closbox exec` in their GPUs: the job's session holds them all.
     let mut job = Command::new(env!("CARGO_BIN_EXE_closbox"))
@@ -613,7 +636,7 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
     std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut err).unwrap();
     let left = sleepers(&["3603"]);
     assert!(left.is_empty(), "left running: {left:?}\n{err}");
-    assert!(err.contains("ended without stopping its job"), "{err}");
+    assert!(err.contains("without stopping what it started"), "{err}");
     // A job that ends by itself leaves no reaper behind.
     closbox_ok(&["run", "-f", "lt-reap", "--", "true"]);
     let reapers: Vec<String> = std::fs::read_dir("/proc")
