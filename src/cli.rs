@@ -77,6 +77,10 @@ pub(crate) enum Command {
         /// nothing changes on a real-time fabric).
         #[arg(long)]
         fabric_clock: bool,
+        /// Stop the command after this many seconds, or 1.5m, 2h: SIGTERM to it and what
+        /// it started in its process group, SIGKILL 3 s later (exit 124, as `timeout(1)`).
+        #[arg(long, value_parser = seconds, allow_negative_numbers = true)]
+        timeout: Option<std::time::Duration>,
         /// The command and its arguments (after `--` if they could be taken for closbox's
         /// own options).
         #[arg(trailing_var_arg = true, required = true, value_name = "CMD")]

@@ -332,7 +332,15 @@ impl Fabric {
 
     /// Runs `cmd` in GPU `gpu` (a name or a rank) and waits for it.
     pub fn exec(&self, gpu: &str, cmd: &[&str]) -> anyhow::Result<Output> {
-        let mut args = vec!["exec", "--fabric", self.name(), gpu, "--"];
+        self.exec_with(&[], gpu, cmd)
+    }
+
+    /// As `exec`, with `closbox exec` options (`["--timeout", "30"]`: stopped with what it
+    /// started after 30 s, exit status 124; `["--fabric-clock"]`).
+    pub fn exec_with(&self, opts: &[&str], gpu: &str, cmd: &[&str]) -> anyhow::Result<Output> {
+        let mut args = vec!["exec", "--fabric", self.name()];
+        args.extend_from_slice(opts);
+        args.extend_from_slice(&[gpu, "--"]);
         args.extend_from_slice(cmd);
         self.closbox(&args).output().context("running closbox exec")
     }

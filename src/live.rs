@@ -537,13 +537,28 @@ pub(crate) fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
+/// How `exec` runs its command.
+#[derive(Debug, Default)]
+pub struct ExecOptions {
+    /// End (passing SIGTERM on) when the process that started `exec` exits.
+    pub die_with_parent: bool,
+    /// Fabric-time clocks for the command.
+    pub fabric_clock: bool,
+    /// Stop the command after this long (exit 124).
+    pub timeout: Option<Duration>,
+}
+
 pub fn exec(
     fabric: Option<&FabricName>,
     gpu: &str,
     cmd: &[String],
-    die_with_parent: bool,
-    fabric_clock: bool,
+    opts: ExecOptions,
 ) -> anyhow::Result<ExitCode> {
+    let ExecOptions {
+        die_with_parent,
+        fabric_clock,
+        timeout,
+    } = opts;
     closbox_switchd::require_root("closbox exec")?;
 
     let st = resolve(fabric)?;
@@ -587,8 +602,79 @@ pub fn exec(
         .spawn(&mut command)
         .map_err(|e| spawn_error(e, &cmd[0]))?;
     pid.store(child.id() as i32, Ordering::Release);
-    let status = child.wait()?;
-    Ok(ExitCode::from(exit_code(status)))
+    let Some(limit) = timeout else {
+        let status = child.wait()?;
+        return Ok(ExitCode::from(exit_code(status)));
+    };
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(ExitCode::from(exit_code(status)));
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10).min(deadline - Instant::now()));
+    }
+    // Its group (from a terminal: the command alone, in the terminal's group with closbox).
+    struct Timed<'a> {
+        child: &'a mut std::process::Child,
+        group: bool,
+    }
+    impl closbox_switchd::stop::Targets for Timed<'_> {
+        fn signal(&mut self, sig: libc::c_int) -> Vec<i32> {
+            let pid = self.child.id() as i32;
+            let running = self.running();
+            if !running.is_empty() {
+                let _ = sys::kill(if self.group { -pid } else { pid }, sig);
+            }
+            running
+        }
+
+        /// The command until it is reaped, and what it left in its group (zombies aside).
+        fn running(&mut self) -> Vec<i32> {
+            let pid = self.child.id() as i32;
+            let mut left = match self.child.try_wait() {
+                Ok(None) => vec![pid],
+                _ => Vec::new(),
+            };
+            if self.group {
+                left.extend(sys::group_members(pid).into_iter().filter(|p| *p != pid));
+            }
+            left
+        }
+    }
+    let stopped = closbox_switchd::stop::terminate(
+        &mut Timed {
+            child: &mut child,
+            group: !interactive,
+        },
+        Duration::from_secs(3),
+        Duration::from_secs(2),
+    );
+    let _ = child.try_wait();
+    eprintln!(
+        "closbox: {} in {}: timed out after {}; stopped ({})",
+        cmd[0],
+        g.name,
+        humantime_secs(limit),
+        if stopped.killed {
+            "SIGKILL after SIGTERM"
+        } else {
+            "SIGTERM"
+        }
+    );
+    Ok(ExitCode::from(124))
+}
+
+/// "90 s", "1.5 s": a wall time as `--timeout` took it.
+fn humantime_secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{s} s")
+    }
 }
 
 /// Parses a GPU selection: "all", ranks and ranges ("0-3,6"), or names ("gpu0,gpu5").

@@ -377,8 +377,18 @@ fn main() -> ExitCode {
             fabric,
             die_with_parent,
             fabric_clock,
+            timeout,
             cmd,
-        } => live::exec(fabric.as_ref(), &gpu, &cmd, die_with_parent, fabric_clock),
+        } => live::exec(
+            fabric.as_ref(),
+            &gpu,
+            &cmd,
+            live::ExecOptions {
+                die_with_parent,
+                fabric_clock,
+                timeout,
+            },
+        ),
         Command::Bench { ops, target, opts } => {
             run_bench(ops, &target, opts).map(|()| ExitCode::SUCCESS)
         }
@@ -548,8 +558,10 @@ fn rsh(
         fabric,
         host,
         &["sh".to_owned(), "-c".to_owned(), line],
-        true,
-        false,
+        live::ExecOptions {
+            die_with_parent: true,
+            ..Default::default()
+        },
     )
 }
 

@@ -67,6 +67,17 @@ fn fixture_brings_up_runs_reports_and_cleans_up() {
         )
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gpu0");
+    // A command that overstays its `--timeout` is stopped with what it started (124).
+    let out = f
+        .exec_with(
+            &["--timeout", "0.3"],
+            "gpu1",
+            &["sh", "-c", "sleep 3613 & sleep 3614; wait"],
+        )
+        .unwrap();
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let left = f.exec("gpu1", &["pgrep", "-f", "sleep 361[34]"]).unwrap();
+    assert_eq!(left.status.code(), Some(1), "{left:?}");
     // A TCP exchange across the spine, counted by the daemon.
     let mut server = f
         .spawn("gpu3", &["/usr/bin/python3", "-c", "import socket\ns=socket.create_server(('', 7000))\nc,_=s.accept()\nc.sendall(c.recv(100))"])
@@ -666,7 +677,7 @@ fn pytest_plugin_sample_suite_passes() {
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
-        out.contains("13 passed") && !out.contains("failed"),
+        out.contains("14 passed") && !out.contains("failed"),
         "{out}"
     );
     // Under pytest-xdist (Debian's python3-pytest-xdist): two workers bring the suite's
@@ -685,7 +696,7 @@ fn pytest_plugin_sample_suite_passes() {
         .env("CLOSBOX_BIN", env!("CARGO_BIN_EXE_closbox"))
         .env("PYTHONPATH", scratch.join("site")));
     assert!(
-        out.contains("13 passed") && !out.contains("failed"),
+        out.contains("14 passed") && !out.contains("failed"),
         "{out}"
     );
     for name in [

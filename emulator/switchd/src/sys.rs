@@ -807,6 +807,32 @@ impl EnterGpu {
     }
 }
 
+/// The processes of process group `pgid` that have not exited (zombies are not counted:
+/// they have, and only their parents' wait takes them away).
+pub fn group_members(pgid: i32) -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|st| stat_state_and_group(&st))
+                .is_some_and(|(state, group)| group == pgid && state != 'Z' && state != 'X')
+        })
+        .collect()
+}
+
+/// A `/proc/PID/stat` line's state and process group (after the command's closing
+/// parenthesis, which may itself contain spaces and parentheses).
+fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut f = rest.split_ascii_whitespace();
+    let state = f.next()?.chars().next()?;
+    let _ppid = f.next()?;
+    Some((state, f.next()?.parse().ok()?))
+}
+
 /// This process gets SIGTERM when its parent exits (or at once, if it already has).
 pub fn die_with_parent() -> io::Result<()> {
     let parent = process::getppid();
@@ -1007,6 +1033,21 @@ mod tests {
         // 20 ms of wall time spinning: some of it on a CPU, however busy the box.
         assert!(run1 > run0, "{run0} -> {run1}");
         assert!(run1 - run0 <= 1_000_000_000, "{run0} -> {run1}");
+    }
+
+    #[test]
+    fn a_stat_line_gives_state_and_group_whatever_the_command() {
+        assert_eq!(
+            stat_state_and_group("42 (sleep) S 1 42 42 0 -1 4194560 95 0"),
+            Some(('S', 42))
+        );
+        assert_eq!(
+            stat_state_and_group("43 (a) b) (c) Z 42 7 7 0"),
+            Some(('Z', 7))
+        );
+        assert_eq!(stat_state_and_group("44 (x"), None);
+        let me = rustix::process::getpgrp().as_raw_nonzero().get();
+        assert!(group_members(me).contains(&(std::process::id() as i32)));
     }
 
     #[test]

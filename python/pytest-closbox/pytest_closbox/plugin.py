@@ -89,9 +89,15 @@ class Fabric:
             raise ClosboxError(f"closbox {' '.join(args)}: {r.stderr.strip()}")
         return r
 
-    def exec(self, gpu: str, cmd: Sequence[str]) -> subprocess.CompletedProcess:
-        """Runs `cmd` in one GPU (a name or a rank) and waits for it."""
-        return self._closbox(["exec", "--fabric", self.name, str(gpu), "--", *cmd])
+    def exec(self, gpu: str, cmd: Sequence[str],
+             timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+        """Runs `cmd` in one GPU (a name or a rank) and waits for it; `timeout` (seconds):
+        closbox stops it and what it started after that long, returncode 124 (not
+        subprocess's own timeout, whose SIGKILL of closbox would leave them running)."""
+        args = ["exec", "--fabric", self.name]
+        if timeout is not None:
+            args += ["--timeout", str(timeout)]
+        return self._closbox([*args, str(gpu), "--", *cmd])
 
     def run(
         self,

@@ -59,6 +59,15 @@ def test_every_gpu_is_a_host(closbox_fabric):
         assert r.stdout.strip() == gpu
 
 
+def test_a_command_that_overstays_is_stopped_with_what_it_started(closbox_fabric):
+    fabric = closbox_fabric(toml=SMALL)
+    r = fabric.exec("gpu1", ["sh", "-c", "sleep 3611 & sleep 3612; wait"], timeout=0.5)
+    assert r.returncode == 124, r.stderr
+    assert "timed out after 0.5 s" in r.stderr
+    left = fabric.exec("gpu1", ["pgrep", "-f", "sleep 361[12]"])
+    assert left.returncode == 1, left.stdout
+
+
 def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
     a = closbox_fabric(toml=SMALL, name="pyt-a")
     # A name among `up`'s arguments is the fabric's name, as `name=` gives it.
