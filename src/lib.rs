@@ -346,7 +346,10 @@ impl Fabric {
     }
 
     /// Starts `cmd` in GPU `gpu` without waiting (a server, say); it ends at the latest
-    /// with the fabric. Its output is discarded.
+    /// with the fabric. Its output is discarded. To stop it earlier with what it started,
+    /// send the child SIGTERM (`closbox exec` passes it on to the command's process
+    /// group); `Child::kill` sends SIGKILL, after which the command gets SIGTERM but what
+    /// it started runs on until the fabric goes down.
     pub fn spawn(&self, gpu: &str, cmd: &[&str]) -> anyhow::Result<Child> {
         let mut args = vec!["exec", "--fabric", self.name(), gpu, "--"];
         args.extend_from_slice(cmd);
