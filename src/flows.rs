@@ -53,7 +53,7 @@ fn render(
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "fabric {fabric}, fabric time {:.6} s: {total} flow{}{}{} (heaviest first; counters since the fabric came up)",
+        "fabric {fabric}, fabric time {:.6} s: {total} flow{}{}{} (heaviest first; counters from each flow's first packet)",
         f.fabric_time_s,
         if total == 1 { "" } else { "s" },
         since.map_or(String::new(), |d| format!(" active in the last {d}")),
@@ -105,12 +105,13 @@ fn render(
             }
         );
     }
-    if f.untracked_packets > 0 {
+    if f.retired_flows > 0 {
         let _ = writeln!(
             o,
-            "({} packets of flows beyond the first {} not counted per flow)",
-            f.untracked_packets,
-            closbox_switchd::dataplane::MAX_FLOWS
+            "({} earlier flows ({} packets) no longer listed: beyond {} flows, those least recently active are let go)",
+            crate::plan::thousands(f.retired_flows),
+            crate::plan::thousands(f.retired_packets),
+            crate::plan::thousands(closbox_switchd::dataplane::MAX_FLOWS as u64)
         );
     }
     o

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use closbox_fabric::model::{DropReason, Fabric, PortCounters, Verdict};
+use closbox_fabric::model::{DropReason, Fabric, PortCounters, Retired, Verdict};
 use closbox_fabric::packet::{self, build_udp};
 use closbox_fabric::routing::PortId;
 use closbox_fabric::topology::HostId;
@@ -2073,16 +2073,15 @@ fn flows_count_what_each_5_tuple_sent_lost_and_had_marked() {
     let mut f = Fabric::new(&t);
     f.enable_flows(3);
     // Three flows of 3 ECT packets each, at once, into gpu0's port: it marks above 500
-    // bytes and drops beyond 2500. A fourth flow is beyond the limit: untracked.
+    // bytes and drops beyond 2500.
     for src in 1..=3u32 {
         for _ in 0..3 {
             let _ = send(&mut f, &t, 0, (src, 0), src as u16, 0b10, 1000);
         }
     }
-    let _ = send(&mut f, &t, 0, (1, 0), 99, 0b10, 1000);
     run(&mut f);
-    let (flows, untracked) = f.flows();
-    assert_eq!(untracked, 1);
+    let (flows, retired) = f.flows();
+    assert_eq!(retired, Retired::default());
     assert_eq!(flows.len(), 3);
     let pc = f.port_counters(Instant::from_nanos(1_000_000));
     let down = &pc[port(&t, &f, "sw0", "gpu0").0 as usize];
@@ -2090,12 +2089,70 @@ fn flows_count_what_each_5_tuple_sent_lost_and_had_marked() {
         assert_eq!(key.dport, 9000);
         assert_eq!((c.packets, c.bytes), (3, 3000), "{key:?}");
     }
-    // Every drop and mark at the port is some flow's (the untracked one's aside).
+    // Every drop and mark at the port is some flow's.
     let drops: u64 = flows.iter().map(|f| f.1.drops).sum();
     let marks: u64 = flows.iter().map(|f| f.1.ecn_marked).sum();
     assert!(down.drops.total() > 0 && down.ecn_marked > 0, "{down:?}");
-    assert!(drops <= down.drops.total() && drops + 1 >= down.drops.total());
-    assert!(marks <= down.ecn_marked && marks + 1 >= down.ecn_marked);
+    assert_eq!(drops, down.drops.total());
+    assert_eq!(marks, down.ecn_marked);
+}
+
+#[test]
+fn flows_beyond_the_limit_let_the_least_recently_active_go() {
+    let t = topo(SWITCH2);
+    let mut f = Fabric::new(&t);
+    f.enable_flows(4);
+    // Flows from ports 1-4 at 0-3 µs, port 1 again at 4 µs: port 2's is the idlest when
+    // port 5's comes at 5 µs and the table is full.
+    for (at, sport) in [
+        (0, 1),
+        (1_000, 2),
+        (2_000, 3),
+        (3_000, 4),
+        (4_000, 1),
+        (5_000, 5),
+    ] {
+        let _ = send(&mut f, &t, at, (1, 0), sport, 0, 200);
+    }
+    run(&mut f);
+    let (flows, retired) = f.flows();
+    assert_eq!(
+        retired,
+        Retired {
+            flows: 1,
+            packets: 1
+        }
+    );
+    let mut listed: Vec<(u16, u64)> = flows.iter().map(|(k, c)| (k.sport, c.packets)).collect();
+    listed.sort();
+    assert_eq!(listed, [(1, 2), (3, 1), (4, 1), (5, 1)]);
+    // Port 2's again: a flow of its own from now on; a quarter of 4 (one) goes again, the
+    // idlest now port 3's.
+    let _ = send(&mut f, &t, 100_000, (1, 0), 2, 0, 200);
+    run(&mut f);
+    let (flows, retired) = f.flows();
+    assert_eq!((retired.flows, retired.packets), (2, 2));
+    let mut listed: Vec<u16> = flows.iter().map(|(k, _)| k.sport).collect();
+    listed.sort();
+    assert_eq!(listed, [1, 2, 4, 5]);
+    // Many at once: the table never holds more than its limit, and every packet is in
+    // a listed flow or a retired one.
+    for i in 0..100u16 {
+        let _ = send(
+            &mut f,
+            &t,
+            1_000_000 + u64::from(i),
+            (1, 0),
+            100 + i,
+            0,
+            200,
+        );
+    }
+    run(&mut f);
+    let (flows, retired) = f.flows();
+    assert!(flows.len() <= 4);
+    let listed: u64 = flows.iter().map(|(_, c)| c.packets).sum();
+    assert_eq!(listed + retired.packets, 107);
 }
 
 // ---- Lossless fabrics (PFC, credits) ----

@@ -47,7 +47,7 @@ mod switches;
 
 pub use loads::LoadStatus;
 pub(crate) use observe::MixedKey;
-pub use observe::{FlowCounters, Tapped};
+pub use observe::{FlowCounters, Retired, Tapped};
 pub use ports::headroom_bytes;
 
 use forward::{ecmp_index, flow_key_mix, resilient_pick};
@@ -612,15 +612,16 @@ impl Fabric {
         };
         let flow = flow_key_mix(&headers.key);
         if let Some(f) = &mut self.flows {
-            let full = f.map.len() >= f.max;
             match f.map.get_mut(&flow) {
                 Some(e) => {
                     e.1.packets += 1;
                     e.1.bytes += headers.len as u64;
                     e.1.last = now;
                 }
-                None if full => f.untracked += 1,
                 None => {
+                    if f.map.len() >= f.max {
+                        f.retire_idlest();
+                    }
                     let c = FlowCounters {
                         packets: 1,
                         bytes: headers.len as u64,

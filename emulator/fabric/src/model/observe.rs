@@ -116,15 +116,53 @@ type FlowMap = std::collections::HashMap<
     std::hash::BuildHasherDefault<MixedKey>,
 >;
 
+/// Flows no longer counted one by one: let go, the least recently active first, to make
+/// room for new ones once `max` were counted (`Fabric::enable_flows`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Retired {
+    pub flows: u64,
+    /// Their packets while they were counted.
+    pub packets: u64,
+}
+
 /// Per-flow counters, keyed by the flow's (unseeded) 5-tuple hash.
 pub(super) struct Flows {
     pub(super) map: FlowMap,
     pub(super) max: usize,
-    /// Packets of flows beyond `max`.
-    pub(super) untracked: u64,
+    pub(super) retired: Retired,
 }
 
 impl Flows {
+    /// Makes room for new flows: lets the quarter of the flows least recently active go
+    /// (at least one), so that a long-lived fabric lists what runs now, not its first
+    /// `max` flows. One pass over the map, once every `max / 4` new flows.
+    pub(super) fn retire_idlest(&mut self) {
+        let n = self.map.len();
+        if n == 0 {
+            return;
+        }
+        let k = (n / 4).max(1);
+        let mut lasts: Vec<u64> = self.map.values().map(|e| e.1.last.as_nanos()).collect();
+        let (_, &mut cut, _) = lasts.select_nth_unstable(k - 1);
+        // Those last active before `cut` go, and as many as needed of those at `cut`.
+        let below = lasts.iter().filter(|&&l| l < cut).count();
+        let mut at_cut = k - below;
+        let retired = &mut self.retired;
+        self.map.retain(|_, e| {
+            let last = e.1.last.as_nanos();
+            let go = last < cut
+                || (last == cut && at_cut > 0 && {
+                    at_cut -= 1;
+                    true
+                });
+            if go {
+                retired.flows += 1;
+                retired.packets += e.1.packets;
+            }
+            !go
+        });
+    }
+
     #[inline]
     pub(super) fn drop(flows: &mut Option<Box<Flows>>, flow: u64) {
         if let Some(e) = flows.as_mut().and_then(|f| f.map.get_mut(&flow)) {
@@ -160,23 +198,23 @@ impl Fabric {
     }
 
     /// Counts packets, bytes, drops and ECN marks per flow (5-tuple) from now on, for up
-    /// to `max` flows (packets of more are counted as untracked).
+    /// to `max` flows at once (beyond, the least recently active are let go: `Retired`).
     pub fn enable_flows(&mut self, max: usize) {
         self.flows.get_or_insert_with(|| {
             Box::new(Flows {
                 map: FlowMap::default(),
-                max,
-                untracked: 0,
+                max: max.max(1),
+                retired: Retired::default(),
             })
         });
     }
 
-    /// Every flow seen since `enable_flows`, with its counters, and the packets of flows
-    /// beyond the limit.
-    pub fn flows(&self) -> (Vec<(FlowKey, FlowCounters)>, u64) {
+    /// Every flow counted since `enable_flows` and not let go since, with its counters,
+    /// and what was let go.
+    pub fn flows(&self) -> (Vec<(FlowKey, FlowCounters)>, Retired) {
         match &self.flows {
-            Some(f) => (f.map.values().copied().collect(), f.untracked),
-            None => (Vec::new(), 0),
+            Some(f) => (f.map.values().copied().collect(), f.retired),
+            None => (Vec::new(), Retired::default()),
         }
     }
 

@@ -11,7 +11,7 @@ use crate::histogram::Histogram;
 use crate::links::IfState;
 use crate::{chaos, sys};
 
-/// Most flows counted one by one (packets of more are counted as untracked).
+/// Most flows counted one by one at once (beyond, the least recently active are let go).
 pub const MAX_FLOWS: usize = 65_536;
 
 /// One flow (5-tuple) and what the fabric did with it, for `closbox flows`.
@@ -50,8 +50,12 @@ pub struct FlowInfo {
 pub struct Flows {
     pub fabric_time_s: f64,
     pub flows: Vec<FlowInfo>,
-    /// Packets of flows beyond `MAX_FLOWS`.
-    pub untracked_packets: u64,
+    /// Flows let go to make room for new ones beyond `MAX_FLOWS` (the least recently
+    /// active first), and their packets while counted.
+    #[serde(default)]
+    pub retired_flows: u64,
+    #[serde(default)]
+    pub retired_packets: u64,
 }
 
 /// Finished loads `status` still lists.
@@ -896,7 +900,7 @@ impl<P: Ports> DataPlane<P> {
     pub fn flows(&mut self) -> Flows {
         let now = self.fabric_now(self.ports.now());
         self.model.advance(now);
-        let (flows, untracked) = self.model.flows();
+        let (flows, retired) = self.model.flows();
         let h = self.topo.hosts.len() as u32;
         let vname = |v: u32| {
             if v < h {
@@ -962,7 +966,8 @@ impl<P: Ports> DataPlane<P> {
         Flows {
             fabric_time_s: now.as_nanos() as f64 / 1e9,
             flows: out,
-            untracked_packets: untracked,
+            retired_flows: retired.flows,
+            retired_packets: retired.packets,
         }
     }
 
