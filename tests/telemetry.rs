@@ -285,6 +285,40 @@ fn a_capture_of_an_incast_holds_what_the_port_sent_and_dropped() {
         .unwrap_or_else(|| panic!("no count in {all}"));
     assert!(rows == total && total > 7, "{all}");
     assert!(!all.contains("heaviest shown"), "{all}");
+    // The daemon cuts to `--top` itself (paths worked out for those only): the heaviest,
+    // and how many there were.
+    let all_json: serde_json::Value = serde_json::from_slice(
+        &closbox(&["flows", "--fabric", "lt-cap", "--top", "0", "--json"]).stdout,
+    )
+    .unwrap();
+    let three: serde_json::Value = serde_json::from_slice(
+        &closbox(&["flows", "--fabric", "lt-cap", "--top", "3", "--json"]).stdout,
+    )
+    .unwrap();
+    let bytes = |v: &serde_json::Value| -> Vec<u64> {
+        v["flows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["bytes"].as_u64().unwrap())
+            .collect()
+    };
+    let (every, top3) = (bytes(&all_json), bytes(&three));
+    assert_eq!(three["flows_total"].as_u64(), Some(total as u64), "{three}");
+    assert_eq!(top3.len(), 3);
+    // (The fabric still carries a few packets between the two looks: the heaviest
+    // three stay the heaviest three.)
+    assert!(top3.windows(2).all(|w| w[0] >= w[1]), "{top3:?}");
+    assert!(
+        every[3..].iter().all(|b| *b <= top3[2]),
+        "{top3:?} {every:?}"
+    );
+    assert!(
+        three["flows"][0]["path"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty()),
+        "{three}"
+    );
 
     let (tx, dropped) = after;
     let path = file.to_str().unwrap();

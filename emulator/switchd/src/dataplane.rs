@@ -175,8 +175,9 @@ pub enum Ctl {
     Capture(CaptureSpec, Sender<Result<CaptureStart, String>>),
     /// Ends a capture (its client went away).
     EndCapture(u64),
-    /// Per-flow counters and paths.
-    Flows(Sender<Flows>),
+    /// Per-flow counters and paths: the heaviest (0: all) of those active in the last
+    /// ns of fabric time (none: all).
+    Flows(usize, Option<u64>, Sender<Flows>),
     /// Starts sampling ports' queues and utilization at a fabric-time interval.
     Record(RecordSpec, Sender<Result<u64, String>>),
     /// Ends a recording (its client went away).
@@ -737,8 +738,8 @@ impl<P: Ports> DataPlane<P> {
                     self.captures.retain(|c| c.id != id);
                     self.retap();
                 }
-                Ctl::Flows(reply) => {
-                    let _ = reply.send(self.flows());
+                Ctl::Flows(top, since_ns, reply) => {
+                    let _ = reply.send(self.flows(top, since_ns));
                 }
                 Ctl::Record(spec, reply) => {
                     let _ = reply.send(self.start_recording(spec));

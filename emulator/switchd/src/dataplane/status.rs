@@ -50,6 +50,9 @@ pub struct FlowInfo {
 pub struct Flows {
     pub fabric_time_s: f64,
     pub flows: Vec<FlowInfo>,
+    /// How many flows there were before `top` cut them (those active in `since_ns`).
+    #[serde(default)]
+    pub flows_total: u64,
     /// Flows let go to make room for new ones beyond `MAX_FLOWS` (the least recently
     /// active first), and their packets while counted.
     #[serde(default)]
@@ -896,11 +899,28 @@ impl<P: Ports> DataPlane<P> {
         }
     }
 
-    /// Per-flow counters, heaviest first, with their paths as vertex names.
-    pub fn flows(&mut self) -> Flows {
+    /// Per-flow counters, heaviest first, with their paths as vertex names: the `top`
+    /// heaviest (0: all) of those active in the last `since_ns` of fabric time (none:
+    /// all). Sorted and cut before the paths, which cost the most.
+    pub fn flows(&mut self, top: usize, since_ns: Option<u64>) -> Flows {
         let now = self.fabric_now(self.ports.now());
         self.model.advance(now);
-        let (flows, retired) = self.model.flows();
+        let (mut flows, retired) = self.model.flows();
+        if let Some(d) = since_ns {
+            let from = now.as_nanos().saturating_sub(d);
+            flows.retain(|(_, c)| c.last.as_nanos() >= from);
+        }
+        // Heaviest first; ties by source, then the rest of the 5-tuple (a stable order).
+        flows.sort_unstable_by(|(ka, a), (kb, b)| {
+            b.bytes.cmp(&a.bytes).then_with(|| {
+                (ka.src, ka.sport, ka.dst, ka.dport, ka.proto)
+                    .cmp(&(kb.src, kb.sport, kb.dst, kb.dport, kb.proto))
+            })
+        });
+        let total = flows.len();
+        if top > 0 {
+            flows.truncate(top);
+        }
         let h = self.topo.hosts.len() as u32;
         let vname = |v: u32| {
             if v < h {
@@ -923,7 +943,7 @@ impl<P: Ports> DataPlane<P> {
                     self.topo.switches[i as usize].name.clone()
                 })
         };
-        let mut out: Vec<FlowInfo> = flows
+        let out: Vec<FlowInfo> = flows
             .into_iter()
             .map(|(k, c)| {
                 let hops = self.model.flow_path(&k).unwrap_or_default();
@@ -962,10 +982,10 @@ impl<P: Ports> DataPlane<P> {
                 }
             })
             .collect();
-        out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.src.cmp(&b.src)));
         Flows {
             fabric_time_s: now.as_nanos() as f64 / 1e9,
             flows: out,
+            flows_total: total as u64,
             retired_flows: retired.flows,
             retired_packets: retired.packets,
         }
