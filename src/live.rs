@@ -667,8 +667,8 @@ pub fn exec(
     Ok(ExitCode::from(124))
 }
 
-/// "90 s", "1.5 s": a wall time as `--timeout` took it.
-fn humantime_secs(d: Duration) -> String {
+/// "90 s", "1.5 s": a wall time as `--timeout` took it (`run`'s and `exec`'s).
+pub(crate) fn humantime_secs(d: Duration) -> String {
     let s = d.as_secs_f64();
     if s.fract() == 0.0 {
         format!("{s:.0} s")

@@ -337,8 +337,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         if a.timeout.is_some_and(|t| started.elapsed() > t) {
             if failure.is_none() {
                 failure = Some(format!(
-                    "timed out after {:.0} s",
-                    a.timeout.expect("checked").as_secs_f64()
+                    "timed out after {}",
+                    crate::live::humantime_secs(a.timeout.expect("checked"))
                 ));
                 code = 124;
             }

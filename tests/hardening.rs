@@ -503,21 +503,25 @@ fn a_fabric_goes_down_with_its_owner() {
     );
 }
 
-/// Pids of processes whose command line is `sleep SECS` (numbers no other test uses).
-fn sleepers(secs: &[&str]) -> Vec<u32> {
+/// Pids of processes whose command line's words (`/proc/PID/cmdline`) `pick` takes.
+fn pids_by_cmdline(pick: impl Fn(&[&[u8]]) -> bool) -> Vec<u32> {
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| {
             let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let words: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-            (words.len() >= 2
-                && words[0] == b"sleep"
-                && secs.iter().any(|s| words[1] == s.as_bytes()))
-            .then_some(pid)
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let words: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            pick(&words).then_some(pid)
         })
         .collect()
+}
+
+/// Pids of processes whose command line is `sleep SECS` (numbers no other test uses).
+fn sleepers(secs: &[&str]) -> Vec<u32> {
+    pids_by_cmdline(|w| {
+        w.len() >= 2 && w[0] == b"sleep" && secs.iter().any(|s| w[1] == s.as_bytes())
+    })
 }
 
 /// `closbox run` killed with SIGKILL (a harness's timeout) stops nothing itself: its ranks
@@ -639,13 +643,9 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
     assert!(err.contains("without stopping what it started"), "{err}");
     // A job that ends by itself leaves no reaper behind.
     closbox_ok(&["run", "-f", "lt-reap", "--", "true"]);
-    let reapers: Vec<String> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-        .filter(|c| c.contains("reap --fabric lt-reap"))
-        .collect();
+    let reapers = pids_by_cmdline(|w| {
+        w.len() >= 4 && w[1] == b"reap" && w[2] == b"--fabric" && w[3] == b"lt-reap"
+    });
     assert!(reapers.is_empty(), "{reapers:?}");
     closbox_ok(&["down", "lt-reap"]);
     assert!(
@@ -657,18 +657,8 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
 
 /// The pids of the daemons (`closbox up FILE --log-to …`) serving `cfg`.
 fn daemons_of(cfg: &Path) -> Vec<u32> {
-    let want = cfg.to_str().unwrap();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
-            let daemon = args.contains(&want.as_bytes()) && args.contains(&&b"--log-to"[..]);
-            daemon.then_some(pid)
-        })
-        .collect()
+    let want = cfg.to_str().unwrap().as_bytes();
+    pids_by_cmdline(|w| w.contains(&want) && w.contains(&&b"--log-to"[..]))
 }
 
 /// Takes a fabric down when a test ends, passed or failed.

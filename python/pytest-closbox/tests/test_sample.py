@@ -66,6 +66,8 @@ def test_a_command_that_overstays_is_stopped_with_what_it_started(closbox_fabric
     assert "timed out after 0.5 s" in r.stderr
     left = fabric.exec("gpu1", ["pgrep", "-f", "sleep 361[12]"])
     assert left.returncode == 1, left.stdout
+    job = fabric.run(["sleep", "3615"], gpus="0-1", timeout=0.5)
+    assert job.returncode == 124 and "timed out after 0.5 s" in job.stderr, job.stderr
 
 
 def test_one_file_up_twice_under_names_of_its_own(closbox_fabric):
