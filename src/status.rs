@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use closbox_fabric::TimeScale;
 use closbox_switchd::control::{self, Lateness, PortStatus, Reply, Request, Status};
-use closbox_switchd::dataplane::{holders, LoadInfo};
+use closbox_switchd::dataplane::{holders, LoadInfo, LoadsEarlier};
 use closbox_switchd::state::{self, FabricName, State};
 use serde::Serialize;
 
@@ -287,8 +287,9 @@ fn lateness(l: &Lateness, time_scale: TimeScale) -> String {
 }
 
 /// Every running load; of those done, the latest few (incasts and scenarios make
-/// hundreds), the earlier ones summed in one line (`status --json` lists each).
-fn render_loads(o: &mut String, loads: &[LoadInfo]) {
+/// hundreds), the earlier ones summed in one line with those the daemon summed already
+/// (`status --json` lists the last 20 done in `loads`, sums the rest in `loads_earlier`).
+fn render_loads(o: &mut String, loads: &[LoadInfo], summed: &LoadsEarlier) {
     use std::fmt::Write as _;
     let hidden = loads
         .iter()
@@ -296,14 +297,18 @@ fn render_loads(o: &mut String, loads: &[LoadInfo]) {
         .count()
         .saturating_sub(SHOWN_DONE_LOADS);
     let earlier = loads.iter().filter(|l| !l.active).take(hidden);
-    if hidden > 0 {
+    let count = hidden as u64 + summed.loads;
+    if count > 0 {
+        let dropped: u64 = summed.drops.iter().map(|d| d.1).sum();
         let _ = writeln!(
             o,
-            "  loads     {} done earlier: {} sent, {} delivered, {} dropped (`status --json` lists each)",
-            thousands(hidden as u64),
-            approx_bytes(earlier.clone().map(|l| l.sent_bytes).sum()),
-            approx_bytes(earlier.clone().map(|l| l.delivered_bytes).sum()),
-            thousands(earlier.flat_map(|l| &l.drops).map(|d| d.1).sum())
+            "  loads     {} done earlier: {} sent, {} delivered, {} dropped (`status --json`: `loads_earlier`)",
+            thousands(count),
+            approx_bytes(earlier.clone().map(|l| l.sent_bytes).sum::<u64>() + summed.sent_bytes),
+            approx_bytes(
+                earlier.clone().map(|l| l.delivered_bytes).sum::<u64>() + summed.delivered_bytes
+            ),
+            thousands(earlier.flat_map(|l| &l.drops).map(|d| d.1).sum::<u64>() + dropped)
         );
     }
     let mut done = 0;
@@ -696,7 +701,7 @@ fn render(st: &State, answer: &Answer, all_ports: bool, dead: &[Dead]) -> String
             sides.join(" | ")
         );
     }
-    render_loads(&mut o, &s.loads);
+    render_loads(&mut o, &s.loads, &s.loads_earlier);
     if s.events > 0 || s.pending_changes > 0 {
         let _ = writeln!(
             o,
@@ -963,7 +968,7 @@ mod tests {
         let mut loads: Vec<LoadInfo> = (1..=300).map(|id| load(id, false)).collect();
         loads[149].active = true;
         let mut o = String::new();
-        render_loads(&mut o, &loads);
+        render_loads(&mut o, &loads, &LoadsEarlier::default());
         let lines: Vec<&str> = o.lines().collect();
         assert_eq!(lines.len(), 1 + 1 + SHOWN_DONE_LOADS, "{o}");
         assert!(
@@ -973,6 +978,23 @@ mod tests {
             "{}",
             lines[0]
         );
+        // With 5,000 the daemon summed before (the model lets go of them).
+        let summed = LoadsEarlier {
+            loads: 5_000,
+            sent_bytes: 5_000_000,
+            delivered_bytes: 4_000_000,
+            ecn_marked: 0,
+            drops: vec![("buffer_full".into(), 700), ("link_down".into(), 18)],
+        };
+        let mut with = String::new();
+        render_loads(&mut with, &loads, &summed);
+        assert!(
+            with.starts_with(
+                "  loads     5,291 done earlier: 5.0 MiB sent, 4.1 MiB delivered, 1,300 dropped"
+            ),
+            "{with}"
+        );
+        assert_eq!(with.lines().skip(1).collect::<Vec<_>>(), lines[1..]);
         assert!(lines[1].starts_with("  load 150 ") && !lines[1].contains("(done)"));
         let shown: Vec<&str> = lines[2..].iter().map(|l| &l[7..11]).collect();
         assert_eq!(
@@ -982,7 +1004,7 @@ mod tests {
 
         // Few loads: each has its line.
         let mut o = String::new();
-        render_loads(&mut o, &loads[292..]);
+        render_loads(&mut o, &loads[292..], &LoadsEarlier::default());
         assert_eq!(o.lines().count(), SHOWN_DONE_LOADS);
         assert!(!o.contains("earlier"));
     }

@@ -605,6 +605,43 @@ buffer = "256KiB"
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(text(&out).0.contains("load 4 stopped"));
     assert_eq!(f.status()["loads"][3]["active"], false);
+
+    // A fabric up for long: of 94 loads done, `status` lists the last 20 and sums the
+    // others, every byte counted once (the model lets go of all but the last 64).
+    let sent = |l: &serde_json::Value| l["sent_bytes"].as_u64().unwrap();
+    let before: u64 = f.status()["loads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(sent)
+        .sum();
+    for _ in 0..30 {
+        let out = run(&["incast", "gpu0", "--bytes", "3000"]);
+        assert!(out.status.success(), "{:?}", text(&out));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let st = f.status();
+    let (listed, earlier) = (st["loads"].as_array().unwrap(), &st["loads_earlier"]);
+    assert_eq!(listed.len(), 20, "{st}");
+    assert_eq!(earlier["loads"], 74, "{earlier}");
+    assert_eq!(listed[19]["id"], 94);
+    assert_eq!(
+        listed.iter().map(sent).sum::<u64>() + sent(earlier),
+        before + 90 * 3000,
+        "{earlier}"
+    );
+    let out = run(&["status"]);
+    assert!(
+        text(&out).0.contains("loads     86 done earlier: "),
+        "{:?}",
+        text(&out)
+    );
+    let out = run(&["load", "--stop", "1"]);
+    assert!(
+        text(&out).1.contains("load 1 is not running any more"),
+        "{:?}",
+        text(&out)
+    );
     f.down();
 }
 

@@ -55,6 +55,18 @@ pub struct LoadCounters {
     pub ecn_marked: u64,
 }
 
+impl LoadCounters {
+    /// Adds `o`'s counts to these.
+    pub fn add(&mut self, o: &LoadCounters) {
+        self.sent_packets += o.sent_packets;
+        self.sent_bytes += o.sent_bytes;
+        self.delivered_packets += o.delivered_packets;
+        self.delivered_bytes += o.delivered_bytes;
+        self.drops.add_all(&o.drops);
+        self.ecn_marked += o.ecn_marked;
+    }
+}
+
 /// A load's clock: when its next packet leaves.
 #[derive(Debug)]
 pub(crate) struct Generator {

@@ -1888,6 +1888,110 @@ fn a_load_spreads_over_equal_cost_paths_and_takes_its_share_of_each_link() {
     assert_eq!(f.totals(Instant::from_nanos(10_000_000)).sent, 0);
 }
 
+/// A fabric up for weeks of scenarios and incasts: beyond the last `KEPT_DONE_LOADS`
+/// done, loads are summed and let go (their state and index reused), never while their
+/// packets are still in the fabric, and every packet is still counted once.
+#[test]
+fn loads_done_long_ago_are_summed_and_let_go() {
+    use closbox_fabric::model::KEPT_DONE_LOADS;
+    let small = FOUR_SPINES.replace(
+        "latency = \"0ns\"\n",
+        "latency = \"0ns\"\nbuffer = \"20KB\"\n",
+    );
+    let t = parse(&small, "f.toml").unwrap();
+    let mut f = Fabric::new(&t);
+    let burst = |bytes| Pattern::Bursts {
+        bytes,
+        every: Duration::from_nanos(1_000_000),
+        count: 1,
+    };
+    let (mut expected, mut now) = (0u64, Instant::ZERO);
+    let ends = [
+        "gpu0", "gpu1", "gpu2", "gpu3", "leaf0", "leaf1", "spine0", "spine3",
+    ];
+    for round in 0..40u32 {
+        // Eight loads at once toward GPUs and switches, 10–30 frames each: they meet in
+        // 20 KB queues and some frames are dropped.
+        for k in 0..8u32 {
+            let id = round * 8 + k;
+            let (from, to) = (
+                ends[k as usize],
+                ends[(k as usize + 3 + round as usize) % 8],
+            );
+            let from = if from == to { "spine1" } else { from };
+            let frames = 10 + (id * 7) % 21;
+            expected += frames as u64;
+            assert!(f.apply(
+                now,
+                load(&t, id, from, to, 1.0, burst(frames as u64 * 1000))
+            ));
+        }
+        // A long one stopped while its frames are queued, a link down under some.
+        let long = 10_000 + round;
+        assert!(f.apply(now, load(&t, long, "gpu0", "gpu3", 1.0, Pattern::Steady)));
+        let later = now + Duration::from_nanos(50_000);
+        f.advance(later);
+        assert!(f.apply(later, Change::StopLoad(long)));
+        if round % 10 == 3 {
+            let l = link_between(&t, &f, "leaf0", "spine0");
+            assert!(f.apply(later, Change::LinkDown(l)));
+            f.advance(later + Duration::from_nanos(20_000));
+            assert!(f.apply(later + Duration::from_nanos(20_000), Change::LinkUp(l)));
+        }
+        now = later + Duration::from_nanos(400_000);
+        f.advance(now);
+        // What `loads` lists stays bounded while earlier ones retire.
+        let listed = f.loads();
+        assert!(
+            listed.iter().filter(|l| !l.active).count() <= KEPT_DONE_LOADS + 9,
+            "round {round}: {} listed",
+            listed.len()
+        );
+    }
+    run(&mut f);
+    let listed = f.loads();
+    let retired = f.retired_loads();
+    assert!(listed.iter().all(|l| !l.active));
+    assert_eq!(listed.len(), KEPT_DONE_LOADS);
+    assert_eq!(retired.loads as usize + listed.len(), 40 * 9);
+    // The latest, in the order they started.
+    let ids: Vec<u32> = listed.iter().map(|l| l.spec.id).collect();
+    assert!(
+        listed.windows(2).all(|w| w[0].started <= w[1].started),
+        "{ids:?}"
+    );
+    assert!(
+        ids.contains(&(10_000 + 39)) && ids.contains(&(39 * 8 + 7)),
+        "{ids:?}"
+    );
+    // Every packet counted once: sent = delivered + dropped, summed over all loads.
+    let mut sum = retired.counters;
+    for l in &listed {
+        sum.add(&l.counters);
+    }
+    assert_eq!(
+        sum.sent_packets,
+        sum.delivered_packets + sum.drops.total(),
+        "{sum:?}"
+    );
+    assert!(sum.drops.get(DropReason::BufferFull) > 0, "{sum:?}");
+    assert!(sum.drops.get(DropReason::LinkDown) > 0, "{sum:?}");
+    // The bursts' frames exactly; the long loads' 50 µs at 1 Gbit/s each.
+    let long: u64 = 40 * 7;
+    assert!(
+        (expected + long - 40..=expected + long + 40).contains(&sum.sent_packets),
+        "{} sent, {expected} in bursts",
+        sum.sent_packets
+    );
+    // Their state is reused: no more than ever were at once (9 running, 64 kept, and
+    // those whose packets were still queued when they could have gone).
+    assert!(
+        f.load_states() < 9 + KEPT_DONE_LOADS + 20,
+        "{}",
+        f.load_states()
+    );
+}
+
 #[test]
 fn gpu_traffic_shares_a_link_with_a_load() {
     let t = topo(SWITCH2);

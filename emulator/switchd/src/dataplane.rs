@@ -40,7 +40,8 @@ pub use layers::{holders, HOST};
 use status::CpuSample;
 pub use status::{
     behind_advice, steal_remedy, stolen, CpuUse, DirectionStatus, FlowInfo, Flows, GpuTcp,
-    LateCause, Lateness, LinkStatus, LoadInfo, PortStatus, Status, TimelineStatus, MAX_FLOWS,
+    LateCause, Lateness, LinkStatus, LoadInfo, LoadsEarlier, PortStatus, Status, TimelineStatus,
+    MAX_FLOWS,
 };
 use telemetry::{Capture, Recording};
 pub use telemetry::{

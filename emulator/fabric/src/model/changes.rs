@@ -94,31 +94,51 @@ impl Fabric {
                     spec.packet > 0 && spec.rate.bps() > 0,
                     "a load sends something"
                 );
-                if self.loads.iter().any(|l| l.gen.spec.id == spec.id) {
+                if self
+                    .loads
+                    .iter()
+                    .any(|l| !l.retired && l.gen.spec.id == spec.id)
+                {
                     return false;
                 }
-                let i = self.loads.len();
                 let rng = Rng::new(self.seed, 2 << 40 | spec.id as u64);
                 let mut st = LoadState {
                     gen: Generator::new(spec, now, rng),
                     active: true,
                     counters: LoadCounters::default(),
                     toward: Vec::new(),
+                    held: 0,
+                    retired: false,
                 };
                 st.toward = self.toward(st.gen.spec.to);
-                self.loads.push(st);
+                let i = match self.free_loads.pop() {
+                    Some(i) => {
+                        self.loads[i as usize] = st;
+                        i as usize
+                    }
+                    None => {
+                        self.loads.push(st);
+                        self.loads.len() - 1
+                    }
+                };
                 self.events
                     .push(Reverse(pack(now, (self.ports.len() + i) as u32)));
             }
             Change::StopLoad(id) => {
-                let Some(st) = self.loads.iter_mut().find(|l| l.gen.spec.id == id) else {
+                let Some(i) = self
+                    .loads
+                    .iter()
+                    .position(|l| !l.retired && l.gen.spec.id == id)
+                else {
                     return false;
                 };
+                let st = &mut self.loads[i];
                 if !st.active {
                     return false;
                 }
                 st.active = false;
                 st.gen.next = None;
+                self.load_done(i);
             }
             Change::ResetLink(link) => {
                 for p in ports(link) {

@@ -28,23 +28,88 @@ pub(super) struct LoadState {
     /// Toward a switch: per vertex, the ports on a shortest path (routing tables hold
     /// only GPU destinations). Empty toward a GPU.
     pub(super) toward: Vec<Vec<PortId>>,
+    /// Its packets the fabric holds (in slots): a load done and holding none can be
+    /// retired.
+    pub(super) held: u32,
+    /// Retired (`Fabric::retire_loads`): its counters are in `RetiredLoads`, and its
+    /// index is free for the next load that starts.
+    pub(super) retired: bool,
+}
+
+/// Finished loads the model keeps one by one; beyond them the oldest are summed into
+/// `RetiredLoads` and their state let go, so that a fabric up for weeks of scenarios and
+/// incasts holds what runs now (a load toward a switch holds a route per vertex: ~13 KB
+/// on `superpod-su`).
+pub const KEPT_DONE_LOADS: usize = 64;
+
+/// Loads let go after they finished, beyond the last `KEPT_DONE_LOADS`: how many, and
+/// their counters summed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RetiredLoads {
+    pub loads: u64,
+    pub counters: LoadCounters,
 }
 
 /// Mixed with a load's index: its flow key in a NIC's flow queues.
 pub(super) const LOAD_FLOW: u64 = 0x6c6f_6164_0000_0000;
 
 impl Fabric {
-    /// Every load started, in order, with its counters.
+    /// Every load running, and the last `KEPT_DONE_LOADS` done, in the order they
+    /// started, with their counters (the others: `retired_loads`).
     pub fn loads(&self) -> Vec<LoadStatus> {
-        self.loads
+        let mut out: Vec<LoadStatus> = self
+            .loads
             .iter()
+            .filter(|l| !l.retired)
             .map(|l| LoadStatus {
                 spec: l.gen.spec.clone(),
                 started: l.gen.started,
                 active: l.active,
                 counters: l.counters,
             })
-            .collect()
+            .collect();
+        // Indices are reused, so their order is not the loads'.
+        out.sort_by_key(|l| (l.started, l.spec.id));
+        out
+    }
+
+    /// How many loads' states the fabric holds (running, kept, and retired ones whose
+    /// index is free): bounded by the most that ran and were kept at once.
+    pub fn load_states(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// Loads done earlier than the last `KEPT_DONE_LOADS`, summed.
+    pub fn retired_loads(&self) -> RetiredLoads {
+        self.retired_loads
+    }
+
+    /// Load `i` is done (ended, or stopped): the oldest done beyond the last
+    /// `KEPT_DONE_LOADS` that hold no packet any more are retired.
+    pub(super) fn load_done(&mut self, i: usize) {
+        self.done_loads.push_back(i as u32);
+        let mut excess = self.done_loads.len().saturating_sub(KEPT_DONE_LOADS);
+        if excess == 0 {
+            return;
+        }
+        let (loads, retired, free) = (
+            &mut self.loads,
+            &mut self.retired_loads,
+            &mut self.free_loads,
+        );
+        self.done_loads.retain(|&i| {
+            let st = &mut loads[i as usize];
+            if excess == 0 || st.held > 0 {
+                return true;
+            }
+            excess -= 1;
+            retired.loads += 1;
+            retired.counters.add(&st.counters);
+            st.retired = true;
+            st.toward = Vec::new();
+            free.push(i);
+            false
+        });
     }
 
     /// Loads that ended on their own since the last call (not those stopped), each with
@@ -57,7 +122,11 @@ impl Fabric {
     /// now (split evenly at every equal-cost branch): what it takes from each link, for
     /// predictions. Empty for an unknown id.
     pub fn load_shares(&self, id: u32) -> Vec<(PortId, f64)> {
-        let Some(st) = self.loads.iter().find(|l| l.gen.spec.id == id) else {
+        let Some(st) = self
+            .loads
+            .iter()
+            .find(|l| !l.retired && l.gen.spec.id == id)
+        else {
             return Vec::new();
         };
         let n = self.hosts as usize + self.topo.switches.len();
@@ -126,6 +195,17 @@ impl Fabric {
                 self.ended_loads.push((st.gen.spec.id, t));
             }
         }
+        let ended = !st.active;
+        self.send_load_packet(t, i, len, wire_bits);
+        if ended {
+            // After its last packet is held: a load holding packets stays.
+            self.load_done(i);
+        }
+    }
+
+    /// Load `i`'s packet of `len` bytes leaves at `t`.
+    fn send_load_packet(&mut self, t: Instant, i: usize, len: u32, wire_bits: u64) {
+        let st = &mut self.loads[i];
         st.counters.sent_packets += 1;
         st.counters.sent_bytes += len as u64;
         let (from, to) = (st.gen.spec.from, st.gen.spec.to);

@@ -45,7 +45,7 @@ mod observe;
 mod ports;
 mod switches;
 
-pub use loads::LoadStatus;
+pub use loads::{LoadStatus, RetiredLoads, KEPT_DONE_LOADS};
 pub(crate) use observe::MixedKey;
 pub use observe::{FlowCounters, Retired, Tapped};
 pub use ports::headroom_bytes;
@@ -132,6 +132,12 @@ impl Drops {
 
     pub(crate) fn add(&mut self, r: DropReason) {
         self.0[r as usize] += 1;
+    }
+
+    pub(crate) fn add_all(&mut self, o: &Drops) {
+        for (a, b) in self.0.iter_mut().zip(o.0) {
+            *a += b;
+        }
     }
 }
 
@@ -432,9 +438,14 @@ pub struct Fabric {
     degraded: bool,
     /// Group of each GPU while a partition holds.
     partition: Option<Vec<u16>>,
-    /// Synthetic loads, in the order they started (their index is their generator's
-    /// event key above the ports').
+    /// Synthetic loads (their index is their generator's event key above the ports');
+    /// a retired load's index is reused (`free_loads`).
     loads: Vec<LoadState>,
+    /// Indices of the loads done and not retired, in the order they were done.
+    done_loads: VecDeque<u32>,
+    /// Indices of retired loads, for the next loads to start.
+    free_loads: Vec<u32>,
+    retired_loads: RetiredLoads,
     /// Loads that ended on their own (their last packet left), with when: for the
     /// event log (`take_ended_loads`).
     ended_loads: Vec<(u32, Instant)>,
@@ -569,6 +580,9 @@ impl Fabric {
             degraded: false,
             partition: None,
             loads: Vec::new(),
+            done_loads: VecDeque::new(),
+            free_loads: Vec::new(),
+            retired_loads: RetiredLoads::default(),
             ended_loads: Vec::new(),
             load_in_transit: 0,
             seed,
@@ -686,6 +700,9 @@ impl Fabric {
     }
 
     fn hold(&mut self, pkt: InFlight) -> u32 {
+        if pkt.load != NO_LOAD {
+            self.loads[pkt.load as usize].held += 1;
+        }
         match self.free.pop() {
             Some(s) => {
                 // A free slot holds `None`: nothing to drop, so the old value is forgotten
@@ -894,6 +911,9 @@ impl Fabric {
         self.free.push(slot);
         let pkt = self.slots[slot as usize].take().expect("live slot");
         self.memory_used -= charge(&pkt.data);
+        if pkt.load != NO_LOAD {
+            self.loads[pkt.load as usize].held -= 1;
+        }
         pkt
     }
 

@@ -305,12 +305,9 @@ impl<P: Ports> DataPlane<P> {
         per_fabric_s / self.time_scale.get()
     }
 
-    /// Refuses loads that, with those running and those scheduled, could generate more than
-    /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
-    fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
-        let running = self.model.loads().into_iter().filter(|l| l.active);
-        let scheduled = self
-            .scheduled
+    /// The loads scenarios will start (their ids are given as they are scheduled).
+    fn scheduled_loads(&self) -> impl Iterator<Item = &closbox_fabric::load::LoadSpec> {
+        self.scheduled
             .values()
             .map(|(step, _)| step)
             .chain(
@@ -322,7 +319,14 @@ impl<P: Ports> DataPlane<P> {
             .filter_map(|c| match c {
                 Change::StartLoad(spec) => Some(spec),
                 _ => None,
-            });
+            })
+    }
+
+    /// Refuses loads that, with those running and those scheduled, could generate more than
+    /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
+    fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
+        let running = self.model.loads().into_iter().filter(|l| l.active);
+        let scheduled = self.scheduled_loads();
         let mut added = 0.0;
         for c in new {
             if let Change::StartLoad(spec) = c {
@@ -736,7 +740,16 @@ impl<P: Ports> DataPlane<P> {
         let running = self.running_loads();
         let stop = match id {
             Some(id) if running.contains(&id) => vec![id],
-            Some(id) if loads.iter().any(|l| l.spec.id == id) => {
+            Some(id) if self.scheduled_loads().any(|s| s.id == id) => {
+                return Err(format!(
+                    "load {id} has not started yet: its scenario starts it later (`closbox cancel` ends the scenario)"
+                ))
+            }
+            // Loads done long ago are summed and let go (`Fabric::retired_loads`); ids
+            // are given in order.
+            Some(id)
+                if loads.iter().any(|l| l.spec.id == id) || (1..self.next_load).contains(&id) =>
+            {
                 return Err(format!("load {id} is not running any more"))
             }
             Some(id) => {

@@ -207,9 +207,13 @@ pub struct Status {
     pub events: u64,
     /// While a partition holds: the GPUs of each side.
     pub partition: Vec<Vec<String>>,
-    /// Synthetic loads (`closbox load`, `closbox incast`), running or done.
+    /// Synthetic loads (`closbox load`, `closbox incast`): every one running, and the
+    /// last `MAX_DONE_LOADS` done.
     #[serde(default)]
     pub loads: Vec<LoadInfo>,
+    /// The loads done before those, summed.
+    #[serde(default)]
+    pub loads_earlier: LoadsEarlier,
     /// Changes scheduled and not applied yet (flaps, scenarios).
     #[serde(default)]
     pub pending_changes: usize,
@@ -325,6 +329,18 @@ pub struct LoadInfo {
     pub drops: Vec<(String, u64)>,
     /// Share of its packets crossing each port (port index, share), as routed now.
     pub port_shares: Vec<(u32, f64)>,
+}
+
+/// Loads done before those `Status::loads` lists, summed (a fabric up for long makes
+/// thousands: scenarios and incasts start a load per source).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadsEarlier {
+    pub loads: u64,
+    pub sent_bytes: u64,
+    pub delivered_bytes: u64,
+    pub ecn_marked: u64,
+    /// Drops by reason (only reasons with drops).
+    pub drops: Vec<(String, u64)>,
 }
 
 /// One egress port's counters.
@@ -754,7 +770,7 @@ impl<P: Ports> DataPlane<P> {
             p.rate_bps = self.model.link_of(id).rate.bps();
             p.up = !changed.iter().any(|l| l.link == link && !l.up);
         }
-        let loads = self.load_info();
+        let (loads, loads_earlier) = self.load_info();
         let (tun_writers, writes_handed_off) = self.ports.writers();
         let lateness_recent = Lateness::of(&self.recent_lateness(wall));
         Status {
@@ -820,6 +836,7 @@ impl<P: Ports> DataPlane<P> {
                 out
             }),
             loads,
+            loads_earlier,
             pending_changes: self.scheduled.len()
                 + self.armed.iter().map(|a| a.steps()).sum::<usize>(),
             timelines: {
@@ -991,7 +1008,9 @@ impl<P: Ports> DataPlane<P> {
         }
     }
 
-    fn load_info(&self) -> Vec<LoadInfo> {
+    /// Every load running and the last `MAX_DONE_LOADS` done; the loads done before
+    /// them (those the model retired too), summed.
+    fn load_info(&self) -> (Vec<LoadInfo>, LoadsEarlier) {
         let vname = |v: u32| {
             let h = self.topo.hosts.len() as u32;
             if v < h {
@@ -1000,8 +1019,35 @@ impl<P: Ports> DataPlane<P> {
                 self.topo.switches[(v - h) as usize].name.clone()
             }
         };
-        self.model
-            .loads()
+        let retired = self.model.retired_loads();
+        let mut earlier = retired.counters;
+        let mut earlier_loads = retired.loads;
+        let mut loads = self.model.loads();
+        let mut done = loads.iter().filter(|l| !l.active).count();
+        loads.retain(|l| {
+            if l.active || done <= MAX_DONE_LOADS {
+                return true;
+            }
+            done -= 1;
+            earlier_loads += 1;
+            earlier.add(&l.counters);
+            false
+        });
+        let drops = |c: &closbox_fabric::load::LoadCounters| {
+            DropReason::ALL
+                .iter()
+                .filter(|r| c.drops.get(**r) > 0)
+                .map(|r| (r.name().to_owned(), c.drops.get(*r)))
+                .collect::<Vec<_>>()
+        };
+        let summed = LoadsEarlier {
+            loads: earlier_loads,
+            sent_bytes: earlier.sent_bytes,
+            delivered_bytes: earlier.delivered_bytes,
+            ecn_marked: earlier.ecn_marked,
+            drops: drops(&earlier),
+        };
+        let listed = loads
             .into_iter()
             .map(|l| {
                 use closbox_fabric::load::Pattern;
@@ -1041,11 +1087,7 @@ impl<P: Ports> DataPlane<P> {
                     sent_bytes: c.sent_bytes,
                     delivered_bytes: c.delivered_bytes,
                     ecn_marked: c.ecn_marked,
-                    drops: DropReason::ALL
-                        .iter()
-                        .filter(|r| c.drops.get(**r) > 0)
-                        .map(|r| (r.name().to_owned(), c.drops.get(*r)))
-                        .collect(),
+                    drops: drops(&c),
                     port_shares: if l.active {
                         self.model
                             .load_shares(l.spec.id)
@@ -1057,18 +1099,7 @@ impl<P: Ports> DataPlane<P> {
                     },
                 }
             })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .scan(0usize, |done, l| {
-                // Every running load, and the last few finished ones.
-                *done += usize::from(!l.active);
-                Some((*done <= MAX_DONE_LOADS || l.active).then_some(l))
-            })
-            .flatten()
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect()
+            .collect();
+        (listed, summed)
     }
 }
