@@ -305,19 +305,20 @@ impl<P: Ports> DataPlane<P> {
         per_fabric_s / self.time_scale.get()
     }
 
-    /// The loads scenarios will start (their ids are given as they are scheduled).
-    fn scheduled_loads(&self) -> impl Iterator<Item = &closbox_fabric::load::LoadSpec> {
+    /// The loads scenarios will start (their ids are given as they are scheduled), each
+    /// with its timeline.
+    fn scheduled_loads(&self) -> impl Iterator<Item = (&closbox_fabric::load::LoadSpec, u64)> {
         self.scheduled
             .values()
-            .map(|(step, _)| step)
+            .map(|(step, t)| (step, *t))
             .chain(
                 self.armed
                     .iter()
-                    .flat_map(|a| a.plan.steps.iter().map(|(_, s)| s)),
+                    .flat_map(|a| a.plan.steps.iter().map(move |(_, s)| (s, a.id))),
             )
-            .flat_map(|step| &step.changes)
-            .filter_map(|c| match c {
-                Change::StartLoad(spec) => Some(spec),
+            .flat_map(|(step, t)| step.changes.iter().map(move |c| (c, t)))
+            .filter_map(|(c, t)| match c {
+                Change::StartLoad(spec) => Some((spec, t)),
                 _ => None,
             })
     }
@@ -326,7 +327,7 @@ impl<P: Ports> DataPlane<P> {
     /// `MAX_LOAD_PACKETS_PER_WALL_S` at once (counted as if all sent together).
     fn loads_within_budget<'a>(&self, new: impl Iterator<Item = &'a Change>) -> Result<(), String> {
         let running = self.model.loads().into_iter().filter(|l| l.active);
-        let scheduled = self.scheduled_loads();
+        let scheduled = self.scheduled_loads().map(|(spec, _)| spec);
         let mut added = 0.0;
         for c in new {
             if let Change::StartLoad(spec) = c {
@@ -740,10 +741,14 @@ impl<P: Ports> DataPlane<P> {
         let running = self.running_loads();
         let stop = match id {
             Some(id) if running.contains(&id) => vec![id],
-            Some(id) if self.scheduled_loads().any(|s| s.id == id) => {
+            Some(id) if self.scheduled_loads().any(|(s, _)| s.id == id) => {
+                let (_, timeline) = self
+                    .scheduled_loads()
+                    .find(|(s, _)| s.id == id)
+                    .expect("scheduled");
                 return Err(format!(
-                    "load {id} has not started yet: its scenario starts it later (`closbox cancel` ends the scenario)"
-                ))
+                    "load {id} has not started yet: its scenario starts it later (`closbox cancel {timeline}` ends the scenario)"
+                ));
             }
             // Loads done long ago are summed and let go (`Fabric::retired_loads`); ids
             // are given in order.
