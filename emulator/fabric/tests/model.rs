@@ -2230,8 +2230,8 @@ fn flows_beyond_the_limit_let_the_least_recently_active_go() {
     let mut listed: Vec<(u16, u64)> = flows.iter().map(|(k, c)| (k.sport, c.packets)).collect();
     listed.sort();
     assert_eq!(listed, [(1, 2), (3, 1), (4, 1), (5, 1)]);
-    // Port 2's again: a flow of its own from now on; a quarter of 4 (one) goes again, the
-    // idlest now port 3's.
+    // Port 2's again: a flow of its own from now on; one goes again, the idlest now port
+    // 3's (port 1's, active since it was passed over, is passed over again).
     let _ = send(&mut f, &t, 100_000, (1, 0), 2, 0, 200);
     run(&mut f);
     let (flows, retired) = f.flows();

@@ -633,9 +633,6 @@ impl Fabric {
                     e.1.last = now;
                 }
                 None => {
-                    if f.map.len() >= f.max {
-                        f.retire_idlest();
-                    }
                     let c = FlowCounters {
                         packets: 1,
                         bytes: headers.len as u64,
@@ -643,7 +640,7 @@ impl Fabric {
                         last: now,
                         ..FlowCounters::default()
                     };
-                    f.map.insert(flow, (headers.key, c));
+                    f.insert(flow, headers.key, c);
                 }
             }
         }
