@@ -8,6 +8,19 @@ use std::time::Duration;
 use anyhow::bail;
 use closbox_switchd::state::{FabricName, State};
 
+/// The environment variable that marks a job's processes: every rank gets a token of
+/// its job's, and what the ranks start inherits it, also in sessions of their own (where
+/// the reaper's sessions do not reach) and through `closbox exec` in other GPUs.
+pub(crate) const JOB_ENV: &str = "CLOSBOX_JOB";
+
+/// A token for this process's job: its pid and the time, unique on the box.
+pub(crate) fn job_token() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{}.{}", std::process::id(), now.as_nanos())
+}
+
 /// The closbox command this process runs (`run`, `mpirun`, `chaos`, …), for what the
 /// reaper says.
 fn command_name() -> String {
@@ -73,21 +86,30 @@ impl Drop for Reaper {
     }
 }
 
-/// `closbox reap` (started by `run` and `chaos`, see `Reaper`): reads `session SID`, `timeline ID` and
-/// `end` lines; at the end of its input without `end`, cancels the timelines and stops
-/// the sessions' processes in the fabric's GPUs (the ranks, what they started there, and
-/// what they started in other GPUs through `closbox exec`: a launcher's remote daemons).
+/// `closbox reap` (started by `run` and `chaos`, see `Reaper`): reads `session SID`, `job
+/// TOKEN`, `timeline ID` and `end` lines; at the end of its input without `end`, cancels
+/// the timelines and stops the job's processes in the fabric's GPUs: those of the ranks'
+/// sessions (the ranks, what they started there, and what they started in other GPUs
+/// through `closbox exec`: a launcher's remote daemons) and those started with the job's
+/// token in their environment (what left its session: daemons, torchrun's workers).
 pub fn reap(fabric: &FabricName, job: u32, command: &str) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, Write};
-    let mut sessions = std::collections::BTreeSet::new();
+    let mut job_marks = closbox_switchd::state::JobMarks::default();
     let mut timelines = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         match line.split_once(' ') {
             _ if line == "end" => return Ok(ExitCode::SUCCESS),
-            Some(("session", g)) => sessions.extend(g.parse::<i32>().ok().filter(|g| *g > 1)),
+            Some(("session", g)) => job_marks
+                .sessions
+                .extend(g.parse::<i32>().ok().filter(|g| *g > 1)),
+            Some(("job", token)) if !token.is_empty() => {
+                job_marks.env = Some(format!("{JOB_ENV}={token}").into_bytes());
+            }
             Some(("timeline", t)) => timelines.extend(t.parse::<u64>().ok()),
-            _ => bail!("closbox reap: {line:?} is not `session SID`, `timeline ID` or `end`"),
+            _ => bail!(
+                "closbox reap: {line:?} is not `session SID`, `job TOKEN`, `timeline ID` or `end`"
+            ),
         }
     }
     let mut said = Vec::new();
@@ -103,7 +125,7 @@ pub fn reap(fabric: &FabricName, job: u32, command: &str) -> anyhow::Result<Exit
     }
     if let Some(st) = State::load(fabric).ok().flatten() {
         let stopped =
-            closbox_switchd::state::kill_sessions_in_gpus(&st, sessions, Duration::from_secs(3));
+            closbox_switchd::state::kill_job_in_gpus(&st, job_marks, Duration::from_secs(3));
         if !stopped.stopped.is_empty() {
             said.push(format!(
                 "stopped {} process(es) its ranks left in the GPUs: {:?}",

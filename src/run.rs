@@ -166,6 +166,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     // What stops the job if this process ends without doing so (SIGKILL): its ranks get
     // SIGTERM as their parent dies, but not what they started.
     let mut reaper = crate::reap::Reaper::start(&st.fabric);
+    let job_token = crate::reap::job_token();
+    if let Some(r) = &mut reaper {
+        r.tell(&format!("job {job_token}"));
+    }
     let mut timeline = a.chaos.map(|t| t.start()).transpose()?;
     if let (Some(r), Some(t)) = (&mut reaper, &timeline) {
         r.tell(&format!("timeline {}", t.id()));
@@ -213,6 +217,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 .env("MASTER_PORT", master_port.to_string())
                 .env("CLOSBOX_PEERS", peer_names.join(","))
                 .env("CLOSBOX_NODES", node_list.join(","))
+                .env(crate::reap::JOB_ENV, &job_token)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             let (reader, writer) = stdin_pipe.take().unzip();

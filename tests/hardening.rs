@@ -562,7 +562,9 @@ fn a_killed_run_leaves_nothing_running_in_its_gpus() {
             "--chaos",
             scenario.to_str().unwrap(),
         ])
-        .args(["--", "sh", "-c", "sleep 3601 & sleep 3602; wait"])
+        // A sleeper in a session of its own too, as a server that daemonizes leaves
+        // its session (and torchrun 2's workers): the job's environment marks it.
+        .args(["--", "sh", "-c", "setsid sleep 3601 & sleep 3602; wait"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()

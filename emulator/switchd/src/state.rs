@@ -550,16 +550,43 @@ fn netns_id(path: &Path, nsfs_dev: u64) -> Option<(u64, u64)> {
 }
 
 /// The processes whose network namespace is one of a fabric's (identified by device and
-/// inode), and, if `sessions` is given, whose session is one of those.
+/// inode), and, if `job` is given, that are the job's.
 struct InNamespaces {
     targets: BTreeSet<(u64, u64)>,
-    sessions: Option<BTreeSet<i32>>,
+    job: Option<JobMarks>,
+}
+
+/// What tells a job's processes (`kill_job_in_gpus`): their session is one of its ranks',
+/// or they were started with its `CLOSBOX_JOB` in their environment.
+#[derive(Debug, Default)]
+pub struct JobMarks {
+    pub sessions: BTreeSet<i32>,
+    /// `CLOSBOX_JOB=<token>`, as the environment's entry reads.
+    pub env: Option<Vec<u8>>,
+}
+
+impl JobMarks {
+    fn marks(&self, pid: i32) -> bool {
+        let in_session = rustix::process::Pid::from_raw(pid)
+            .and_then(|p| rustix::process::getsid(Some(p)).ok())
+            .is_some_and(|s| self.sessions.contains(&s.as_raw_nonzero().get()));
+        in_session
+            || self.env.as_ref().is_some_and(|entry| {
+                // The environment it was started with (what it set since is not there).
+                fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|&b| b == 0).any(|e| e == entry.as_slice()))
+            })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.sessions.is_empty() && self.env.is_none()
+    }
 }
 
 impl InNamespaces {
     /// The namespaces of `state`'s GPUs that exist; never the host's own (this process's
     /// or init's). None if there are none.
-    fn of(state: &State, sessions: Option<BTreeSet<i32>>) -> Option<InNamespaces> {
+    fn of(state: &State, job: Option<JobMarks>) -> Option<InNamespaces> {
         let nsfs = fs::metadata("/proc/self/ns/net").ok()?;
         let host = (nsfs.dev(), nsfs.ino());
         let init = fs::metadata("/proc/1/ns/net")
@@ -571,7 +598,7 @@ impl InNamespaces {
             .filter_map(|g| netns_id(&g.netns_path(), nsfs.dev()))
             .filter(|id| *id != host && Some(*id) != init)
             .collect();
-        (!targets.is_empty()).then_some(InNamespaces { targets, sessions })
+        (!targets.is_empty()).then_some(InNamespaces { targets, job })
     }
 
     /// Pids (other than this process) that are targets. A zombie is not: its namespaces
@@ -590,12 +617,7 @@ impl InNamespaces {
         // /proc/PID/ns/net is a magic link: stat (not lstat) gives the namespace's identity.
         let inside = fs::metadata(format!("/proc/{pid}/ns/net"))
             .is_ok_and(|m| self.targets.contains(&(m.dev(), m.ino())));
-        inside
-            && self.sessions.as_ref().is_none_or(|sessions| {
-                rustix::process::Pid::from_raw(pid)
-                    .and_then(|p| rustix::process::getsid(Some(p)).ok())
-                    .is_some_and(|s| sessions.contains(&s.as_raw_nonzero().get()))
-            })
+        inside && self.job.as_ref().is_none_or(|job| job.marks(pid))
     }
 }
 
@@ -639,14 +661,16 @@ pub fn kill_gpu_processes(state: &State, grace: Duration) -> Stopped {
     stopped
 }
 
-/// Stops the processes in the fabric's GPUs whose session is one of `sessions` (a job's
-/// ranks, each the leader of its own, and what they started), as `kill_gpu_processes`
-/// does. A session's number reused on the host is never reached.
-pub fn kill_sessions_in_gpus(state: &State, sessions: BTreeSet<i32>, grace: Duration) -> Stopped {
-    if sessions.is_empty() {
+/// Stops the processes in the fabric's GPUs that are a job's (`JobMarks`: the ranks, each
+/// the leader of its own session, what they started, and what left its session but kept
+/// the job's environment, as a server that daemonizes or torchrun's workers in sessions
+/// of their own), as `kill_gpu_processes` does. A session's number reused on the host is
+/// never reached.
+pub fn kill_job_in_gpus(state: &State, job: JobMarks, grace: Duration) -> Stopped {
+    if job.is_empty() {
         return Stopped::default();
     }
-    match InNamespaces::of(state, Some(sessions)) {
+    match InNamespaces::of(state, Some(job)) {
         Some(mut targets) => terminate(&mut targets, grace, KILL_WAIT),
         None => Stopped::default(),
     }
