@@ -666,6 +666,68 @@ fn a_timeline_is_checked_whole_and_can_be_cancelled() {
     assert_eq!(e, "no load is running");
 }
 
+/// `load --stop ID` says what became of a load: running (stopped), one a scenario starts
+/// later (which timeline), one done (also once the model has let it go), one never
+/// given.
+#[test]
+fn stopping_a_load_says_what_became_of_it() {
+    let (mut dp, _t) = plane(LS);
+    let load = |for_ns| ChangeRequest::Load {
+        from: "leaf0".into(),
+        to: "leaf1".into(),
+        rate_bps: 1_000_000,
+        packet_bytes: None,
+        for_ns,
+        on_ns: None,
+        off_ns: None,
+    };
+    let s = 1_000_000_000;
+    // Load 1 runs; load 2 starts in a second, in timeline 1.
+    dp.change(&load(None)).unwrap();
+    let (timeline, _) = dp.schedule(&[(s, load(Some(s)))]).unwrap();
+    let stop =
+        |dp: &mut DataPlane<MemPorts>, id| dp.change(&ChangeRequest::LoadStop { id: Some(id) });
+    assert_eq!(
+        stop(&mut dp, 2).unwrap_err(),
+        format!(
+            "load 2 has not started yet: its scenario starts it later (`closbox cancel {timeline}` ends the scenario)"
+        )
+    );
+    assert!(stop(&mut dp, 1).is_ok());
+    assert_eq!(
+        stop(&mut dp, 1).unwrap_err(),
+        "load 1 is not running any more"
+    );
+    assert_eq!(
+        stop(&mut dp, 7).unwrap_err(),
+        "no load 7; no load is running"
+    );
+    // Beyond the loads the model keeps once done, the first is let go and still known.
+    dp.cancel(None);
+    use closbox_fabric::model::KEPT_DONE_LOADS;
+    for i in 0..KEPT_DONE_LOADS as u64 + 1 {
+        // Time for what it sent to leave the fabric (a load holding packets stays).
+        step_to(&mut dp, StdDuration::from_millis(i + 1));
+        dp.change(&load(None)).unwrap();
+        dp.change(&ChangeRequest::LoadStop { id: None }).unwrap();
+    }
+    assert!(
+        !dp.model.loads().iter().any(|l| l.spec.id == 1),
+        "let go by the model"
+    );
+    let st = dp.status();
+    assert!(st.loads.iter().all(|l| l.id > 3), "{:?}", st.loads);
+    // Load 1 and those 65 (load 2 never started), 20 of them listed.
+    assert_eq!(
+        st.loads_earlier.loads as usize,
+        1 + KEPT_DONE_LOADS + 1 - 20
+    );
+    assert_eq!(
+        stop(&mut dp, 1).unwrap_err(),
+        "load 1 is not running any more"
+    );
+}
+
 /// `reset` undoes everything at once, as one event that says what it took, and forgets
 /// what was set by hand; a second one has nothing to undo.
 #[test]
