@@ -2079,7 +2079,10 @@ fn incast_bursts_fill_the_port_buffer_and_are_dropped_and_marked() {
     // Each ended when the last packet of its second burst left: 10 ms, then 199 frames
     // of 1038 bytes at 1 Gbit/s (8.304 us each).
     let last = Instant::from_nanos(10_000_000 + 199 * 8_304);
-    assert_eq!(f.take_ended_loads(), [(0, last), (1, last), (2, last)]);
+    assert_eq!(
+        f.take_ended_loads(),
+        [(0, last, 400_000), (1, last, 400_000), (2, last, 400_000)]
+    );
     assert_eq!(f.take_ended_loads(), [], "taken once");
 }
 

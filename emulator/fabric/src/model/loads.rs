@@ -113,8 +113,9 @@ impl Fabric {
     }
 
     /// Loads that ended on their own since the last call (not those stopped), each with
-    /// its last packet's departure, in the order they ended.
-    pub fn take_ended_loads(&mut self) -> Vec<(u32, Instant)> {
+    /// its last packet's departure and the bytes it sent, in the order they ended (a
+    /// load may be let go before this is called: `KEPT_DONE_LOADS`).
+    pub fn take_ended_loads(&mut self) -> Vec<(u32, Instant, u64)> {
         std::mem::take(&mut self.ended_loads)
     }
 
@@ -190,14 +191,14 @@ impl Fabric {
         st.gen.sent(t, len, wire_bits);
         match st.gen.next {
             Some(n) => self.events.push(Reverse(pack(n, key))),
-            None => {
-                st.active = false;
-                self.ended_loads.push((st.gen.spec.id, t));
-            }
+            None => st.active = false,
         }
         let ended = !st.active;
         self.send_load_packet(t, i, len, wire_bits);
         if ended {
+            let st = &self.loads[i];
+            let sent = st.counters.sent_bytes;
+            self.ended_loads.push((st.gen.spec.id, t, sent));
             // After its last packet is held: a load holding packets stays.
             self.load_done(i);
         }

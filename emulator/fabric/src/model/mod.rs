@@ -446,9 +446,9 @@ pub struct Fabric {
     /// Indices of retired loads, for the next loads to start.
     free_loads: Vec<u32>,
     retired_loads: RetiredLoads,
-    /// Loads that ended on their own (their last packet left), with when: for the
-    /// event log (`take_ended_loads`).
-    ended_loads: Vec<(u32, Instant)>,
+    /// Loads that ended on their own (their last packet left), with when and what they
+    /// sent: for the event log (`take_ended_loads`).
+    ended_loads: Vec<(u32, Instant, u64)>,
     /// Of `in_transit`, synthetic packets.
     load_in_transit: u64,
     seed: u64,

@@ -793,18 +793,13 @@ impl<P: Ports> DataPlane<P> {
         let ended = self.model.take_ended_loads();
         if !ended.is_empty() && !self.broken.is_empty() {
             for b in self.broken.values_mut() {
-                b.loads.retain(|id| !ended.iter().any(|(e, _)| e == id));
+                b.loads.retain(|id| !ended.iter().any(|(e, _, _)| e == id));
             }
             self.broken.retain(|_, b| !b.done());
             self.timelines_ended();
         }
         if !ended.is_empty() {
-            let loads = self.model.loads();
-            for (id, at) in ended {
-                let sent = loads
-                    .iter()
-                    .find(|l| l.spec.id == id)
-                    .map_or(0, |l| l.counters.sent_bytes);
+            for (id, at, sent) in ended {
                 let ago = self.time_scale.to_wall(now.saturating_since(at));
                 let sent = closbox_fabric::units::approx_bytes(sent);
                 let timeline = self.load_timelines.remove(&id);
