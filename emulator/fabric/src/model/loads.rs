@@ -31,7 +31,7 @@ pub(super) struct LoadState {
     /// Its packets the fabric holds (in slots): a load done and holding none can be
     /// retired.
     pub(super) held: u32,
-    /// Retired (`Fabric::retire_loads`): its counters are in `RetiredLoads`, and its
+    /// Retired (`Fabric::load_done`): its counters are in `RetiredLoads`, and its
     /// index is free for the next load that starts.
     pub(super) retired: bool,
 }
