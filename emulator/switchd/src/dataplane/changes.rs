@@ -739,13 +739,17 @@ impl<P: Ports> DataPlane<P> {
     fn stop_loads(&mut self, id: Option<u32>) -> Result<Vec<Event>, String> {
         let loads = self.model.loads();
         let running = self.running_loads();
+        // The timeline of a scenario that starts it later.
+        let later = id.and_then(|id| {
+            self.scheduled_loads()
+                .find(|(s, _)| s.id == id)
+                .map(|(_, t)| t)
+        });
         let stop = match id {
             Some(id) if running.contains(&id) => vec![id],
-            Some(id) if self.scheduled_loads().any(|(s, _)| s.id == id) => {
-                let (_, timeline) = self
-                    .scheduled_loads()
-                    .find(|(s, _)| s.id == id)
-                    .expect("scheduled");
+            // (`if let` guards need Rust 1.88; the MSRV is 1.85.)
+            Some(id) if later.is_some() => {
+                let timeline = later.expect("scheduled");
                 return Err(format!(
                     "load {id} has not started yet: its scenario starts it later (`closbox cancel {timeline}` ends the scenario)"
                 ));
